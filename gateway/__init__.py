@@ -1,0 +1,1 @@
+"""splitserve gRPC gateway (torch-free). Built by the gRPC services issue."""

@@ -1,0 +1,1 @@
+"""Triton kernels for the paged KV cache. Built by the Triton kernels issue."""

@@ -1,0 +1,1 @@
+"""Workers: the engine (model, paged KV cache, scheduler) and the processes that run it."""

@@ -1,0 +1,73 @@
+"""Incremental detokenizer with stop strings.
+
+Text is released only when it ends on a whole character (no broken multi-byte sequences), and,
+while stop strings are active, the last len(longest stop) - 1 characters are held back, so the
+concatenation of streamed deltas is exactly the final text.
+"""
+
+from __future__ import annotations
+
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.model.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self.text = ""  # decoded so far (possibly cut at a stop string)
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self._sent = 0
+        self._stopped = False
+
+    def add_tokens(self, token_ids: list[int]) -> str | None:
+        """Decode new tokens; returns the stop string that matched, if any."""
+        if self._stopped:
+            return None
+        for token_id in token_ids:
+            self.token_ids.append(token_id)
+            before = len(self.text)
+            self.text += self._decode_step(final=False)
+            matched = self._find_stop(before)
+            if matched is not None:
+                self._stopped = True
+                return matched
+        return None
+
+    def flush(self) -> None:
+        """At the end of the request, release what waited for more bytes."""
+        if not self._stopped:
+            self.text += self._decode_step(final=True)
+
+    def take_delta(self, finished: bool) -> str:
+        """New text to stream; holds back a possible stop-string prefix until finished."""
+        limit = len(self.text) if finished or self._stopped else max(self._sent, len(self.text) - self.hold_back)
+        delta = self.text[self._sent : limit]
+        self._sent = limit
+        return delta
+
+    def _decode_step(self, final: bool) -> str:
+        ids = self.token_ids
+        prefix = self._decode(ids[self._prefix_offset : self._read_offset])
+        full = self._decode(ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
+        return full[len(prefix) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+    def _find_stop(self, previous_len: int) -> str | None:
+        for stop in self.stop:
+            start = max(0, previous_len - len(stop) + 1)
+            index = self.text.find(stop, start)
+            if index != -1:
+                self.text = self.text[: index + len(stop) if self.include_stop else index]
+                return stop
+        return None

@@ -1,0 +1,183 @@
+"""The engine: validate and add requests, then step (schedule -> forward -> sample -> update).
+
+Lifecycle of a request (unified mode): waiting -> running -> finished (preempted -> waiting).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from splitserve.services.config import EngineConfig, RuntimeInfo
+from splitserve.services.engine.detokenizer import IncrementalDetokenizer
+from splitserve.services.engine.model_runner import ModelRunner
+from splitserve.services.engine.request import FinishReason, Request, RequestId, RequestStatus
+from splitserve.services.engine.sampler import Sampler, TokenLogprobs
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.engine.scheduler import Scheduler
+from splitserve.services.kv_cache.manager import KVCacheManager
+from splitserve.services.model.loader import open_model
+from splitserve.services.model.tokenizer import Tokenizer
+
+PromptInput = str | Sequence[int]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: new tokens and text since the last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class _Tracked:
+    """Engine-side companions of a request: its detokenizer and timestamps."""
+
+    __slots__ = ("detokenizer", "arrival", "first_scheduled", "first_token")
+
+    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
+        self.detokenizer = detokenizer
+        self.arrival = time.monotonic()
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
+        self.config = config
+        source = open_model(config.model)
+        self.tokenizer: Tokenizer = source.tokenizer
+        max_model_len = min(config.max_model_len or source.arch.max_position_embeddings,
+                            source.arch.max_position_embeddings)
+        self.runner = ModelRunner(config, source, max_model_len)
+        self.runtime = RuntimeInfo(
+            num_kv_blocks=self.runner.num_blocks, block_size=config.cache.block_size,
+            max_model_len=max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
+        )
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.runtime, self.kv)
+        self.sampler = Sampler(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: PromptInput) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; send at least one character or token")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def make_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
+                     priority: int = 0) -> Request:
+        """Validate a request without touching engine state (safe from any thread)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self.tokenize(prompt)
+        self._validate_tokens(token_ids)
+        rt = self.runtime
+        max_tokens = params.max_tokens or rt.max_model_len - len(token_ids)
+        if len(token_ids) + max_tokens > rt.max_model_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                             f"model context of {rt.max_model_len} tokens; lower max_tokens or shorten the prompt")
+        if len(token_ids) + max_tokens > rt.kv_capacity_tokens:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) can never fit the KV "
+                             f"cache of {rt.kv_capacity_tokens} tokens; lower max_tokens or raise --kv-cache-bytes")
+        rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
+        return Request(rid, token_ids, params, max_tokens=max_tokens, eos_token_ids=rt.eos_token_ids,
+                       block_size=rt.block_size, priority=priority)
+
+    def _validate_tokens(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty; send at least one character or token")
+        if len(token_ids) >= self.runtime.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but the model context is "
+                             f"{self.runtime.max_model_len}; shorten the prompt")
+        vocab = self.runner.arch.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+
+    def add_request(self, prompt: PromptInput | Request, params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0) -> str:
+        request = prompt if isinstance(prompt, Request) else self.make_request(
+            prompt, params or SamplingParams(), request_id, priority)
+        self.scheduler.add_request(request)
+        self._tracked[request.request_id] = _Tracked(IncrementalDetokenizer(self.tokenizer, request.sampling_params))
+        return request.request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its KV blocks. False if it is unknown or already done."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self._forget(request_id)
+        return request is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        now = time.monotonic()
+        for s in out.scheduled:
+            tracked = self._tracked[s.request.request_id]
+            tracked.first_scheduled = tracked.first_scheduled or now
+        batch = self.runner.prepare(out)
+        logits = self.runner.forward(batch)
+        result = self.sampler.sample(logits, [s.request for s in batch.sampling])
+        sampled = {s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids)}
+        logprobs = {s.request.request_id: lp for s, lp in zip(batch.sampling, result.logprobs)}
+        advanced = self.scheduler.update_after_step(out, sampled)
+        return [self._output(r, logprobs[r.request_id]) for r in advanced]
+
+    def _output(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
+        rid = request.request_id
+        tracked = self._tracked[rid]
+        tracked.first_token = tracked.first_token or time.monotonic()
+        detok = tracked.detokenizer
+        stop = detok.add_tokens([request.all_token_ids[-1]])
+        if stop is not None and not request.is_finished:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        if stop is not None:
+            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        if request.is_finished:
+            detok.flush()
+            self._forget(rid)
+        return RequestOutput(
+            request_id=rid, new_token_ids=[request.all_token_ids[-1]],
+            new_text=detok.take_delta(request.is_finished), finished=request.is_finished,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens, timings=_timings(tracked),
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        self.sampler.release(request_id)
+
+    # -- introspection ------------------------------------------------------------------------
+    def kv_usage(self) -> float:
+        return self.kv.pool.usage()
+
+
+def _timings(t: _Tracked) -> dict[str, float]:
+    ms = {"queue_ms": ((t.first_scheduled or t.arrival) - t.arrival) * 1e3}
+    if t.first_token is not None:
+        ms["ttft_ms"] = (t.first_token - t.arrival) * 1e3
+    return ms

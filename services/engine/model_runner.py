@@ -1,0 +1,129 @@
+"""Owns the model weights and the paged KV cache tensors; runs one packed forward per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.services.config import EngineConfig
+from splitserve.services.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.services.model.arch import ModelArchConfig
+from splitserve.services.model.attention import AttentionMetadata, get_backend
+from splitserve.services.model.loader import ModelSource, build_model
+
+_DEFAULT_CPU_KV_BYTES = 512 * 1024**2
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device cuda was asked for but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Host-built inputs of one step."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampling_seqs]: index of each sampling sequence's last token
+    sampling: list[ScheduledRequest]  # the scheduled requests that sample, in sample_rows order
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.arch = source.arch
+        self.block_size = config.cache.block_size
+        backend_cls = get_backend(config.attention_backend, self.device)
+        self.backend = backend_cls(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.block_size)
+        self.model = build_model(source, self.backend, max_model_len, self.dtype, self.device)
+        self.num_blocks = self._num_kv_blocks(config)
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; see attention/backend.py
+        self.kv_cache = torch.zeros(
+            self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
+            self.arch.head_dim, dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        budget = config.cache.kv_cache_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * config.cache.gpu_memory_fraction)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        per_block = kv_block_bytes(self.arch, self.block_size, self.dtype)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"--kv-cache-bytes {budget} is below one KV block ({per_block} bytes)")
+        return num_blocks
+
+    def prepare(self, out: SchedulerOutput) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        sample_rows: list[int] = []
+        for s in out.scheduled:
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            if s.samples:
+                sampling.append(s)
+                sample_rows.append(len(input_ids) - 1)
+        max_blocks = max(len(s.block_ids) for s in out.scheduled)
+        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in out.scheduled]
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        block_tables = torch.tensor(table, dtype=torch.int64)
+        slots = block_tables[seq_index, pos // self.block_size] * self.block_size + pos % self.block_size
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(query_lens).cumsum(0)
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev), block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), query_start_loc=qsl.to(dev),
+            num_decodes=_num_leading_ones(query_lens),
+            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_lens_cpu=query_lens,
+        )
+        return ForwardBatch(torch.tensor(input_ids, device=dev), pos.to(dev), meta,
+                            torch.tensor(sample_rows, dtype=torch.int64, device=dev), sampling)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the step; returns float32 logits [num_sampling_seqs, vocab]."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sampling:
+            return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.sample_rows])
+
+
+def _num_leading_ones(query_lens: list[int]) -> int:
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n

@@ -1,0 +1,216 @@
+"""Continuous (iteration-level) batching over the paged KV cache.
+
+Request lifecycle (unified mode): waiting -> running -> finished, with running -> waiting on
+preemption (recompute: the request's blocks are freed and its KV recomputed later, cheaply when
+its blocks are still in the prefix cache).
+
+Each step: running requests first (decodes and unfinished chunked prefills), preempting the
+lowest-priority, latest-arrived running request when blocks run out; then, if nothing was
+preempted, waiting requests join while the token budget, max_num_seqs and free blocks allow.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from splitserve.services.config import RuntimeInfo, SchedulerConfig
+from splitserve.services.engine.request import Request, RequestStatus
+from splitserve.services.kv_cache.block_pool import BlockId
+from splitserve.services.kv_cache.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[BlockId]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step catches the request up, so a token is sampled for it."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Waiting requests ordered by (priority,) arrival. Lower priority value is served first."""
+
+    def __init__(self, use_priority: bool) -> None:
+        self._use_priority = use_priority
+        self._keys: list[tuple] = []
+        self._requests: list[Request] = []
+
+    def _key(self, r: Request) -> tuple:
+        return (r.priority, r.arrival_seq) if self._use_priority else (r.arrival_seq,)
+
+    def add(self, request: Request) -> None:
+        key = self._key(request)
+        i = bisect.bisect(self._keys, key)
+        self._keys.insert(i, key)
+        self._requests.insert(i, request)
+
+    def peek(self) -> Request:
+        return self._requests[0]
+
+    def pop(self) -> Request:
+        self._keys.pop(0)
+        return self._requests.pop(0)
+
+    def remove(self, request: Request) -> None:
+        i = self._requests.index(request)
+        del self._keys[i], self._requests[i]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self):
+        return iter(self._requests)
+
+
+def preemption_key(r: Request) -> tuple:
+    """max() of this picks the victim: lowest priority (largest value), then latest arrival."""
+    return (r.priority, r.arrival_seq)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, runtime: RuntimeInfo, kv: KVCacheManager) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.kv = kv
+        self.waiting = WaitingQueue(config.policy == "priority")
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- queue changes ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish (or abort) a request now and free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        for s in out.scheduled:
+            s.block_ids = self.kv.block_ids(s.request.request_id)
+        # Decodes (one new token) first, then prefills: the runner relies on this order.
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate_slots(request, num_new):
+                out.scheduled.append(ScheduledRequest(request, num_new, []))
+                budget -= num_new
+                i += 1
+                continue
+            victim = max(self.running, key=preemption_key)
+            victim_index = self.running.index(victim)
+            budget += self._preempt(victim, out)
+            if victim_index < i:
+                i -= 1
+            # else: the victim is this request or one not visited yet; index i is still right
+        return budget
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Move victim back to waiting, freeing its blocks; returns the budget it gives back."""
+        refund = 0
+        for s in out.scheduled:
+            if s.request is victim:
+                out.scheduled.remove(s)
+                refund = s.num_new_tokens
+                break
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.waiting.add(victim)
+        out.preempted.append(victim)
+        return refund
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit = self.kv.find_prefix_hit(request)
+            num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if not self.kv.allocate_slots(request, num_new, hit):
+                break
+            self.waiting.pop()
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit.num_tokens
+            request.num_computed_tokens += hit.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new, []))
+            budget -= num_new
+
+    # -- after the forward ----------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+
+        Returns the requests that got a new token this step (finished ones included).
+        """
+        advanced: list[Request] = []
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.append_output_token(token)
+            self.kv.cache_blocks(request)
+            if token is None:
+                continue
+            advanced.append(request)
+            status = request.check_stop(self.runtime.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+        return advanced

@@ -1,0 +1,1 @@
+"""Model code: architecture config, the Llama-family decoder, weight loaders, tokenizer, attention."""

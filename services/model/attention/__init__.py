@@ -1,0 +1,14 @@
+"""Attention backends behind one interface, chosen by name from a registry."""
+
+from splitserve.services.model.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    available_backends,
+    default_backend_name,
+    get_backend,
+    register_backend,
+)
+from splitserve.services.model.attention import torch_backend as _torch_backend  # noqa: F401  registers "torch"
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "default_backend_name",
+           "get_backend", "register_backend"]

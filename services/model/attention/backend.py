@@ -1,0 +1,88 @@
+"""The attention backend contract and its registry.
+
+KV cache layout (shared with the Triton kernels and the KV transfer):
+    one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 is K, 1 is V.
+    Token at position p of a sequence lives in block block_table[p // block_size], row p % block_size;
+    its flat slot is block_id * block_size + p % block_size.
+
+Batch layout: tokens of all scheduled sequences are packed back to back ([num_tokens, ...]).
+The first num_decodes sequences have exactly one query token each (decodes come first).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, rows padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's tokens
+    num_decodes: int  # leading sequences with a single query token
+    max_seq_len: int
+    seq_lens_cpu: list[int]  # host copies, so the CPU path never syncs on device tensors
+    query_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(ABC):
+    """Stores the step's new K/V into the paged cache, then attends every query token to its
+    sequence's context (cached prefix + new tokens, causal)."""
+
+    name: ClassVar[str]
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.scale = head_dim ** -0.5
+
+    @classmethod
+    def check_supported(cls, device: torch.device) -> None:
+        """Raise RuntimeError with a clear message if this backend cannot run on device."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        ...
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def default_backend_name(device: torch.device) -> str:
+    return "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
+
+
+def get_backend(name: str | None, device: torch.device) -> type[AttentionBackend]:
+    name = name or default_backend_name(device)
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
+    cls = _REGISTRY[name]
+    cls.check_supported(device)
+    return cls
