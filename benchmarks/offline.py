@@ -1,0 +1,275 @@
+"""Offline CPU benchmark: splitserve against Hugging Face transformers on SmolLM2-135M (fp32).
+
+Table 1, throughput on one random workload (prompt and output lengths drawn uniformly, fixed seed,
+every request generates exactly its output length):
+  (a) splitserve LLM.generate on all requests at once (continuous batching);
+  (b) transformers generate() in static batches of 8, left padded, in request order. A batch runs
+      until its longest output; only each request's own output length counts as useful tokens;
+  (c) transformers continuous batching (generate_batch's manager, sdpa attention, per-request
+      max_new_tokens, EOS disabled).
+Both engines get a KV cache that holds the whole workload, so neither preempts.
+
+Table 2, one decode step at batch B with ~300-token contexts: splitserve engine.step() (schedule,
+prepare, forward, sample, update) against a bare runner.forward() on one prepared batch, and
+transformers' model forward of one token against a DynamicCache of the same length.
+
+Usage: python benchmarks/offline.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.model.loader import default_model_path
+
+MIN_TOKEN_ID = 20  # below this SmolLM2 keeps its special tokens
+HF_PAGE_SIZE = 256  # transformers' default page size, tokens per KV block
+STATIC_BATCH_SIZE = 8
+KV_CACHE_BYTES = 3 * 1024**3  # SmolLM2 fp32 KV is 45 KiB/token: ~68k tokens, all 64 requests fit
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    num_requests: int
+    prompt_lens: tuple[int, int]  # inclusive range
+    output_lens: tuple[int, int]
+    decode_batches: tuple[int, ...]
+    decode_context: int = 300
+    decode_steps: int = 20
+    seed: int = 0
+
+
+FULL = Settings(64, (32, 512), (16, 256), (1, 8, 32, 64))
+QUICK = Settings(8, (32, 128), (8, 32), (1, 8), decode_steps=5)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_useful_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def random_prompts(rng: random.Random, lens: list[int], vocab_size: int) -> list[list[int]]:
+    return [[rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(n)] for n in lens]
+
+
+def make_workload(s: Settings, vocab_size: int) -> Workload:
+    rng = random.Random(s.seed)
+    prompt_lens = [rng.randint(*s.prompt_lens) for _ in range(s.num_requests)]
+    output_lens = [rng.randint(*s.output_lens) for _ in range(s.num_requests)]
+    return Workload(random_prompts(rng, prompt_lens, vocab_size), output_lens)
+
+
+def warmup_workload(vocab_size: int) -> Workload:
+    rng = random.Random(12345)
+    return Workload(random_prompts(rng, [16, 24], vocab_size), [4, 4])
+
+
+# -- throughput -------------------------------------------------------------------------------------
+def run_splitserve(llm: LLM, wl: Workload) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    outputs = [o.token_ids for o in llm.generate(wl.prompts, params)]
+    assert [len(o) for o in outputs] == wl.output_lens, "splitserve did not generate exactly max_tokens"
+    return outputs
+
+
+def run_hf_static(model, wl: Workload, pad_id: int) -> list[list[int]]:
+    outputs = []
+    for i in range(0, len(wl.prompts), STATIC_BATCH_SIZE):
+        prompts, lens = wl.prompts[i : i + STATIC_BATCH_SIZE], wl.output_lens[i : i + STATIC_BATCH_SIZE]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
+                                 max_new_tokens=max(lens), min_new_tokens=max(lens))
+        outputs += [row[width : width + n].tolist() for row, n in zip(out, lens)]
+    return outputs
+
+
+def hf_cb_config(wl: Workload):
+    from transformers import ContinuousBatchingConfig
+
+    pages = sum(-(-(len(p) + n) // HF_PAGE_SIZE) for p, n in zip(wl.prompts, wl.output_lens))
+    # Sized explicitly: on CPU the default takes 60% of host RAM for the cache.
+    return ContinuousBatchingConfig(page_size=HF_PAGE_SIZE, num_blocks=pages + 4, max_batch_tokens=2048,
+                                    max_requests_per_batch=64)
+
+
+def run_hf_continuous(model, wl: Workload) -> tuple[list[list[int]], float]:
+    """Returns outputs and seconds; the manager's setup (cache allocation) is not timed."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1)
+    with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=hf_cb_config(wl),
+                                                   block=True, timeout=5) as manager:
+        start = time.perf_counter()
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(wl.prompts, wl.output_lens)]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers continuous batching thread stopped early")
+        seconds = time.perf_counter() - start
+    outputs = [list(results[i].generated_tokens) for i in ids]
+    assert [len(o) for o in outputs] == wl.output_lens, "transformers CB did not generate exactly max_new_tokens"
+    return outputs, seconds
+
+
+def timed(fn, *args):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+def num_identical(a: list[list[int]], b: list[list[int]]) -> int:
+    return sum(x == y for x, y in zip(a, b))
+
+
+# -- decode step ------------------------------------------------------------------------------------
+def splitserve_decode_ms(llm: LLM, batch_size: int, s: Settings, vocab_size: int) -> tuple[float, float]:
+    """(ms per engine.step, ms per bare runner.forward) once all batch_size requests decode."""
+    engine = llm.engine
+    prompts = random_prompts(random.Random(1000 + batch_size), [s.decode_context] * batch_size, vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=s.decode_steps + 8, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    running = engine.scheduler.running
+    while not (len(running) == batch_size and all(r.num_tokens - r.num_computed_tokens == 1 for r in running)):
+        engine.step()
+    engine.step()  # warm-up decode
+    _, step_s = timed(lambda: [engine.step() for _ in range(s.decode_steps)])
+    # One more schedule, never completed: forward rewrites the same KV slots each call; abort cleans up.
+    batch = engine.runner.prepare(engine.scheduler.schedule())
+    assert batch.meta.num_decodes == batch_size, "expected a pure decode batch"
+    engine.runner.forward(batch)
+    _, forward_s = timed(lambda: [engine.runner.forward(batch) for _ in range(s.decode_steps)])
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return step_s * 1e3 / s.decode_steps, forward_s * 1e3 / s.decode_steps
+
+
+@torch.inference_mode()
+def hf_decode_ms(model, batch_size: int, s: Settings) -> float:
+    """ms per model forward of one new token per sequence over a DynamicCache of decode_context tokens."""
+    from transformers import DynamicCache
+
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    shape = (batch_size, cfg.num_key_value_heads, s.decode_context, head_dim)
+    for layer in range(cfg.num_hidden_layers):  # decode cost does not depend on the cached values
+        cache.update(torch.randn(shape), torch.randn(shape), layer)
+    ids = torch.randint(MIN_TOKEN_ID, cfg.vocab_size, (batch_size, 1))
+    mask = torch.ones(batch_size, s.decode_context + 1, dtype=torch.long)
+    positions = torch.full((batch_size, 1), s.decode_context)
+    total = 0.0
+    for i in range(s.decode_steps + 1):
+        start = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        total += (time.perf_counter() - start) if i > 0 else 0.0  # first call is warm-up
+        cache.crop(-1)  # back to decode_context tokens
+    return total * 1e3 / s.decode_steps
+
+
+# -- main -------------------------------------------------------------------------------------------
+def load_hf():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
+
+
+def throughput_table(llm: LLM, model, wl: Workload, vocab_size: int) -> dict:
+    warm = warmup_workload(vocab_size)
+    pad_id = model.generation_config.eos_token_id
+    pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
+    run_splitserve(llm, warm)
+    out_a, sec_a = timed(run_splitserve, llm, wl)
+    run_hf_static(model, warm, pad_id)
+    out_b, sec_b = timed(run_hf_static, model, wl, pad_id)
+    rows = {"a_splitserve": (sec_a, out_a), "b_hf_static8": (sec_b, out_b)}
+    try:
+        run_hf_continuous(model, warm)
+        out_c, sec_c = run_hf_continuous(model, wl)
+        rows["c_hf_continuous"] = (sec_c, out_c)
+    except Exception as e:  # report and go on: (c) is optional on CPU
+        print(f"(c) transformers continuous batching failed on CPU: {type(e).__name__}: {e}")
+    n = wl.num_useful_tokens
+    result = {name: {"seconds": sec, "useful_tokens": n, "tokens_per_s": n / sec,
+                     "identical_to_a": num_identical(out, out_a)} for name, (sec, out) in rows.items()}
+    for name in ("b_hf_static8", "c_hf_continuous"):
+        if name in result:
+            result[f"ratio_a_over_{name[0]}"] = result["a_splitserve"]["tokens_per_s"] / result[name]["tokens_per_s"]
+    return result
+
+
+def decode_table(llm: LLM, model, s: Settings, vocab_size: int) -> list[dict]:
+    rows = []
+    for batch_size in s.decode_batches:
+        step_ms, forward_ms = splitserve_decode_ms(llm, batch_size, s, vocab_size)
+        rows.append({"batch": batch_size, "step_ms": step_ms, "forward_ms": forward_ms,
+                     "step_over_forward": step_ms / forward_ms, "hf_forward_ms": hf_decode_ms(model, batch_size, s)})
+    return rows
+
+
+def print_throughput(t: dict, wl: Workload) -> None:
+    print(f"\nThroughput: {len(wl.prompts)} requests, {wl.num_useful_tokens} useful output tokens, "
+          f"prompt tokens {sum(map(len, wl.prompts))}, torch threads {torch.get_num_threads()}")
+    print(f"{'system':<34}{'seconds':>10}{'out tok/s':>12}{'same tokens as (a)':>20}")
+    labels = {"a_splitserve": "(a) splitserve LLM.generate", "b_hf_static8": "(b) HF generate, static batch 8",
+              "c_hf_continuous": "(c) HF generate_batch (CB)"}
+    for key, label in labels.items():
+        if key in t:
+            r = t[key]
+            print(f"{label:<34}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}{r['identical_to_a']:>15}/{len(wl.prompts)}")
+    for key in ("b", "c"):
+        if f"ratio_a_over_{key}" in t:
+            print(f"ratio (a)/({key}): {t[f'ratio_a_over_{key}']:.2f}x")
+
+
+def print_decode(rows: list[dict], s: Settings) -> None:
+    print(f"\nDecode step, {s.decode_context}-token contexts, mean of {s.decode_steps} steps")
+    print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'step/fwd':>10}{'HF fwd ms':>11}")
+    for r in rows:
+        print(f"{r['batch']:>6}{r['step_ms']:>10.1f}{r['forward_ms']:>12.1f}"
+              f"{r['step_over_forward']:>10.2f}{r['hf_forward_ms']:>11.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small workload, finishes in a minute or two")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    args = parser.parse_args()
+    s = QUICK if args.quick else FULL
+    llm = LLM(EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES),
+                           scheduler=SchedulerConfig(max_num_seqs=64)))
+    vocab_size = llm.engine.runner.arch.vocab_size
+    model = load_hf()
+    wl = make_workload(s, vocab_size)
+    throughput = throughput_table(llm, model, wl, vocab_size)
+    print_throughput(throughput, wl)
+    decode = decode_table(llm, model, s, vocab_size)
+    print_decode(decode, s)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"settings": asdict(s), "throughput": throughput, "decode": decode}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

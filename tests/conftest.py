@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random Llama/Qwen2 checkpoints written with transformers' save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+VOCAB_SIZE = 320
+
+
+def _train_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["the quick brown fox jumps over the lazy dog", "paged attention splits the cache into blocks",
+            "prefill and decode run on separate workers"] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def _save_tiny(folder: Path, architecture: str) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
+                  pad_token_id=None)
+    if architecture == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+        model = LlamaForCausalLM(config)
+    else:
+        config = Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
+        model = Qwen2ForCausalLM(config)
+        with torch.no_grad():  # random biases so the bias path is really exercised
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+    _train_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")
