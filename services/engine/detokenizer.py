@@ -64,10 +64,14 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
     def _find_stop(self, previous_len: int) -> str | None:
+        """Earliest stop string in the text that could include new characters; cuts the text there."""
+        best: tuple[int, str] | None = None
         for stop in self.stop:
-            start = max(0, previous_len - len(stop) + 1)
-            index = self.text.find(stop, start)
-            if index != -1:
-                self.text = self.text[: index + len(stop) if self.include_stop else index]
-                return stop
-        return None
+            index = self.text.find(stop, max(0, previous_len - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        self.text = self.text[: index + len(stop) if self.include_stop else index]
+        return stop
