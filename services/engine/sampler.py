@@ -106,7 +106,7 @@ def _filtered_probs(logits: torch.Tensor, top_k: int | None, top_p: float, min_p
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         cumulative = sorted_probs.cumsum(0)
-        drop = cumulative - sorted_probs > top_p  # keep the smallest set whose mass reaches top_p
+        drop = cumulative - sorted_probs >= top_p  # keep the smallest set whose mass reaches top_p
         probs = probs.clone()
         probs[order[drop]] = 0.0
     if min_p > 0.0:

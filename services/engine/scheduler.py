@@ -202,6 +202,8 @@ class Scheduler:
         advanced: list[Request] = []
         for s in out.scheduled:
             request = s.request
+            if request.is_finished:  # aborted while the step ran
+                continue
             request.num_computed_tokens += s.num_new_tokens
             token = sampled.get(request.request_id)
             if token is not None:
