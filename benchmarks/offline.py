@@ -150,10 +150,12 @@ def splitserve_decode_ms(llm: LLM, batch_size: int, s: Settings, vocab_size: int
     """(ms per engine.step, ms per bare runner.forward) once all batch_size requests decode."""
     engine = llm.engine
     prompts = random_prompts(random.Random(1000 + batch_size), [s.decode_context] * batch_size, vocab_size)
-    params = SamplingParams(temperature=0, max_tokens=s.decode_steps + 8, ignore_eos=True)
+    # Early requests decode while later ones still prefill (chunked): leave room so none finishes.
+    params = SamplingParams(temperature=0, max_tokens=s.decode_context, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]
     running = engine.scheduler.running
     while not (len(running) == batch_size and all(r.num_tokens - r.num_computed_tokens == 1 for r in running)):
+        assert len(engine.scheduler.requests) == batch_size, "a decode-table request finished early"
         engine.step()
     engine.step()  # warm-up decode
     _, step_s = timed(lambda: [engine.step() for _ in range(s.decode_steps)])
