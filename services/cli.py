@@ -1,4 +1,4 @@
-"""`splitserve` command line. This issue ships `generate`; later issues add `up`, `worker`, `bench`."""
+"""`splitserve` command line: generate, up, gateway, worker."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
 
 
 def _generate(a: argparse.Namespace) -> int:
+    if a.url:
+        return _generate_remote(a)
     from splitserve.services.engine.engine import Engine
     from splitserve.services.engine.sampling_params import SamplingParams
 
@@ -59,6 +61,71 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(a: argparse.Namespace) -> int:
+    import grpc
+
+    from splitserve.protos.v1 import generation_pb2 as pb
+    from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParameters(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
+                                       seed=a.sampling_seed),
+        stopping=pb.StoppingCriteria(max_tokens=a.max_tokens, stop=a.stop or []))
+    if a.chat:
+        request.chat.messages.add(role="user", content=a.prompt)
+    else:
+        request.text = a.prompt
+    with grpc.insecure_channel(a.url) as channel:
+        try:
+            for chunk in pb_grpc.GenerationStub(channel).Generate(request):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    print(f"\n[{chunk.usage.completion_tokens} tokens, TTFT {chunk.timings.ttft_ms:.0f} ms, "
+                          f"E2E {chunk.timings.e2e_ms:.0f} ms, finish: {pb.FinishReason.Name(chunk.finish_reason)}]",
+                          file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _worker(a: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    import torch
+
+    from splitserve.services.worker.server import WorkerConfig, serve_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.num_threads:
+        torch.set_num_threads(a.num_threads)
+    config = WorkerConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
+                          metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode)
+    asyncio.run(serve_worker(config))
+    return 0
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from splitserve.gateway.server import GatewayConfig, serve_gateway
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = GatewayConfig(model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port,
+                           workers=tuple(a.worker or ()), max_pending=a.max_pending, router=a.router)
+    asyncio.run(serve_gateway(config))
+    return 0
+
+
+def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
+    from splitserve.services.launcher import run_up
+
+    return run_up(a.workers, engine_argv, a.host, a.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,14 +138,48 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None)
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--url", default=None, help="stream from a gateway at HOST:PORT instead of in process")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+
+    worker = sub.add_parser("worker", help="run one worker (an engine behind the Worker gRPC API)")
+    _add_server_args(worker)
+    worker.add_argument("--gateway", default=None, help="gateway HOST:PORT to register with")
+    worker.add_argument("--mode", default="unified", choices=["unified"], help="prefill/decode come next")
+    worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_engine_args(worker)
+    worker.set_defaults(func=_worker)
+
+    gateway = sub.add_parser("gateway", help="run the gateway (public Generation API)")
+    _add_server_args(gateway)
+    gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
+    gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
+    gateway.add_argument("--max-pending", type=int, default=256)
+    gateway.add_argument("--router", default="least-outstanding")
+    gateway.set_defaults(func=_gateway)
+
+    up = sub.add_parser("up", help="start a gateway and N unified workers as local processes")
+    up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.set_defaults(func=None)
     return parser
 
 
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: a free one)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = build_parser().parse_known_args(argv)
     try:
+        if args.command == "up":  # the rest of the arguments go to every worker
+            return _up(args, extra)
+        if extra:
+            raise SystemExit(f"splitserve: error: unrecognized arguments: {' '.join(extra)}")
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"splitserve: error: {e}", file=sys.stderr)

@@ -9,7 +9,7 @@ import sys
 def test_gateway_and_kv_bookkeeping_do_not_import_torch():
     code = ("import sys, splitserve.gateway, splitserve.services.kv_cache.block_hash, "
             "splitserve.services.kv_cache.manager, splitserve.services.engine.request, "
-            "splitserve.services.engine.scheduler; "
+            "splitserve.services.engine.scheduler, splitserve.gateway.server; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -23,3 +23,28 @@ def test_subpackages_live_under_one_root():
 
     for mod in (splitserve.services, splitserve.gateway, splitserve.kernels, splitserve.protos):
         assert mod.__name__.startswith("splitserve.")
+
+
+def test_generated_proto_code_is_current():
+    out = subprocess.run([sys.executable, "-m", "splitserve.protos.generate", "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_protos_follow_the_house_rules():
+    from pathlib import Path
+
+    import splitserve.protos
+
+    for proto in (Path(splitserve.protos.__file__).parent / "v1").glob("*.proto"):
+        lines = proto.read_text().splitlines()
+        assert "package splitserve.v1;" in lines
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            is_field = stripped.endswith(";") and "=" in stripped and not stripped.startswith(("option", "//"))
+            if is_field or stripped.startswith(("rpc ", "message ", "enum ", "service ")):
+                assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} has no comment: {stripped}"
+        enums = [l for l in lines if l.strip().startswith("enum ")]
+        for enum_line in enums:
+            first_value = lines[lines.index(enum_line) + 2].strip()
+            assert "_UNSPECIFIED = 0;" in first_value, f"{proto.name}: {enum_line.strip()} must start at *_UNSPECIFIED"

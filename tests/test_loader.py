@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from splitserve.services.model.arch import ModelLoadError
+from splitserve.services.model.files import ModelLoadError
 from splitserve.services.model.gguf_loader import _unpermute
 from splitserve.services.model.loader import open_model
 

@@ -7,7 +7,7 @@ import torch
 
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.model.loader import default_model_path
+from splitserve.services.model.files import default_model_path
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

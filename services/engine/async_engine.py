@@ -61,6 +61,9 @@ class AsyncEngine:
     def num_requests(self) -> int:
         return len(self._streams)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams
+
     def _ensure_loop(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())

@@ -47,6 +47,15 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters for metrics."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+
+
 class WaitingQueue:
     """Waiting requests ordered by (priority,) arrival. Lower priority value is served first."""
 
@@ -95,6 +104,7 @@ class Scheduler:
         self.waiting = WaitingQueue(config.policy == "priority")
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
 
     # -- queue changes ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -170,6 +180,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
         self.waiting.add(victim)
         out.preempted.append(victim)
         return refund
@@ -187,6 +198,8 @@ class Scheduler:
             self.waiting.pop()
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit.num_tokens
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += hit.num_tokens
             request.num_computed_tokens += hit.num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)

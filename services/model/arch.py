@@ -8,16 +8,14 @@ from typing import Any
 
 import torch
 
+from splitserve.services.model.files import ModelLoadError
+
 # HF architecture name -> whether q/k/v projections carry a bias.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": False,
     "MistralForCausalLM": False,
     "Qwen2ForCausalLM": True,
 }
-
-
-class ModelLoadError(ValueError):
-    """The model at --model cannot be loaded; the message says what is wrong."""
 
 
 @dataclass(frozen=True, slots=True)

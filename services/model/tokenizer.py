@@ -85,6 +85,30 @@ def _compile_template(source: str):
     return env.from_string(source)
 
 
+def load_tokenizer(model: str | Path | None) -> Tokenizer:
+    """The tokenizer of a model folder or GGUF file (default: the bundled SmolLM2), torch-free."""
+    from splitserve.services.model.files import resolve_model_path
+
+    path = resolve_model_path(model)
+    if path.is_file():
+        from splitserve.services.model.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    return load_hf_tokenizer(path, hf_eos_ids(path, json.loads((path / "config.json").read_text())))
+
+
+def hf_eos_ids(folder: Path, cfg: dict) -> frozenset[int]:
+    """EOS ids from generation_config.json, else config.json."""
+    gen = folder / "generation_config.json"
+    for source in (json.loads(gen.read_text()) if gen.exists() else {}, cfg):
+        value = source.get("eos_token_id")
+        if isinstance(value, int):
+            return frozenset({value})
+        if isinstance(value, list) and value:
+            return frozenset(v for v in value if isinstance(v, int))
+    return frozenset()
+
+
 def load_hf_tokenizer(folder: Path, eos_token_ids: frozenset[int]) -> Tokenizer:
     path = folder / "tokenizer.json"
     if not path.exists():

@@ -1,0 +1,236 @@
+"""The gateway: public Generation API, worker Registry, health, reflection and /metrics.
+
+Request path: validate + tokenize once -> pick a healthy worker -> proxy its token stream.
+Torch-free on purpose (a test checks sys.modules).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from splitserve.gateway.router import Router, make_router
+from splitserve.gateway.workers import WorkerHandle, WorkerSet
+from splitserve.protos.v1 import generation_pb2 as gen_pb
+from splitserve.protos.v1 import generation_pb2_grpc as gen_grpc
+from splitserve.protos.v1 import worker_pb2 as pb
+from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.services.model.files import model_name
+from splitserve.services.model.tokenizer import Tokenizer, load_tokenizer
+from splitserve.services.serving import start_metrics_server
+from splitserve.services.wire import sampling_params_from_proto
+
+log = logging.getLogger("splitserve.gateway")
+_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    model: str | None = None  # the served model (its tokenizer is loaded here); None: bundled SmolLM2
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_port: int = 0
+    workers: tuple[str, ...] = ()  # worker addresses known at start (others register themselves)
+    max_pending: int = 256  # requests in flight through this gateway before RESOURCE_EXHAUSTED
+    router: str = "least-outstanding"
+    health_check_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("splitserve:gateway_requests", "Requests by final gRPC status code.",
+                                ["code"], registry=self.registry)
+        self.routed = Counter("splitserve:gateway_routing_decisions", "Requests routed, by worker and reason.",
+                              ["worker", "reason"], registry=self.registry)
+        self.pending = Gauge("splitserve:gateway_requests_in_flight", "Requests in flight.", registry=self.registry)
+
+
+class GenerationServicer(gen_grpc.GenerationServicer):
+    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, name: str, workers: WorkerSet,
+                 router: Router, metrics: GatewayMetrics) -> None:
+        self.config, self.tokenizer, self.model_name = config, tokenizer, name
+        self.workers, self.router, self.metrics = workers, router, metrics
+        self.num_pending = 0
+
+    async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        arrival = time.monotonic()
+        code = grpc.StatusCode.OK
+        self.num_pending += 1
+        self.metrics.pending.inc()
+        try:
+            async for response in self._generate(request, context, arrival):
+                yield response
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except _Abort as e:
+            code = e.code
+            await context.abort(e.code, e.message)
+        finally:
+            self.num_pending -= 1
+            self.metrics.pending.dec()
+            self.metrics.requests.labels(code=code.name).inc()
+
+    async def _generate(self, request, context, arrival: float):
+        worker_request = self._validate(request)
+        if self.num_pending > self.config.max_pending:
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"the gateway already has {self.config.max_pending} requests in flight; "
+                         "retry later or start it with a higher --max-pending")
+        worker = self.router.pick(self.workers.healthy(self.model_name), worker_request.prompt_token_ids)
+        if worker is None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "no healthy worker is serving this model; start one "
+                         "with `splitserve worker --gateway HOST:PORT` or wait for it to become healthy")
+        self.metrics.routed.labels(worker=worker.worker_id, reason=self.router.name).inc()
+        async for response in self._proxy(worker, worker_request, context, arrival):
+            yield response
+
+    def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
+        if request.model and request.model != self.model_name:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"unknown model {request.model!r}; this gateway serves {self.model_name!r}")
+        try:
+            token_ids = self._tokenize(request)
+            params = sampling_params_from_proto(request.sampling, request.stopping,
+                                                request.logprobs if request.HasField("logprobs") else None)
+        except ValueError as e:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if not token_ids:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty; send text, token ids or chat messages")
+        max_len = min((w.max_model_len for w in self.workers.healthy(self.model_name)), default=0)
+        if max_len and len(token_ids) >= max_len:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt has {len(token_ids)} tokens but the model "
+                         f"context is {max_len}; shorten the prompt")
+        if params.max_tokens and max_len and len(token_ids) + params.max_tokens > max_len:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt ({len(token_ids)} tokens) + max_tokens "
+                         f"({params.max_tokens}) exceeds the model context of {max_len}; lower max_tokens")
+        return pb.WorkerGenerateRequest(
+            request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=token_ids,
+            sampling=request.sampling, stopping=request.stopping, priority=request.priority,
+            logprobs=request.logprobs if request.HasField("logprobs") else None)
+
+    def _tokenize(self, request) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "text":
+            return self.tokenizer.encode(request.text) if request.text else []
+        if kind == "token_ids":
+            return list(request.token_ids.ids)
+        if kind == "chat":
+            if not request.chat.messages:
+                return []
+            return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+        return []
+
+    async def _proxy(self, worker: WorkerHandle, req: pb.WorkerGenerateRequest, context, arrival: float):
+        worker.outstanding += 1
+        timeout = context.time_remaining()
+        call = worker.stub.Generate(req, timeout=timeout)
+        first_token_at = None
+        try:
+            async for chunk in call:
+                now = time.monotonic()
+                first_token_at = first_token_at or now
+                response = gen_pb.GenerateResponse(request_id=req.request_id, text=chunk.text,
+                                                   token_ids=chunk.token_ids, logprobs=chunk.logprobs)
+                if chunk.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                    response.finish_reason, response.stop_reason = chunk.finish_reason, chunk.stop_reason
+                    response.usage.CopyFrom(chunk.usage)
+                    response.timings.CopyFrom(gen_pb.Timings(queue_ms=chunk.queue_ms,
+                                                             ttft_ms=(first_token_at - arrival) * 1e3,
+                                                             e2e_ms=(now - arrival) * 1e3))
+                yield response
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _PASS_THROUGH:
+                raise _Abort(e.code(), e.details()) from None
+            self.workers.mark_failed(worker)
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"worker {worker.worker_id} at {worker.address} failed "
+                         f"during the request ({e.code().name}: {e.details()}); retry the request") from None
+        finally:
+            worker.outstanding -= 1
+            call.cancel()  # no-op when done; aborts the worker's request when the client went away
+
+    async def ListModels(self, request, context) -> gen_pb.ListModelsResponse:
+        max_len = min((w.max_model_len for w in self.workers.healthy(self.model_name)), default=0)
+        return gen_pb.ListModelsResponse(models=[gen_pb.ModelCard(id=self.model_name, max_model_len=max_len)])
+
+    async def Tokenize(self, request, context) -> gen_pb.TokenizeResponse:
+        if request.model and request.model != self.model_name:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"unknown model {request.model!r}; this gateway serves {self.model_name!r}")
+        try:
+            if request.WhichOneof("input") == "chat":
+                ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                                  for m in request.chat.messages])
+            else:
+                ids = self.tokenizer.encode(request.text)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return gen_pb.TokenizeResponse(token_ids=ids)
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class RegistryServicer(pb_grpc.RegistryServicer):
+    def __init__(self, workers: WorkerSet) -> None:
+        self.workers = workers
+
+    async def RegisterWorker(self, request, context) -> pb.RegisterWorkerResponse:
+        if not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "register with the worker's host:port in address")
+        return pb.RegisterWorkerResponse(worker_id=self.workers.add(request).worker_id)
+
+    async def DeregisterWorker(self, request, context) -> pb.DeregisterWorkerResponse:
+        return pb.DeregisterWorkerResponse(removed=await self.workers.remove(request.address))
+
+
+async def serve_gateway(config: GatewayConfig) -> None:
+    tokenizer = load_tokenizer(config.model)
+    name = model_name(config.model)
+    workers = WorkerSet(config.health_check_interval_s)
+    for address in config.workers:
+        workers.add(pb.RegisterWorkerRequest(address=address, model=name))
+    metrics = GatewayMetrics()
+    server = grpc.aio.server()
+    gen_grpc.add_GenerationServicer_to_server(
+        GenerationServicer(config, tokenizer, name, workers, make_router(config.router), metrics), server)
+    pb_grpc.add_RegistryServicer_to_server(RegistryServicer(workers), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+             pb.DESCRIPTOR.services_by_name["Registry"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"gateway ready: grpc {config.host}:{port} metrics http://{config.host}:{metrics_port}/metrics "
+          f"model {name}", flush=True)
+    checks = asyncio.create_task(workers.run_health_checks())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    checks.cancel()
+    await server.stop(grace=2.0)
+    await workers.close()

@@ -1,0 +1,108 @@
+"""The gateway's view of its workers: registration, health checks and load, one owner for all."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.protos.v1 import worker_pb2 as pb
+from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("splitserve.gateway")
+
+ROLE_NAMES = {pb.WORKER_ROLE_UNIFIED: "unified", pb.WORKER_ROLE_PREFILL: "prefill", pb.WORKER_ROLE_DECODE: "decode"}
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    worker_id: str
+    address: str
+    role: int
+    model: str
+    max_model_len: int
+    metrics_address: str
+    channel: grpc.aio.Channel
+    stub: pb_grpc.WorkerStub
+    healthy: bool = True
+    outstanding: int = 0  # requests this gateway has in flight on the worker
+    failures: int = 0  # consecutive failed health checks
+    load: pb.LoadReport = field(default_factory=pb.LoadReport)
+
+    @property
+    def role_name(self) -> str:
+        return ROLE_NAMES.get(self.role, "unknown")
+
+
+class WorkerSet:
+    FAILURES_BEFORE_UNHEALTHY = 2
+
+    def __init__(self, check_interval_s: float = 1.0, check_timeout_s: float = 1.0) -> None:
+        self._workers: dict[str, WorkerHandle] = {}
+        self._ids = itertools.count(1)
+        self.check_interval_s = check_interval_s
+        self.check_timeout_s = check_timeout_s
+
+    def add(self, r: pb.RegisterWorkerRequest) -> WorkerHandle:
+        old = self._workers.pop(r.address, None)
+        if old is not None:  # a restarted worker on the same address
+            asyncio.ensure_future(old.channel.close())
+        channel = grpc.aio.insecure_channel(r.address)
+        handle = WorkerHandle(f"w{next(self._ids)}", r.address, r.role or pb.WORKER_ROLE_UNIFIED, r.model,
+                              r.max_model_len, r.metrics_address, channel, pb_grpc.WorkerStub(channel))
+        self._workers[r.address] = handle
+        log.info("worker %s registered at %s (%s, %s)", handle.worker_id, r.address, handle.role_name, r.model)
+        return handle
+
+    async def remove(self, address: str) -> bool:
+        handle = self._workers.pop(address, None)
+        if handle is None:
+            return False
+        log.info("worker %s at %s left", handle.worker_id, address)
+        await handle.channel.close(grace=None)
+        return True
+
+    def all(self) -> list[WorkerHandle]:
+        return list(self._workers.values())
+
+    def healthy(self, model: str | None = None) -> list[WorkerHandle]:
+        return [w for w in self._workers.values() if w.healthy and (model is None or w.model == model)]
+
+    def mark_failed(self, handle: WorkerHandle) -> None:
+        """A call to the worker failed at the transport level: stop routing to it until it recovers."""
+        handle.healthy = False
+        handle.failures = max(handle.failures, self.FAILURES_BEFORE_UNHEALTHY)
+
+    async def run_health_checks(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(w) for w in self.all()))
+            await asyncio.sleep(self.check_interval_s)
+
+    async def _check(self, handle: WorkerHandle) -> None:
+        try:
+            reply = await health_pb2_grpc.HealthStub(handle.channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=self.check_timeout_s)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            if serving:
+                handle.load = await handle.stub.GetLoad(pb.GetLoadRequest(), timeout=self.check_timeout_s)
+        except grpc.aio.AioRpcError:
+            serving = False
+        if serving:
+            if not handle.healthy:
+                log.info("worker %s at %s is healthy again", handle.worker_id, handle.address)
+            handle.failures, handle.healthy = 0, True
+            return
+        handle.failures += 1
+        if handle.failures >= self.FAILURES_BEFORE_UNHEALTHY and handle.healthy:
+            log.warning("worker %s at %s failed %d health checks; no more traffic to it",
+                        handle.worker_id, handle.address, handle.failures)
+            handle.healthy = False
+
+    async def close(self) -> None:
+        for handle in self.all():
+            await handle.channel.close(grace=None)
+        self._workers.clear()

@@ -1,0 +1,126 @@
+"""`splitserve up`: a gateway and N unified workers as local processes on free ports.
+
+Each child's output is echoed with a [name] prefix; Ctrl-C / SIGTERM stops workers first (they
+drain), then the gateway. (`--prefill P --decode D` arrives with the disaggregation issue.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.services.serving import free_port
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    metrics: str
+    proc: subprocess.Popen = field(repr=False)
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.services.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+
+    def echo() -> None:
+        for line in proc.stdout:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+    threading.Thread(target=echo, daemon=True).start()
+    return proc
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} was not healthy within {timeout_s:.0f} s")
+
+
+def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0.1", gateway_port: int = 0,
+                  timeout_s: float = 180.0) -> list[Child]:
+    """Start gateway + workers and wait until all are healthy; the gateway is children[0]."""
+    threads = max(1, (os.cpu_count() or 1) // max(1, num_workers))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    model = _model_argv(engine_argv)
+    gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
+    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}",
+                    _spawn("gateway", ["gateway", "--host", host, "--port", str(gw_port),
+                                       "--metrics-port", str(gw_metrics), *model], env))
+    children = [gateway]
+    try:
+        wait_healthy(gateway.address, timeout_s, gateway.proc)
+        for i in range(num_workers):
+            port, metrics = free_port(host), free_port(host)
+            argv = ["worker", "--host", host, "--port", str(port), "--metrics-port", str(metrics),
+                    "--gateway", gateway.address, "--num-threads", str(threads), *engine_argv]
+            children.append(Child(f"worker-{i}", f"{host}:{port}", f"{host}:{metrics}",
+                                  _spawn(f"worker-{i}", argv, env)))
+        for child in children[1:]:
+            wait_healthy(child.address, timeout_s, child.proc)
+        time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
+    except BaseException:
+        stop_cluster(children)
+        raise
+    return children
+
+
+def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:
+    """Workers first (they drain and deregister), then the gateway."""
+    for group in (children[1:], children[:1]):
+        for child in group:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in group:
+            try:
+                child.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+
+def _model_argv(engine_argv: list[str]) -> list[str]:
+    if "--model" in engine_argv:
+        i = engine_argv.index("--model")
+        return engine_argv[i : i + 2]
+    return []
+
+
+def run_up(num_workers: int, engine_argv: list[str], host: str, port: int) -> int:
+    children = start_cluster(num_workers, engine_argv, host, port)
+    print(f"\nsplitserve is up: gateway grpc {children[0].address} "
+          f"(metrics http://{children[0].metrics}/metrics)", flush=True)
+    for child in children[1:]:
+        print(f"  {child.name}: grpc {child.address} metrics http://{child.metrics}/metrics", flush=True)
+    print(f"try: splitserve generate --url {children[0].address} --chat \"Hello!\"\nCtrl-C stops everything.",
+          flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        if children[0].proc.poll() is not None:
+            print("gateway exited; stopping workers", flush=True)
+            break
+        stop.wait(0.5)
+    stop_cluster(children)
+    return 0

@@ -1,0 +1,105 @@
+"""Prometheus metrics of a worker, named as vLLM names them (prefix `splitserve:`) so dashboards
+carry over. Torch-free; engine state is read at scrape time by a collector."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "splitserve:"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the collector reads from the engine at scrape time."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class _EngineCollector:
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], labels: dict[str, str]) -> None:
+        self._snapshot = snapshot
+        self._labels = labels
+
+    def collect(self):
+        s = self._snapshot()
+        names, values = list(self._labels), list(self._labels.values())
+        for name, doc, value, family in (
+            ("num_requests_running", "Requests in the running batch.", s.num_running, GaugeMetricFamily),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting, GaugeMetricFamily),
+            ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage, GaugeMetricFamily),
+            ("num_preemptions", "Preemptions (recompute) so far.", s.num_preemptions, CounterMetricFamily),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries,
+             CounterMetricFamily),
+            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits, CounterMetricFamily),
+        ):
+            metric = family(PREFIX + name, doc, labels=names)
+            metric.add_metric(values, value)
+            yield metric
+
+
+class WorkerMetrics:
+    """Per-request latency histograms and token counters, plus the engine collector."""
+
+    def __init__(self, model: str, role: str, snapshot: Callable[[], EngineSnapshot],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model, "role": role}
+        names = list(self.labels)
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, names, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, names + list(extra), registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens.")
+        self.tpot = hist("request_time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1).")
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.queue = hist("request_queue_time_seconds", "Time waiting before first being scheduled.")
+        self.prefill = hist("request_prefill_time_seconds", "From first schedule to first token.")
+        self.decode = hist("request_decode_time_seconds", "From first token to the last.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.registry.register(_EngineCollector(snapshot, self.labels))
+
+    def observe_finished(self, t: RequestTiming, num_prompt_tokens: int, num_output_tokens: int,
+                         finish_reason: str) -> None:
+        lab = self.labels
+        self.e2e.labels(**lab).observe(t.finished - t.arrival)
+        self.queue.labels(**lab).observe(t.queue_s)
+        if t.first_token is not None:
+            self.ttft.labels(**lab).observe(t.first_token - t.arrival)
+            self.prefill.labels(**lab).observe(max(0.0, t.first_token - t.arrival - t.queue_s))
+            self.decode.labels(**lab).observe(t.finished - t.first_token)
+            if num_output_tokens > 1:
+                self.tpot.labels(**lab).observe((t.finished - t.first_token) / (num_output_tokens - 1))
+        self.prompt_tokens.labels(**lab).inc(num_prompt_tokens)
+        self.generation_tokens.labels(**lab).inc(num_output_tokens)
+        self.request_success.labels(**lab, finished_reason=finish_reason).inc()
+
+    def observe_token_gap(self, seconds: float) -> None:
+        self.itl.labels(**self.labels).observe(seconds)
+
+
+@dataclass(slots=True)
+class RequestTiming:
+    """Monotonic timestamps of one request as seen by the worker's RPC."""
+
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float = 0.0
+    queue_s: float = 0.0

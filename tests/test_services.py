@@ -1,0 +1,203 @@
+"""Gateway + workers as real processes on 127.0.0.1 (tiny model): output, streaming, cancel,
+bad input, worker death, metrics, health and reflection."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.protos.v1 import generation_pb2 as pb
+from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.services.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
+from splitserve.services.serving import free_port
+
+KV_BYTES = 4 * 1024**2
+
+
+def _engine_argv(folder) -> list[str]:
+    return ["--model", str(folder), "--kv-cache-bytes", str(KV_BYTES), "--block-size", "8", "--max-model-len", "256"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir):
+    children = start_cluster(2, _engine_argv(tiny_llama_dir))
+    try:
+        yield children
+    finally:
+        stop_cluster(children)
+
+
+def _stub(address: str) -> pb_grpc.GenerationStub:
+    return pb_grpc.GenerationStub(grpc.insecure_channel(address))
+
+
+def _greedy_request(ids: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParameters(temperature=0.0),
+                              stopping=pb.StoppingCriteria(max_tokens=max_tokens))
+
+
+def _collect(stub, request, timeout=60.0) -> list[pb.GenerateResponse]:
+    return list(stub.Generate(request, timeout=timeout))
+
+
+def _all_blocks_free(worker_address: str) -> bool:
+    load = wpb_grpc.WorkerStub(grpc.insecure_channel(worker_address)).GetLoad(wpb.GetLoadRequest(), timeout=5)
+    return load.num_free_blocks == load.num_total_blocks and load.num_running == 0 and load.num_waiting == 0
+
+
+def test_concurrent_greedy_output_equals_in_process_engine(cluster, tiny_llama_dir):
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(5 + 9 * i)] for i in range(6)]
+    stub = _stub(cluster[0].address)
+    with ThreadPoolExecutor(6) as pool:
+        streams = list(pool.map(lambda p: _collect(stub, _greedy_request(p, 20)), prompts))
+    got = [[t for chunk in s for t in chunk.token_ids] for s in streams]
+    llm = LLM(EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, kv_cache_bytes=KV_BYTES)))
+    want = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20))]
+    assert got == want
+    last = streams[0][-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.prompt_tokens == 5 and last.usage.completion_tokens == 20
+    assert last.timings.ttft_ms > 0 and last.timings.e2e_ms >= last.timings.ttft_ms
+
+
+def test_tokens_stream_incrementally(cluster):
+    arrivals = []
+    for chunk in _stub(cluster[0].address).Generate(_greedy_request([1, 2, 3], 60), timeout=60):
+        arrivals.append((time.monotonic(), len(chunk.token_ids)))
+    assert len(arrivals) > 10  # one message per step, not one at the end
+    assert arrivals[-1][0] - arrivals[0][0] > 0
+
+
+def test_text_and_chat_prompts_and_tokenize(cluster):
+    stub = _stub(cluster[0].address)
+    text = _collect(stub, pb.GenerateRequest(text="the quick brown fox", stopping=pb.StoppingCriteria(max_tokens=5)))
+    assert sum(len(c.token_ids) for c in text) == 5
+    ids = stub.Tokenize(pb.TokenizeRequest(text="the quick brown fox")).token_ids
+    assert len(ids) > 0 and text[-1].usage.prompt_tokens == len(ids)
+    models = stub.ListModels(pb.ListModelsRequest()).models
+    assert models[0].max_model_len == 256
+
+
+def test_cancel_frees_the_workers_kv_blocks(cluster):
+    stream = _stub(cluster[0].address).Generate(_greedy_request([5] * 40, 200), timeout=60)
+    for i, _ in enumerate(stream):
+        if i == 2:
+            stream.cancel()
+            break
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(_all_blocks_free(w.address) for w in cluster[1:]):
+        time.sleep(0.1)
+    assert all(_all_blocks_free(w.address) for w in cluster[1:])
+
+
+@pytest.mark.parametrize("request_, message", [
+    (pb.GenerateRequest(text=""), "prompt is empty"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
+    (pb.GenerateRequest(model="gpt-9", text="hi"), "unknown model 'gpt-9'"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 300)), "model context is 256"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(top_p=1.5)), "top_p must be in"),
+    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(temperature=-1)), "temperature must be"),
+    (pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_tokens=0)), "max_tokens must be >= 1"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])), "token ids must be in"),
+])
+def test_bad_input_gets_invalid_argument(cluster, request_, message):
+    stub = _stub(cluster[0].address)
+    with pytest.raises(grpc.RpcError) as err:
+        _collect(stub, request_)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert len(_collect(stub, _greedy_request([1, 2], 3))) == 3  # still serving
+
+
+def test_health_reflection_and_metrics(cluster):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for child in cluster:
+        channel = grpc.insecure_channel(child.address)
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        names = {s.name for r in replies for s in r.list_services_response.service}
+        assert "grpc.health.v1.Health" in names
+        assert ("splitserve.v1.Generation" if child.name == "gateway" else "splitserve.v1.Worker") in names
+    _collect(_stub(cluster[0].address), _greedy_request([3, 4, 5], 8))
+    text = "".join(urllib.request.urlopen(f"http://{w.metrics}/metrics", timeout=5).read().decode()
+                   for w in cluster[1:])
+    for series in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                   "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
+                   "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                   "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                   "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
+                   "prompt_tokens_total", "generation_tokens_total", "request_success_total"):
+        assert f"splitserve:{series}" in text, series
+    generated = sum(float(line.split()[-1]) for line in text.splitlines()
+                    if line.startswith("splitserve:generation_tokens_total"))
+    assert generated >= 8
+    gateway = urllib.request.urlopen(f"http://{cluster[0].metrics}/metrics", timeout=5).read().decode()
+    assert 'splitserve:gateway_requests_total{code="OK"}' in gateway
+    assert "splitserve:gateway_routing_decisions_total" in gateway
+
+
+def _start_gateway(extra: list[str]):
+    port, metrics = free_port(), free_port()
+    proc = _spawn("gateway-x", ["gateway", "--port", str(port), "--metrics-port", str(metrics), *extra],
+                  dict(os.environ))
+    wait_healthy(f"127.0.0.1:{port}", 60, proc)
+    return proc, f"127.0.0.1:{port}"
+
+
+def test_no_worker_is_unavailable_and_queue_limit_is_resource_exhausted(cluster, tiny_llama_dir):
+    lonely, address = _start_gateway(["--model", str(tiny_llama_dir)])
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(_stub(address), _greedy_request([1, 2], 3))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no healthy worker" in err.value.details()
+    finally:
+        lonely.terminate()
+        lonely.wait(10)
+    workers = [a for w in cluster[1:] for a in ("--worker", w.address)]
+    small, address = _start_gateway(["--model", str(tiny_llama_dir), "--max-pending", "1", *workers])
+    try:
+        time.sleep(1.5)  # first health-check round
+        stub = _stub(address)
+        long_stream = stub.Generate(_greedy_request([9] * 10, 200), timeout=60)
+        next(long_stream)
+        with pytest.raises(grpc.RpcError) as err:
+            _collect(stub, _greedy_request([1, 2], 3))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-pending" in err.value.details()
+        long_stream.cancel()
+    finally:
+        small.terminate()
+        small.wait(10)
+
+
+def test_killed_worker_fails_in_flight_requests_and_traffic_moves(tiny_llama_dir):
+    children = start_cluster(2, _engine_argv(tiny_llama_dir))
+    try:
+        stub = _stub(children[0].address)
+        stream = stub.Generate(_greedy_request([4] * 20, 200), timeout=60)
+        next(stream)
+        busy = next(w for w in children[1:] if not _all_blocks_free(w.address))
+        busy.proc.send_signal(signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for _ in range(4):  # new requests go to the surviving worker
+            assert len(_collect(stub, _greedy_request([1, 2, 3], 4))) == 4
+    finally:
+        stop_cluster(children)
