@@ -124,3 +124,19 @@ def test_async_engine_rejects_bad_input(engine):
         await aengine.shutdown()
     asyncio.run(main())
     assert _all_free(engine)
+
+
+def test_async_engine_merges_outputs_when_the_consumer_falls_behind(engine):
+    async def main():
+        aengine = AsyncEngine(engine)
+        chunks = []
+        async for out in aengine.generate([2, 3, 4], SamplingParams(temperature=0, max_tokens=24)):
+            chunks.append(out)
+            await asyncio.sleep(0.2)  # a slow client: several steps queue up meanwhile
+        await aengine.shutdown()
+        return chunks
+    chunks = asyncio.run(main())
+    tokens = [t for c in chunks for t in c.new_token_ids]
+    assert len(tokens) == 24 and len(chunks) < 24  # nothing lost, fewer messages
+    assert chunks[-1].finished and chunks[-1].num_output_tokens == 24
+    assert "".join(c.new_text for c in chunks) == engine.tokenizer.decode(tokens)

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from splitserve.services.config import EngineConfig
-from splitserve.services.engine.engine import Engine, PromptInput, RequestOutput
+from splitserve.services.engine.engine import Engine, PromptInput, RequestOutput, merge_outputs
 from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampling_params import SamplingParams
 
@@ -45,6 +45,9 @@ class AsyncEngine:
         try:
             while not finished:
                 item = await queue.get()
+                while not isinstance(item, BaseException) and not item.finished and not queue.empty():
+                    nxt = queue.get_nowait()  # the consumer fell behind: send one merged chunk
+                    item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -41,6 +41,20 @@ class RequestOutput:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output carrying both steps' tokens and text (the later one's status and counts)."""
+    logprobs = None
+    if first.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
+    return RequestOutput(
+        request_id=later.request_id, new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text, finished=later.finished, finish_reason=later.finish_reason,
+        stop_reason=later.stop_reason, new_logprobs=logprobs, num_prompt_tokens=later.num_prompt_tokens,
+        num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
+        timings=later.timings,
+    )
+
+
 class _Tracked:
     """Engine-side companions of a request: its detokenizer and timestamps."""
 

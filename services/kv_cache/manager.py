@@ -5,7 +5,6 @@ The scheduler talks to this class only; it never touches KVBlock lists. The runn
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 from splitserve.services.kv_cache.block_hash import BlockHash
@@ -115,6 +114,3 @@ class KVCacheManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
-
-    def block_ids_of(self, requests: Sequence[KVRequest]) -> list[list[BlockId]]:
-        return [self.block_ids(r.request_id) for r in requests]
