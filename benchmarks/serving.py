@@ -50,9 +50,14 @@ def in_process(prompts, output_lens) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    settings = QUICK if parser.parse_args().quick else FULL
+    parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: all cores)")
+    args = parser.parse_args()
+    settings = QUICK if args.quick else FULL
     wl = make_workload(settings, VOCAB_SIZE)
-    children = start_cluster(1, ["--kv-cache-bytes", str(KV_CACHE_BYTES)])
+    worker_argv = ["--kv-cache-bytes", str(KV_CACHE_BYTES)]
+    if args.worker_threads:
+        worker_argv += ["--num-threads", str(args.worker_threads)]  # the last --num-threads wins
+    children = start_cluster(1, worker_argv)
     try:
         through_gateway(children[0].address, [p[:16] for p in wl.prompts[:1]], [4])  # warm-up
         grpc_s, grpc_tokens = through_gateway(children[0].address, wl.prompts, wl.output_lens)
