@@ -25,12 +25,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     block_ids: list[BlockId]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step catches the request up, so a token is sampled for it."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+    # Whether this step catches the request up, so a token is sampled for it. Fixed at schedule
+    # time so it stays right after update_after_step moves num_computed_tokens.
+    samples: bool = False
 
 
 @dataclass(slots=True)
@@ -145,6 +142,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for s in out.scheduled:
             s.block_ids = self.kv.block_ids(s.request.request_id)
+            s.samples = s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
         # Decodes (one new token) first, then prefills: the runner relies on this order.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
