@@ -112,7 +112,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         if not token_ids:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty; send text, token ids or chat messages")
-        max_len = min((w.max_model_len for w in self.workers.healthy(self.model_name)), default=0)
+        max_len = self._max_model_len()
         if max_len and len(token_ids) >= max_len:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt has {len(token_ids)} tokens but the model "
                          f"context is {max_len}; shorten the prompt")
@@ -131,9 +131,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         if kind == "token_ids":
             return list(request.token_ids.ids)
         if kind == "chat":
-            if not request.chat.messages:
-                return []
-            return self.tokenizer.encode_chat([{"role": m.role, "content": m.content} for m in request.chat.messages])
+            return self.tokenizer.encode_chat(_messages(request.chat)) if request.chat.messages else []
         return []
 
     async def _proxy(self, worker: WorkerHandle, req: pb.WorkerGenerateRequest, context, arrival: float):
@@ -164,9 +162,13 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             worker.outstanding -= 1
             call.cancel()  # no-op when done; aborts the worker's request when the client went away
 
+    def _max_model_len(self) -> int:
+        """The context the healthy workers accept (0 while none is known)."""
+        return min((w.max_model_len for w in self.workers.healthy(self.model_name)), default=0)
+
     async def ListModels(self, request, context) -> gen_pb.ListModelsResponse:
-        max_len = min((w.max_model_len for w in self.workers.healthy(self.model_name)), default=0)
-        return gen_pb.ListModelsResponse(models=[gen_pb.ModelCard(id=self.model_name, max_model_len=max_len)])
+        card = gen_pb.ModelCard(id=self.model_name, max_model_len=self._max_model_len())
+        return gen_pb.ListModelsResponse(models=[card])
 
     async def Tokenize(self, request, context) -> gen_pb.TokenizeResponse:
         if request.model and request.model != self.model_name:
@@ -174,13 +176,16 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                                 f"unknown model {request.model!r}; this gateway serves {self.model_name!r}")
         try:
             if request.WhichOneof("input") == "chat":
-                ids = self.tokenizer.encode_chat([{"role": m.role, "content": m.content}
-                                                  for m in request.chat.messages])
+                ids = self.tokenizer.encode_chat(_messages(request.chat))
             else:
                 ids = self.tokenizer.encode(request.text)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return gen_pb.TokenizeResponse(token_ids=ids)
+
+
+def _messages(chat: gen_pb.ChatMessages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
 class _Abort(Exception):
