@@ -53,6 +53,10 @@ def _collect(stub, request, timeout=60.0) -> list[pb.GenerateResponse]:
     return list(stub.Generate(request, timeout=timeout))
 
 
+def _num_tokens(stub, request) -> int:
+    return sum(len(chunk.token_ids) for chunk in _collect(stub, request))
+
+
 def _all_blocks_free(worker_address: str) -> bool:
     load = wpb_grpc.WorkerStub(grpc.insecure_channel(worker_address)).GetLoad(wpb.GetLoadRequest(), timeout=5)
     return load.num_free_blocks == load.num_total_blocks and load.num_running == 0 and load.num_waiting == 0
@@ -77,7 +81,7 @@ def test_tokens_stream_incrementally(cluster):
     arrivals = []
     for chunk in _stub(cluster[0].address).Generate(_greedy_request([1, 2, 3], 60), timeout=60):
         arrivals.append((time.monotonic(), len(chunk.token_ids)))
-    assert len(arrivals) > 10  # one message per step, not one at the end
+    assert len(arrivals) > 5  # streamed as steps finish, not in one message at the end
     assert arrivals[-1][0] - arrivals[0][0] > 0
 
 
@@ -119,7 +123,7 @@ def test_bad_input_gets_invalid_argument(cluster, request_, message):
         _collect(stub, request_)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
-    assert len(_collect(stub, _greedy_request([1, 2], 3))) == 3  # still serving
+    assert _num_tokens(stub, _greedy_request([1, 2], 3)) == 3  # still serving
 
 
 def test_health_reflection_and_metrics(cluster):
@@ -198,6 +202,6 @@ def test_killed_worker_fails_in_flight_requests_and_traffic_moves(tiny_llama_dir
                 pass
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         for _ in range(4):  # new requests go to the surviving worker
-            assert len(_collect(stub, _greedy_request([1, 2, 3], 4))) == 4
+            assert _num_tokens(stub, _greedy_request([1, 2, 3], 4)) == 4
     finally:
         stop_cluster(children)
