@@ -29,6 +29,21 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return rows.view(2, num_seqs, blocks_per_seq * block_size, num_kv_heads, head_dim)
 
 
+def length_groups(seq_lens: list[int], ratio: float = 1.5, min_size: int = 8) -> list[list[int]]:
+    """Indices of decode sequences grouped by similar length (sorted), each group at least
+    min_size long unless it is the last; a group closes when lengths grow past ratio x its first."""
+    order = sorted(range(len(seq_lens)), key=seq_lens.__getitem__)
+    groups: list[list[int]] = [[]]
+    for i in order:
+        current = groups[-1]
+        if len(current) >= min_size and seq_lens[i] > ratio * seq_lens[current[0]]:
+            groups.append([])
+        groups[-1].append(i)
+    if len(groups) == 1:
+        return [list(range(len(seq_lens)))]  # keep the batch order: no gather/scatter needed
+    return groups
+
+
 @register_backend
 class TorchAttention(AttentionBackend):
     name = "torch"
@@ -47,18 +62,29 @@ class TorchAttention(AttentionBackend):
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        nd, bs = meta.num_decodes, self.block_size
-        max_len = max(meta.seq_lens_cpu[:nd])
+        lens = meta.seq_lens_cpu[: meta.num_decodes]
+        groups = length_groups(lens)
+        if len(groups) == 1:
+            return self._decode_group(q, kv_cache, meta.block_tables[: len(lens)], meta.seq_lens[: len(lens)], max(lens))
+        out = torch.empty_like(q)
+        for group in groups:  # similar lengths together: less padding to gather and attend over
+            idx = torch.tensor(group, device=q.device)
+            out[idx] = self._decode_group(q[idx], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
+                                          max(lens[i] for i in group))
+        return out
+
+    def _decode_group(self, q, kv_cache, block_tables, seq_lens, max_len: int) -> torch.Tensor:
+        bs = self.block_size
         num_blocks = -(-max_len // bs)
-        kv = gather_kv(kv_cache, meta.block_tables[:nd, :num_blocks])
-        keys = kv[0].transpose(1, 2)  # [nd, kvh, L, d]
+        kv = gather_kv(kv_cache, block_tables[:, :num_blocks])
+        keys = kv[0].transpose(1, 2)  # [n, kvh, L, d]
         values = kv[1].transpose(1, 2)
         positions = torch.arange(num_blocks * bs, device=q.device)
-        mask = positions[None, :] < meta.seq_lens[:nd, None]  # [nd, L]
+        mask = positions[None, :] < seq_lens[:, None]  # [n, L]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [nd, h, 1, d]
+        )  # [n, h, 1, d]
         return out.squeeze(2)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
