@@ -165,9 +165,8 @@ class Engine:
         tracked.first_token = tracked.first_token or time.monotonic()
         detok = tracked.detokenizer
         stop = detok.add_tokens([request.all_token_ids[-1]])
-        if stop is not None and not request.is_finished:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        if stop is not None:
+        if stop is not None:  # a stop string wins over whatever else ended the request this step
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)  # no-op if already finished
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         if request.is_finished:
             detok.flush()
