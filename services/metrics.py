@@ -24,6 +24,7 @@ class EngineSnapshot:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    num_awaiting_kv: int = 0  # decode tier: KV in flight from a prefill worker
 
 
 class _EngineCollector:
@@ -37,6 +38,8 @@ class _EngineCollector:
         for name, doc, value, family in (
             ("num_requests_running", "Requests in the running batch.", s.num_running, GaugeMetricFamily),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting, GaugeMetricFamily),
+            ("num_requests_awaiting_kv", "Decode tier: requests whose KV is in flight.", s.num_awaiting_kv,
+             GaugeMetricFamily),
             ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage, GaugeMetricFamily),
             ("num_preemptions", "Preemptions (recompute) so far.", s.num_preemptions, CounterMetricFamily),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries,
@@ -73,7 +76,30 @@ class WorkerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.kv_bytes = counter("kv_transfer_bytes", "KV bytes moved between tiers.", ("direction",))
+        self.kv_blocks = counter("kv_transfer_blocks", "KV blocks moved between tiers.", ("direction",))
+        self.kv_seconds = Histogram(PREFIX + "kv_transfer_seconds", "Time of one KV transfer.", names + ["direction"],
+                                    buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.kv_failures = counter("kv_transfer_failures", "Failed KV handoffs, by reason.", ("reason",))
+        self.kv_skipped = counter("kv_transfer_blocks_skipped",
+                                  "Prompt blocks not transferred because the decode worker held them.")
+        self.kv_recomputes = counter("kv_transfer_recompute_fallbacks",
+                                     "Requests whose prompt was recomputed on the decode worker after a failed transfer.")
         self.registry.register(_EngineCollector(snapshot, self.labels))
+
+    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        self.kv_bytes.labels(**self.labels, direction=direction).inc(num_bytes)
+        self.kv_blocks.labels(**self.labels, direction=direction).inc(num_blocks)
+        self.kv_seconds.labels(**self.labels, direction=direction).observe(seconds)
+
+    def observe_transfer_failure(self, reason: str) -> None:
+        self.kv_failures.labels(**self.labels, reason=reason).inc()
+
+    def observe_blocks_skipped(self, num_blocks: int) -> None:
+        self.kv_skipped.labels(**self.labels).inc(num_blocks)
+
+    def observe_recompute_fallback(self) -> None:
+        self.kv_recomputes.labels(**self.labels).inc()
 
     def observe_finished(self, t: RequestTiming, num_prompt_tokens: int, num_output_tokens: int,
                          finish_reason: str) -> None:

@@ -25,37 +25,47 @@ _sym_db = _symbol_database.Default()
 from splitserve.protos.v1 import generation_pb2 as splitserve_dot_protos_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/worker.proto\x12\rsplitserve.v1\x1a%splitserve/protos/v1/generation.proto\"\xe3\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.splitserve.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x0b\n\t_logprobs\"\xe8\x01\n\x16WorkerGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"}\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\x90\x01\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\"+\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_UNIFIED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xec\x01\n\x06Worker\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.LoadReport2\xce\x01\n\x08Registry\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12\x63\n\x10\x44\x65registerWorker\x12&.splitserve.v1.DeregisterWorkerRequest\x1a\'.splitserve.v1.DeregisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/worker.proto\x12\rsplitserve.v1\x1a%splitserve/protos/v1/generation.proto\"\xfc\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.splitserve.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x07 \x01(\tB\x0b\n\t_logprobs\"/\n\tKVChannel\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\xb4\x01\n\x0ePrefillRequest\x12\x35\n\x07request\x18\x01 \x01(\x0b\x32$.splitserve.v1.WorkerGenerateRequest\x12)\n\x07\x63hannel\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.KVChannel\x12\x14\n\x0ctransfer_tag\x18\x03 \x01(\x04\x12\x17\n\x0fnum_skip_blocks\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\"\x82\x01\n\x0fPrefillResponse\x12\x30\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.FirstTokenH\x00\x12\x34\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\x8a\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rsampler_state\x18\x03 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\"^\n\x0cTransferDone\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63hecksum_crc32\x18\x03 \x01(\r\x12\x0f\n\x07send_ms\x18\x04 \x01(\x01\"\xe8\x01\n\x16WorkerGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xbf\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\r\x12\'\n\x04role\x18\x07 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\"\x90\x01\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\"+\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_UNIFIED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xb8\x02\n\x06Worker\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.LoadReport\x12J\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse0\x01\x32\xce\x01\n\x08Registry\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12\x63\n\x10\x44\x65registerWorker\x12&.splitserve.v1.DeregisterWorkerRequest\x1a\'.splitserve.v1.DeregisterWorkerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1052
-  _globals['_WORKERROLE']._serialized_end=1167
+  _globals['_WORKERROLE']._serialized_start=1746
+  _globals['_WORKERROLE']._serialized_end=1861
   _globals['_WORKERGENERATEREQUEST']._serialized_start=92
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=319
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=322
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=554
-  _globals['_ABORTREQUEST']._serialized_start=556
-  _globals['_ABORTREQUEST']._serialized_end=590
-  _globals['_ABORTRESPONSE']._serialized_start=592
-  _globals['_ABORTRESPONSE']._serialized_end=624
-  _globals['_GETLOADREQUEST']._serialized_start=626
-  _globals['_GETLOADREQUEST']._serialized_end=642
-  _globals['_LOADREPORT']._serialized_start=644
-  _globals['_LOADREPORT']._serialized_end=769
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=772
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=916
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=918
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=961
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=963
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1005
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1007
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1050
-  _globals['_WORKER']._serialized_start=1170
-  _globals['_WORKER']._serialized_end=1406
-  _globals['_REGISTRY']._serialized_start=1409
-  _globals['_REGISTRY']._serialized_end=1615
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=344
+  _globals['_KVCHANNEL']._serialized_start=346
+  _globals['_KVCHANNEL']._serialized_end=393
+  _globals['_PREFILLREQUEST']._serialized_start=396
+  _globals['_PREFILLREQUEST']._serialized_end=576
+  _globals['_PREFILLRESPONSE']._serialized_start=579
+  _globals['_PREFILLRESPONSE']._serialized_end=709
+  _globals['_FIRSTTOKEN']._serialized_start=712
+  _globals['_FIRSTTOKEN']._serialized_end=850
+  _globals['_TRANSFERDONE']._serialized_start=852
+  _globals['_TRANSFERDONE']._serialized_end=946
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=949
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=1181
+  _globals['_ABORTREQUEST']._serialized_start=1183
+  _globals['_ABORTREQUEST']._serialized_end=1217
+  _globals['_ABORTRESPONSE']._serialized_start=1219
+  _globals['_ABORTRESPONSE']._serialized_end=1251
+  _globals['_GETLOADREQUEST']._serialized_start=1253
+  _globals['_GETLOADREQUEST']._serialized_end=1269
+  _globals['_LOADREPORT']._serialized_start=1272
+  _globals['_LOADREPORT']._serialized_end=1463
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1466
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1610
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1612
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1655
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1657
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1699
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1701
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1744
+  _globals['_WORKER']._serialized_start=1864
+  _globals['_WORKER']._serialized_end=2176
+  _globals['_REGISTRY']._serialized_start=2179
+  _globals['_REGISTRY']._serialized_end=2385
 # @@protoc_insertion_point(module_scope)

@@ -20,20 +20,78 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "priority")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "priority", "prefill_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParameters
     stopping: _generation_pb2.StoppingCriteria
     logprobs: int
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[_generation_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
+    prefill_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[_generation_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+
+class KVChannel(_message.Message):
+    __slots__ = ("store_address", "key")
+    STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    store_address: str
+    key: str
+    def __init__(self, store_address: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request", "channel", "transfer_tag", "num_skip_blocks", "kv_layout")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
+    NUM_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    request: WorkerGenerateRequest
+    channel: KVChannel
+    transfer_tag: int
+    num_skip_blocks: int
+    kv_layout: str
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., transfer_tag: _Optional[int] = ..., num_skip_blocks: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token", "transfer_done")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
+    first_token: FirstToken
+    transfer_done: TransferDone
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
+
+class FirstToken(_message.Message):
+    __slots__ = ("token_id", "logprobs", "sampler_state", "num_blocks", "queue_ms")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    sampler_state: bytes
+    num_blocks: int
+    queue_ms: float
+    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+
+class TransferDone(_message.Message):
+    __slots__ = ("num_blocks", "num_bytes", "checksum_crc32", "send_ms")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_CRC32_FIELD_NUMBER: _ClassVar[int]
+    SEND_MS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    num_bytes: int
+    checksum_crc32: int
+    send_ms: float
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., checksum_crc32: _Optional[int] = ..., send_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "queue_ms")
@@ -70,18 +128,22 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "num_awaiting_kv", "role")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_AWAITING_KV_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
     num_total_blocks: int
     block_size: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    num_awaiting_kv: int
+    role: WorkerRole
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("address", "role", "model", "max_model_len", "metrics_address")

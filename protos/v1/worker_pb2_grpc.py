@@ -50,6 +50,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_stream(
+                '/splitserve.v1.Worker/Prefill',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -77,6 +82,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefill(self, request, context):
+        """Prefill tier, called by a decode worker: computes the prompt, streams the first token, sends
+        the prompt's KV blocks over the named torch.distributed channel, then reports the transfer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +196,33 @@ class Worker:
             '/splitserve.v1.Worker/GetLoad',
             splitserve_dot_protos_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             splitserve_dot_protos_dot_v1_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.Worker/Prefill',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,19 +7,22 @@ adds and aborts to the loop, which applies them between steps and runs each step
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from splitserve.services.config import EngineConfig
 from splitserve.services.engine.engine import Engine, PromptInput, RequestOutput, merge_outputs
 from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampling_params import SamplingParams
 
+T = TypeVar("T")
+
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._pending_adds: list[Request] = []
-        self._pending_aborts: list[str] = []
+        # Adds, aborts and calls, applied in order between steps by the loop.
+        self._pending: list[tuple[Callable, tuple, asyncio.Future | None]] = []
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -30,17 +33,31 @@ class AsyncEngine:
         return cls(Engine(config))
 
     async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, stop_after_prefill: bool = False) -> AsyncIterator[RequestOutput]:
+        request = self.engine.make_request(prompt, params, request_id, priority,  # raises ValueError
+                                           stop_after_prefill=stop_after_prefill)
+        async for out in self.generate_request(request):
+            yield out
+
+    async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Add a validated request and stream its outputs."""
+        self.open_stream(request.request_id)
+        self._pending.append((self._add, (request,), None))
+        self._ensure_loop()
+        async for out in self.stream(request.request_id):
+            yield out
+
+    def open_stream(self, request_id: str) -> None:
+        """Claim request_id and start collecting its step outputs (stream() reads them)."""
         if self._error is not None:
             raise RuntimeError(f"the engine loop died: {self._error!r}")
-        request = self.engine.make_request(prompt, params, request_id, priority)  # raises ValueError
-        rid = request.request_id
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[rid] = queue
-        self._pending_adds.append(request)
-        self._ensure_loop()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = asyncio.Queue()
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of an opened request until it finishes; leaving early aborts it."""
+        queue = self._streams[request_id]
         finished = False
         try:
             while not finished:
@@ -53,12 +70,22 @@ class AsyncEngine:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(rid, None)
-            if not finished:  # consumer cancelled or stopped early: free the request's blocks
-                self.abort(rid)
+            self.close_stream(request_id, finished)
+
+    def close_stream(self, request_id: str, finished: bool) -> None:
+        self._streams.pop(request_id, None)
+        if not finished:  # consumer cancelled or stopped early: free the request's blocks
+            self.abort(request_id)
+
+    async def call(self, fn: Callable[..., T], *args) -> T:
+        """Run fn(*args) on the engine between steps (the only safe time to touch engine state)."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, args, future))
+        self._ensure_loop()
+        return await future
 
     def abort(self, request_id: str) -> None:
-        self._pending_aborts.append(request_id)
+        self._pending.append((self.engine.abort_request, (request_id,), None))
         self._wakeup.set()
 
     def num_requests(self) -> int:
@@ -77,7 +104,7 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_pending()
-                if not engine.has_unfinished_requests():
+                if not engine.has_work():
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -92,14 +119,22 @@ class AsyncEngine:
                 queue.put_nowait(e)
             raise
 
+    def _add(self, request: Request) -> None:
+        if request.request_id in self._streams:  # not cancelled before it got here
+            self.engine.add_request(request)
+
     def _apply_pending(self) -> None:
-        adds, self._pending_adds = self._pending_adds, []
-        for request in adds:
-            if request.request_id in self._streams:
-                self.engine.add_request(request)
-        aborts, self._pending_aborts = self._pending_aborts, []
-        for rid in aborts:
-            self.engine.abort_request(rid)
+        pending, self._pending = self._pending, []
+        for fn, args, future in pending:
+            if future is None:
+                fn(*args)
+                continue
+            if future.cancelled():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except Exception as e:  # the caller gets it; the loop goes on
+                future.set_exception(e)
 
     async def shutdown(self) -> None:
         if self._loop_task is not None:

@@ -1,6 +1,10 @@
 """The engine: validate and add requests, then step (schedule -> forward -> sample -> update).
 
 Lifecycle of a request (unified mode): waiting -> running -> finished (preempted -> waiting).
+Disaggregated tiers use the same engine: the prefill tier finishes a request at its first token
+and holds its blocks until sent (`held_blocks`, `release_held`); the decode tier reserves blocks,
+takes the first token from the prefill worker, then admits the request once its KV has landed
+(`reserve_for_transfer`, `accept_first_token`, `admit_transferred`, `recompute_locally`).
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from splitserve.services.config import EngineConfig, RuntimeInfo
 from splitserve.services.engine.detokenizer import IncrementalDetokenizer
@@ -39,6 +45,16 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    handoff: PrefillHandoff | None = None  # prefill tier, on the finished output
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillHandoff:
+    """What a prefill-tier request leaves for its decode worker (its blocks are held until sent)."""
+
+    block_ids: list[int]  # the prompt's blocks, in order
+    sampler_state: bytes | None  # the request's seeded generator after the first sample
+
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -51,7 +67,7 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         new_text=first.new_text + later.new_text, finished=later.finished, finish_reason=later.finish_reason,
         stop_reason=later.stop_reason, new_logprobs=logprobs, num_prompt_tokens=later.num_prompt_tokens,
         num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
-        timings=later.timings,
+        timings=later.timings, handoff=later.handoff,
     )
 
 
@@ -96,7 +112,7 @@ class Engine:
         return list(prompt)
 
     def make_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0) -> Request:
+                     priority: int = 0, stop_after_prefill: bool = False) -> Request:
         """Validate a request without touching engine state (safe from any thread)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -112,7 +128,7 @@ class Engine:
                              f"cache of {rt.kv_capacity_tokens} tokens; lower max_tokens or raise --kv-cache-bytes")
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         return Request(rid, token_ids, params, max_tokens=max_tokens, eos_token_ids=rt.eos_token_ids,
-                       block_size=rt.block_size, priority=priority)
+                       block_size=rt.block_size, priority=priority, stop_after_prefill=stop_after_prefill)
 
     def _validate_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -142,6 +158,61 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """Whether step() would run anything (requests awaiting KV cannot run yet)."""
+        return self.scheduler.has_work()
+
+    # -- prefill tier ---------------------------------------------------------------------------
+    def release_held(self, request_id: str) -> bool:
+        """The prompt's blocks were sent (or the send failed): back to the pool, kept as prefix cache."""
+        return self.scheduler.release_held(request_id)
+
+    # -- decode tier ----------------------------------------------------------------------------
+    def reserve_for_transfer(self, request: Request) -> int | None:
+        """Reserve the prompt's blocks; returns the number already held here, None when full."""
+        num_held = self.scheduler.reserve_for_transfer(request)
+        if num_held is not None:
+            self._tracked[request.request_id] = _Tracked(
+                IncrementalDetokenizer(self.tokenizer, request.sampling_params))
+        return num_held
+
+    def accept_first_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None,
+                           sampler_state: bytes | None) -> RequestOutput | None:
+        """The prefill worker's first token: append it, carry the sampler over, check stops.
+
+        Returns None if the request is gone (aborted meanwhile).
+        """
+        request = self.scheduler.awaiting_kv.get(request_id)
+        if request is None:
+            return None
+        request.append_output_token(token_id)
+        if sampler_state is not None:
+            self.sampler.set_state(request_id, sampler_state)
+        status = request.check_stop(self.runtime.max_model_len)
+        if status is not None:
+            self.scheduler.finish_request(request_id, status)
+        return self._output(request, logprobs)
+
+    def admit_transferred(self, request_id: str, num_held: int, blocks: torch.Tensor) -> bool:
+        """Write the received blocks after the num_held already here, then let the request run.
+
+        False (nothing written) if the request is gone: its reserved blocks may be reused already.
+        """
+        if request_id not in self.scheduler.awaiting_kv:
+            return False
+        block_ids = self.kv.block_ids(request_id)[num_held:]
+        if len(block_ids) != blocks.shape[2]:
+            raise ValueError(f"transfer carried {blocks.shape[2]} blocks for {len(block_ids)} reserved ones")
+        self.runner.write_blocks(block_ids, blocks)
+        self.scheduler.admit_transferred(request_id)
+        return True
+
+    def recompute_locally(self, request_id: str) -> bool:
+        if request_id not in self.scheduler.awaiting_kv:
+            return False
+        self.scheduler.recompute_locally(request_id)
+        return True
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
@@ -168,8 +239,11 @@ class Engine:
         if stop is not None:  # a stop string wins over whatever else ended the request this step
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)  # no-op if already finished
             request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        handoff = None
         if request.is_finished:
             detok.flush()
+            if request.stop_after_prefill and rid in self.scheduler.held:
+                handoff = PrefillHandoff(self.kv.block_ids(rid), self.sampler.get_state(rid))
             self._forget(rid)
         return RequestOutput(
             request_id=rid, new_token_ids=[request.all_token_ids[-1]],
@@ -177,7 +251,7 @@ class Engine:
             finish_reason=request.finish_reason, stop_reason=request.stop_reason,
             new_logprobs=[logprobs] if logprobs is not None else None,
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, timings=_timings(tracked),
+            num_cached_tokens=request.num_cached_tokens, timings=_timings(tracked), handoff=handoff,
         )
 
     def _forget(self, request_id: str) -> None:

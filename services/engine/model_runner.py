@@ -65,6 +65,28 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
 
+    @property
+    def kv_layout(self) -> str:
+        """What must match between two workers for KV blocks to move between them."""
+        _, _, _, bs, kvh, d = self.kv_cache.shape
+        return f"{str(self.dtype).removeprefix('torch.')}/layers={self.arch.num_layers}/block={bs}/kv_heads={kvh}/head_dim={d}"
+
+    def blocks_buffer(self, num_blocks: int) -> torch.Tensor:
+        """Uninitialised host memory shaped like read_blocks(num_blocks ids), to receive into."""
+        shape = list(self.kv_cache.shape)
+        shape[2] = num_blocks
+        return torch.empty(shape, dtype=self.dtype)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kvh, head_dim]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        return self.kv_cache.index_select(2, index)
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i]."""
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(2, index, blocks.to(self.device, self.dtype))
+
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         budget = config.cache.kv_cache_bytes
         if budget is None:

@@ -4,6 +4,10 @@ Tokens, not phases: `num_computed_tokens` (tokens whose KV is in the cache) catc
 `num_tokens` (prompt + sampled). Prefill, chunked prefill, a prefix hit, recompute after
 preemption and (later) KV arriving from a prefill worker all just move `num_computed_tokens`.
 A token is sampled whenever a step brings `num_computed_tokens` up to `num_tokens`.
+
+Decode tier: a request whose KV comes from a prefill worker waits in AWAITING_KV holding reserved
+blocks; when the blocks land, `num_computed_tokens` jumps to the prompt length and it joins the
+waiting queue like any other request (see services/worker/decode.py for the whole handoff).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ _arrival_counter = itertools.count()
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    AWAITING_KV = "awaiting_kv"  # decode tier: blocks reserved, KV in flight from a prefill worker
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token or a stop string

@@ -33,6 +33,16 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
 
+    def get_state(self, request_id: str) -> bytes | None:
+        """A seeded request's generator state (to continue it in another process), else None."""
+        gen = self._generators.get(request_id)
+        return None if gen is None else bytes(gen.get_state().numpy().tobytes())
+
+    def set_state(self, request_id: str, state: bytes) -> None:
+        gen = torch.Generator()
+        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        self._generators[request_id] = gen
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [num_requests, vocab] float32, one row per request."""
         raw = logits

@@ -1,8 +1,10 @@
 """Continuous (iteration-level) batching over the paged KV cache.
 
-Request lifecycle (unified mode): waiting -> running -> finished, with running -> waiting on
-preemption (recompute: the request's blocks are freed and its KV recomputed later, cheaply when
-its blocks are still in the prefix cache).
+Request lifecycle: waiting -> running -> finished, with running -> waiting on preemption
+(recompute: the request's blocks are freed and its KV recomputed later, cheaply when its blocks
+are still in the prefix cache). The decode tier adds awaiting_kv -> waiting in front (blocks
+reserved while the KV is in flight); the prefill tier adds finished -> held (blocks kept until
+they are sent).
 
 Each step: running requests first (decodes and unfinished chunked prefills), preempting the
 lowest-priority, latest-arrived running request when blocks run out; then, if nothing was
@@ -17,7 +19,7 @@ from dataclasses import dataclass, field
 from splitserve.services.config import RuntimeInfo, SchedulerConfig
 from splitserve.services.engine.request import Request, RequestStatus
 from splitserve.services.kv_cache.block_pool import BlockId
-from splitserve.services.kv_cache.manager import KVCacheManager
+from splitserve.services.kv_cache.manager import KVCacheManager, PrefixHit
 
 
 @dataclass(slots=True)
@@ -100,7 +102,9 @@ class Scheduler:
         self.kv = kv
         self.waiting = WaitingQueue(config.policy == "priority")
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.awaiting_kv: dict[str, Request] = {}  # decode tier: KV in flight from a prefill worker
+        self.held: dict[str, Request] = {}  # prefill tier: finished, blocks kept until sent
+        self.requests: dict[str, Request] = {}  # every unfinished request (awaiting_kv included)
         self.stats = SchedulerStats()
 
     # -- queue changes ------------------------------------------------------------------------
@@ -110,21 +114,75 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish (or abort) a request now and free its blocks at once."""
+    def finish_request(self, request_id: str, status: RequestStatus, keep_blocks: bool = False) -> Request | None:
+        """Finish (or abort) a request now and free its blocks at once (or hold them: prefill tier)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.AWAITING_KV:
+            del self.awaiting_kv[request_id]
         else:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        if keep_blocks:
+            self.held[request_id] = request
+        else:
+            self.kv.free(request)
         return request
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill-tier request kept for its KV transfer."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        return request is not None
+
+    # -- decode tier: KV arriving from a prefill worker ---------------------------------------
+    def reserve_for_transfer(self, request: Request) -> int | None:
+        """Reserve blocks for the whole prompt before any KV moves; park the request in awaiting_kv.
+
+        Returns how many leading prompt blocks are already here (prefix hits: not transferred),
+        or None, changing nothing, when the pool cannot hold the prompt now.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        hit = self.kv.find_prefix_hit(request)
+        if not self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit):
+            return None
+        request.num_cached_tokens = hit.num_tokens
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += hit.num_tokens
+        request.status = RequestStatus.AWAITING_KV
+        self.requests[request.request_id] = request
+        self.awaiting_kv[request.request_id] = request
+        return len(hit.blocks)
+
+    def admit_transferred(self, request_id: str) -> None:
+        """The prompt's KV landed in the reserved blocks: the prompt counts as computed."""
+        request = self.awaiting_kv.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request)
+        self._requeue(request)
+
+    def recompute_locally(self, request_id: str) -> None:
+        """The transfer failed after the first token went out: drop the reservation, prefill here."""
+        request = self.awaiting_kv.pop(request_id)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether a step could schedule anything (requests awaiting KV cannot run yet)."""
+        return bool(self.running) or bool(self.waiting)
 
     @property
     def num_waiting(self) -> int:
@@ -186,7 +244,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            hit = self.kv.find_prefix_hit(request)
+            holds = self.kv.holds(request.request_id)  # admitted after a KV transfer
+            hit = PrefixHit([], self.kv.block_size) if holds else self.kv.find_prefix_hit(request)
             num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -194,7 +253,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit):
                 break
             self.waiting.pop()
-            if request.num_preemptions == 0:
+            if request.num_preemptions == 0 and not holds and request.num_output_tokens == 0:
                 request.num_cached_tokens = hit.num_tokens
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += hit.num_tokens
@@ -225,5 +284,5 @@ class Scheduler:
             advanced.append(request)
             status = request.check_stop(self.runtime.max_model_len)
             if status is not None:
-                self.finish_request(request.request_id, status)
+                self.finish_request(request.request_id, status, keep_blocks=request.stop_after_prefill)
         return advanced

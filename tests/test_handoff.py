@@ -1,0 +1,186 @@
+"""The prefill -> decode handoff in one process: two engines, the in-process transport and direct
+calls instead of gRPC. Output must equal the unified engine's, token for token; failures fall
+back without leaking blocks on either side."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+from splitserve.services.config import CacheConfig, EngineConfig
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.request import Request
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.transfer.base import checksum
+from splitserve.services.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
+from splitserve.services.worker.decode import DecodeHandoff, PrefillClient
+from splitserve.services.worker.handoff import HandoffError, HandoffEvent, HandoffJob
+from splitserve.services.worker.prefill import prefill_and_send
+
+KV_BYTES = 2 * 1024**2
+
+
+def _config(folder) -> EngineConfig:
+    return EngineConfig(model=str(folder), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=KV_BYTES))
+
+
+class DirectClient(PrefillClient):
+    """Calls prefill_and_send on in-process prefill engines; records every job it forwards."""
+
+    def __init__(self, prefills: dict[str, AsyncEngine], hub: Hub, send_delay_s: float = 0.0) -> None:
+        self.prefills, self.sender, self.send_delay_s = prefills, InProcessSender(hub), send_delay_s
+        self.jobs: list[HandoffJob] = []
+        self.fail_before_first = False
+
+    async def prefill(self, peer: str, request: Request, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+        self.jobs.append(job)
+        if self.fail_before_first:
+            raise ConnectionError("prefill worker is gone")
+        engine = self.prefills[peer]
+        copy = engine.engine.make_request(request.all_token_ids, request.sampling_params, request.request_id,
+                                          stop_after_prefill=True)
+        async for event in prefill_and_send(engine, copy, self.sender, job, send_delay_s=self.send_delay_s):
+            yield event
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    return Engine(_config(tiny_llama_dir)), Engine(_config(tiny_llama_dir))
+
+
+def _setup(engines, hub_timeout_s=5.0, send_delay_s=0.0):
+    prefill_engine, decode_engine = engines
+    prefill, decode = AsyncEngine(prefill_engine), AsyncEngine(decode_engine)
+    hub = Hub(hub_timeout_s)
+    client = DirectClient({"p0": prefill}, hub, send_delay_s)
+    handoff = DecodeHandoff(decode, InProcessReceiver(hub), client, transfer_timeout_s=hub_timeout_s)
+    return prefill, decode, client, handoff
+
+
+async def _run(handoff: DecodeHandoff, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
+    request = handoff.engine.engine.make_request(prompt, params, rid)
+    tokens: list[int] = []
+    async for out in handoff.generate(request, "p0"):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def _all_free(engine: Engine) -> bool:
+    return (engine.kv.num_free_blocks == engine.runner.num_blocks and not engine.has_unfinished_requests()
+            and not engine.scheduler.held)
+
+
+async def _settle(*engines: AsyncEngine) -> None:
+    for _ in range(100):
+        if all(_all_free(e.engine) for e in engines):
+            return
+        await asyncio.sleep(0.02)
+
+
+PROMPTS = [[(5 * i + j) % 300 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens, ragged
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=12),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12),
+    SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5),
+], ids=["greedy", "seeded", "penalties"])
+def test_disaggregated_output_equals_unified(engines, tiny_llama_dir, params):
+    want = [o.token_ids for o in LLM(_config(tiny_llama_dir)).generate(PROMPTS, params)]
+
+    async def main():
+        prefill, decode, _, handoff = _setup(engines)
+        got = await asyncio.gather(*(_run(handoff, p, params, f"r{i}") for i, p in enumerate(PROMPTS)))
+        await _settle(prefill, decode)
+        return got, prefill, decode
+
+    got, prefill, decode = asyncio.run(main())
+    assert got == want
+    assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+
+def test_shared_prefix_sends_fewer_blocks(engines):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    prefix = list(range(1, 41))  # 5 full blocks of 8
+
+    async def main():
+        prefill, decode, client, handoff = _setup(engines)
+        await _run(handoff, prefix + [50, 51], params, "a")
+        await _run(handoff, prefix + [60, 61, 62], params, "b")
+        await _settle(prefill, decode)
+        return client.jobs
+
+    first, second = asyncio.run(main())
+    assert first.num_skip_blocks == 0
+    assert second.num_skip_blocks == 5  # the decode worker already held the shared prefix
+
+
+def test_transfer_timeout_falls_back_to_recompute(engines, tiny_llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    want = LLM(_config(tiny_llama_dir)).generate([PROMPTS[3]], params)[0].token_ids
+
+    async def main():
+        prefill, decode, _, handoff = _setup(engines, hub_timeout_s=0.3, send_delay_s=0.6)
+        got = await _run(handoff, PROMPTS[3], params, "slow")
+        await asyncio.sleep(0.7)  # the late send finds nobody and gives its blocks back
+        await _settle(prefill, decode)
+        return got, prefill, decode
+
+    got, prefill, decode = asyncio.run(main())
+    assert got == want
+    assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+
+def test_failure_before_first_token_is_unavailable_and_frees_the_reservation(engines):
+    async def main():
+        prefill, decode, client, handoff = _setup(engines)
+        client.fail_before_first = True
+        with pytest.raises(HandoffError) as info:
+            await _run(handoff, PROMPTS[2], SamplingParams(max_tokens=4), "x")
+        await _settle(prefill, decode)
+        return info.value, decode
+
+    error, decode = asyncio.run(main())
+    assert error.code == "UNAVAILABLE" and error.failed_peer == "p0"
+    assert _all_free(decode.engine)
+
+
+def test_cancel_during_transfer_frees_both_sides(engines):
+    async def main():
+        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.3)
+        request = decode.engine.make_request(PROMPTS[4], SamplingParams(max_tokens=50), "c")
+        stream = handoff.generate(request, "p0")
+        await anext(stream)  # the first token is out; the blocks are still on their way
+        await stream.aclose()
+        await asyncio.sleep(0.5)
+        await _settle(prefill, decode)
+        return prefill, decode
+
+    prefill, decode = asyncio.run(main())
+    assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+
+def test_received_blocks_are_bit_identical(engines):
+    prefill_engine, decode_engine = engines
+    runner = prefill_engine.runner
+    with torch.no_grad():
+        runner.kv_cache[:, :, 3:6].normal_()
+    sent = runner.read_blocks([3, 4, 5])
+
+    async def main():
+        hub = Hub()
+        receiver, sender = InProcessReceiver(hub), InProcessSender(hub)
+        channel = receiver.channel_for("p0")
+        buffer = decode_engine.runner.blocks_buffer(3)
+        await asyncio.gather(receiver.recv(channel, 1, buffer), sender.send(channel, 1, sent))
+        return buffer
+
+    received = asyncio.run(main())
+    decode_engine.runner.write_blocks([7, 9, 11], received)
+    assert torch.equal(decode_engine.runner.read_blocks([7, 9, 11]), sent)
+    assert checksum(received) == checksum(sent)
