@@ -1,0 +1,218 @@
+"""Every Triton kernel under the interpreter against its plain-torch `*_ref`, at small shapes."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+# Triton decides when a kernel is decorated (at import, triton.language's own helpers included)
+# whether it is interpreted: so the variable is set before triton is first imported, and around each
+# test (fixture below), but not left set for later tests' subprocesses.
+_saved_env = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+from splitserve import kernels as K  # noqa: E402
+from splitserve.kernels import _common  # noqa: E402
+
+if _saved_env is None:
+    del os.environ["TRITON_INTERPRET"]
+else:
+    os.environ["TRITON_INTERPRET"] = _saved_env
+if not _common.INTERPRETED:
+    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; run these tests in a "
+                       "process that has not imported it yet")
+
+from splitserve.services.model.arch import ModelArchConfig, RopeScaling, rope_inv_freq  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Kernels and references both compute in float32; the outputs differ by rounding of the result (and
+# on the GPU by fp16/bf16 tl.dot operands): about one ulp of the dtype.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+NUM_KV_HEADS = 2
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _paged_context(seq_lens: list[int], block_size: int, head_dim: int, dtype, seed: int = 0):
+    """A cache holding each sequence's whole context in shuffled blocks; returns (kv_cache,
+    block_tables [num_seqs, max_blocks] padded with 0)."""
+    rng = random.Random(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks_per_seq]
+    width = max(blocks_per_seq)
+    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim).to(dtype)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
+    return kv_cache, block_tables
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_store_kv(dtype, block_size):
+    torch.manual_seed(0)
+    head_dim, num_blocks, num_tokens = 64, 6, 13
+    kv_cache = torch.randn(2, num_blocks, block_size, NUM_KV_HEADS, head_dim).to(dtype)
+    qkv = torch.randn(num_tokens, 3 * NUM_KV_HEADS * head_dim).to(dtype)  # strided views, as in the model
+    k = qkv[:, : NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, NUM_KV_HEADS * head_dim : 2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    expected = kv_cache.clone()
+    K.store_kv_ref(k, v, expected, slots)
+    K.store_kv(k, v, kv_cache, slots.to(torch.int32))
+    assert torch.equal(kv_cache, expected)
+
+
+# Length 1, one full block, partial last blocks, and more than one 64-token tile.
+DECODE_LENS = [1, 16, 37, 130, 9]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_paged_decode_attention(dtype, group, head_dim, block_size):
+    torch.manual_seed(1)
+    kv_cache, block_tables = _paged_context(DECODE_LENS, block_size, head_dim, dtype)
+    seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
+    q = torch.randn(len(DECODE_LENS), NUM_KV_HEADS * group, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    expected = K.paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale)
+    # One split, and split-K with 3 splits (the shortest sequences leave some splits empty).
+    for num_splits in (1, 3):
+        out = K.paged_decode_attention(q, kv_cache, block_tables, seq_lens, scale, num_splits=num_splits)
+        torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+# (cached prefix length, new tokens): empty and non-empty prefixes, a one-token query, queries that
+# span several query blocks and KV tiles, prefixes ending mid-block and on a block boundary.
+PREFILL_SEQS = [(0, 1), (0, 37), (21, 5), (64, 70), (3, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_paged_prefill_attention(dtype, group, head_dim, block_size):
+    torch.manual_seed(2)
+    seq_lens_list = [p + n for p, n in PREFILL_SEQS]
+    kv_cache, block_tables = _paged_context(seq_lens_list, block_size, head_dim, dtype)
+    query_lens = [n for _, n in PREFILL_SEQS]
+    offset = 4  # the prefill part of a batch whose 4 decode tokens come first
+    query_start_loc = torch.tensor([offset] + [offset + sum(query_lens[: i + 1]) for i in range(len(query_lens))],
+                                   dtype=torch.int32)
+    seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
+    q = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    out = K.paged_prefill_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
+                                    max_query_len=max(query_lens))
+    expected = K.paged_prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+
+
+def test_attention_wrappers_reject_bad_inputs():
+    kv_cache, block_tables = _paged_context([5, 9], 8, 64, torch.float32)
+    seq_lens = torch.tensor([5, 9], dtype=torch.int32)
+    q = torch.randn(2, 4, 64)
+    with pytest.raises(ValueError, match="dtype"):
+        K.paged_decode_attention(q.half(), kv_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="seq_lens must have dtype"):
+        K.paged_decode_attention(q, kv_cache, block_tables, seq_lens.float(), 0.125)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        K.paged_decode_attention(torch.randn(2, 3, 64), kv_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="head_dim"):
+        K.paged_decode_attention(torch.randn(2, 4, 32), kv_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="contiguous in its last dimension"):
+        K.paged_decode_attention(torch.randn(2, 64, 4).transpose(1, 2), kv_cache, block_tables, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="one device"):
+        K.paged_decode_attention(q, kv_cache, block_tables, seq_lens.to("meta"), 0.125)
+    with pytest.raises(ValueError, match="query_start_loc must have shape"):
+        K.paged_prefill_attention(q, kv_cache, block_tables, seq_lens, torch.tensor([0, 1], dtype=torch.int32),
+                                  0.125, max_query_len=1)
+    with pytest.raises(ValueError, match="k must have shape"):
+        K.store_kv(torch.randn(3, 2, 32), torch.randn(3, 2, 64), kv_cache, torch.tensor([0, 1, 2]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fused_residual", [False, True])
+def test_rms_norm(dtype, fused_residual):
+    torch.manual_seed(3)
+    x = torch.randn(7, 96).to(dtype)  # hidden not a power of two: a masked tail
+    weight = (1 + 0.1 * torch.randn(96)).to(dtype)
+    residual = torch.randn(7, 96).to(dtype) if fused_residual else None
+    expected_residual = None if residual is None else residual.clone()
+    expected = K.rms_norm_ref(x, weight, 1e-5, expected_residual)
+    out = K.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    if fused_residual:
+        torch.testing.assert_close(residual, expected_residual, **TOL[dtype])
+
+
+def _llama3_cos_sin(head_dim: int, max_positions: int):
+    arch = ModelArchConfig(
+        architecture="LlamaForCausalLM", vocab_size=8, hidden_size=head_dim * 2, intermediate_size=8,
+        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-5,
+        rope_theta=500000.0, max_position_embeddings=max_positions, tie_word_embeddings=False, qkv_bias=False,
+        rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64))
+    return K.rope_cos_sin(rope_inv_freq(arch), max_positions)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary_embedding(dtype, interleaved, head_dim):
+    torch.manual_seed(4)
+    cos, sin = _llama3_cos_sin(head_dim, 300)
+    num_tokens, num_heads, num_kv_heads = 9, 6, 2
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)  # strided, rotated in place
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    positions = torch.tensor([0, 1, 2, 7, 63, 64, 65, 200, 299])
+    q_ref, k_ref = q.clone(), k.clone()
+    K.rotary_embedding_ref(positions, q_ref, k_ref, cos, sin, interleaved)
+    K.rotary_embedding(positions, q, k, cos, sin, interleaved)
+    torch.testing.assert_close(q, q_ref, **TOL[dtype])
+    torch.testing.assert_close(k, k_ref, **TOL[dtype])
+
+
+def test_rotary_neox_matches_the_model_table():
+    """The half table from rope_cos_sin is the model's [max_len, head_dim] table cut in half."""
+    from splitserve.services.model.llama import apply_rotary
+
+    cos, sin = _llama3_cos_sin(64, 100)
+    positions = torch.tensor([3, 50, 99])
+    q, k = torch.randn(3, 4, 64), torch.randn(3, 2, 64)
+    full = lambda t: torch.cat((t, t), dim=-1)[positions].unsqueeze(1)  # noqa: E731
+    q_model, k_model = apply_rotary(q, k, full(cos), full(sin))
+    K.rotary_embedding(positions, q, k, cos, sin)
+    torch.testing.assert_close(q, q_model, **TOL[torch.float32])
+    torch.testing.assert_close(k, k_model, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    torch.manual_seed(5)
+    x = (3 * torch.randn(5, 2 * 80)).to(dtype)
+    torch.testing.assert_close(K.silu_and_mul(x), K.silu_and_mul_ref(x), **TOL[dtype])
+
+
+def test_op_wrappers_reject_bad_inputs():
+    with pytest.raises(ValueError, match="weight must have shape"):
+        K.rms_norm(torch.randn(2, 8), torch.ones(4), 1e-5)
+    with pytest.raises(ValueError, match="residual must have dtype"):
+        K.rms_norm(torch.randn(2, 8), torch.ones(8), 1e-5, residual=torch.randn(2, 8).half())
+    with pytest.raises(ValueError, match="even"):
+        K.silu_and_mul(torch.randn(2, 7))
+    cos, sin = _llama3_cos_sin(64, 10)
+    with pytest.raises(ValueError, match="cos must have shape"):
+        K.rotary_embedding(torch.tensor([0]), torch.randn(1, 2, 32), torch.randn(1, 1, 32), cos, sin)
+    with pytest.raises(ValueError, match="positions must have dtype"):
+        K.rotary_embedding(torch.tensor([0.0]), torch.randn(1, 2, 64), torch.randn(1, 1, 64), cos, sin)
