@@ -4,8 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA the Triton kernel tests run under Triton's interpreter, which Triton reads when triton
+# is first imported, and torch imports triton lazily (torch._dynamo, e.g. through transformers): so
+# set it here, before any test or fixture runs. Importing torch alone does not import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB_SIZE = 320
 

@@ -1,29 +1,21 @@
-"""Every Triton kernel under the interpreter against its plain-torch `*_ref`, at small shapes."""
+"""Every Triton kernel against its plain-torch `*_ref` at small shapes: under the interpreter on CPU
+(TRITON_INTERPRET=1, set in tests/conftest.py), compiled on CUDA."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
-# Triton decides when a kernel is decorated (at import, triton.language's own helpers included)
-# whether it is interpreted: so the variable is set before triton is first imported, and around each
-# test (fixture below), but not left set for later tests' subprocesses.
-_saved_env = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-from splitserve import kernels as K  # noqa: E402
+
+from splitserve import kernels as K  # noqa: E402  (after the skip)
 from splitserve.kernels import _common  # noqa: E402
 
-if _saved_env is None:
-    del os.environ["TRITON_INTERPRET"]
-else:
-    os.environ["TRITON_INTERPRET"] = _saved_env
-if not _common.INTERPRETED:
-    raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set; run these tests in a "
-                       "process that has not imported it yet")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU, tests/conftest.py sets TRITON_INTERPRET=1
+if DEVICE == "cpu" and not _common.INTERPRETED:
+    raise RuntimeError("Triton kernel tests on CPU need TRITON_INTERPRET=1 set before triton is imported")
 
 from splitserve.services.model.arch import ModelArchConfig, RopeScaling, rope_inv_freq  # noqa: E402
 
@@ -36,8 +28,9 @@ NUM_KV_HEADS = 2
 
 
 @pytest.fixture(autouse=True)
-def _interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _on_device():
+    with torch.device(DEVICE):  # the default device for every tensor the test makes
+        yield
 
 
 def _paged_context(seq_lens: list[int], block_size: int, head_dim: int, dtype, seed: int = 0):

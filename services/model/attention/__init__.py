@@ -9,6 +9,8 @@ from splitserve.services.model.attention.backend import (
     register_backend,
 )
 from splitserve.services.model.attention import torch_backend as _torch_backend  # noqa: F401  registers "torch"
+# Registers "triton" without importing triton: without the package, only asking for it fails (clearly).
+from splitserve.services.model.attention import triton_backend as _triton_backend  # noqa: F401
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "default_backend_name",
            "get_backend", "register_backend"]

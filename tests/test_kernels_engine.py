@@ -1,0 +1,59 @@
+"""The engine on the `triton` attention backend (under the Triton interpreter on CPU: TRITON_INTERPRET=1
+from tests/conftest.py) against the `torch` one:
+same greedy tokens on the tiny test model, across mixed batches, chunked prefill and prefix hits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.model.attention import default_backend_name, get_backend
+from splitserve.services.model.attention import triton_backend
+
+from conftest import VOCAB_SIZE
+
+pytestmark = pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")
+
+
+def _generate(folder, backend: str, prompts: list[list[list[int]]], max_tokens: int, **sched):
+    """Greedy tokens of each prompt, groups one after another (later groups can hit the prefix
+    cache), and how many prompt tokens each found cached."""
+    config = EngineConfig(model=str(folder), attention_backend=backend, dtype="float32",
+                          scheduler=SchedulerConfig(**sched), cache=CacheConfig(block_size=8, kv_cache_bytes=1024**2))
+    llm = LLM(config)
+    assert llm.engine.runner.backend.name == backend
+    outs = []
+    for group in prompts:
+        outs += llm.generate(group, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def test_triton_backend_matches_torch_backend(tiny_qwen2_dir):
+    rng = random.Random(7)
+    shared = [rng.randrange(1, VOCAB_SIZE) for _ in range(20)]
+    prompts = [[[rng.randrange(1, VOCAB_SIZE) for _ in range(n)] for n in (1, 9, 30)] + [shared],
+               [shared + [5, 6], shared + [7]]]  # the second group hits the first's cached blocks
+    # 16 tokens a step: the 30- and 20-token prompts are prefilled in chunks next to running decodes.
+    sched = dict(max_num_batched_tokens=16, max_num_seqs=8)
+    expected, _ = _generate(tiny_qwen2_dir, "torch", prompts, 6, **sched)
+    tokens, cached = _generate(tiny_qwen2_dir, "triton", prompts, 6, **sched)
+    assert tokens == expected
+    assert cached[-2:] == [16, 16]
+
+
+def test_backend_selection(monkeypatch):
+    cpu = torch.device("cpu")
+    assert default_backend_name(cpu) == "torch"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        get_backend("triton", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert get_backend("triton", cpu) is triton_backend.TritonAttention
+    monkeypatch.setattr(triton_backend, "triton_installed", lambda: False)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        get_backend("triton", cpu)
