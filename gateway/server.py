@@ -1,6 +1,11 @@
 """The gateway: public Generation API, worker Registry, health, reflection and /metrics.
 
-Request path: validate + tokenize once -> pick a healthy worker -> proxy its token stream.
+Request path: validate + tokenize once -> plan -> proxy the token stream.
+Plan: with healthy prefill and decode workers, a (prefill, decode) pair: the decode worker gets the
+request with the prefill worker's address and runs the handoff. Otherwise one worker that runs
+whole requests (unified, or decode when no prefill worker is up).
+A request that fails before any token reached the client is retried once on another plan that
+avoids the worker to blame; after that, or once tokens went out, the client gets UNAVAILABLE.
 Torch-free on purpose (a test checks sys.modules).
 """
 
@@ -11,6 +16,7 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -30,6 +36,7 @@ from splitserve.services.serving import start_metrics_server
 from splitserve.services.wire import sampling_params_from_proto
 
 log = logging.getLogger("splitserve.gateway")
+FAILED_PEER_KEY = "splitserve-failed-peer"  # set by decode workers (services/worker/servicer.py)
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.DEADLINE_EXCEEDED}
 
@@ -58,6 +65,8 @@ class GatewayMetrics:
         self.routed = Counter("splitserve:gateway_routing_decisions", "Requests routed, by worker and reason.",
                               ["worker", "reason"], registry=self.registry)
         self.pending = Gauge("splitserve:gateway_requests_in_flight", "Requests in flight.", registry=self.registry)
+        self.retries = Counter("splitserve:gateway_retries", "Requests retried on another worker before any "
+                               "token went out, by the failed worker's role.", ["role"], registry=self.registry)
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):
@@ -92,13 +101,38 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"the gateway already has {self.config.max_pending} requests in flight; "
                          "retry later or start it with a higher --max-pending")
-        worker = self.router.pick(self.workers.healthy(self.model_name), worker_request.prompt_token_ids)
-        if worker is None:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, "no healthy worker is serving this model; start one "
-                         "with `splitserve worker --gateway HOST:PORT` or wait for it to become healthy")
-        self.metrics.routed.labels(worker=worker.worker_id, reason=self.router.name).inc()
-        async for response in self._proxy(worker, worker_request, context, arrival):
-            yield response
+        avoid: set[str] = set()
+        for attempt in range(2):
+            target, prefill = self._plan(worker_request.prompt_token_ids, avoid)
+            worker_request.prefill_address = prefill.address if prefill else ""
+            reason = ("disaggregated" if prefill else self.router.name) + ("+retry" if attempt else "")
+            self.metrics.routed.labels(worker=target.worker_id, reason=reason).inc()
+            started = False
+            try:
+                async for response in self._proxy(target, prefill, worker_request, context, arrival):
+                    started = True
+                    yield response
+                return
+            except _WorkerFailed as e:
+                if started or attempt == 1:
+                    raise _Abort(grpc.StatusCode.UNAVAILABLE, e.message) from None
+                avoid.add(e.worker.address)
+                self.metrics.retries.labels(role=e.worker.role_name).inc()
+                log.warning("request %s: %s; retrying once elsewhere", worker_request.request_id, e.message)
+
+    def _plan(self, prompt: Sequence[int], avoid: set[str]) -> tuple[WorkerHandle, WorkerHandle | None]:
+        """(worker to stream from, prefill worker or None)."""
+        healthy = [w for w in self.workers.healthy(self.model_name) if w.address not in avoid]
+        prefills = [w for w in healthy if w.role == pb.WORKER_ROLE_PREFILL]
+        decodes = [w for w in healthy if w.role == pb.WORKER_ROLE_DECODE]
+        if prefills and decodes:
+            return self.router.pick(decodes, prompt), self.router.pick(prefills, prompt)
+        target = self.router.pick([w for w in healthy if w.role != pb.WORKER_ROLE_PREFILL], prompt)
+        if target is None:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "no healthy worker can serve this model now; start one with "
+                         "`splitserve worker --gateway HOST:PORT` (unified, or a prefill and a decode worker) "
+                         "or wait for one to become healthy")
+        return target, None
 
     def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
         if request.model and request.model != self.model_name:
@@ -134,33 +168,46 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             return self.tokenizer.encode_chat(_messages(request.chat)) if request.chat.messages else []
         return []
 
-    async def _proxy(self, worker: WorkerHandle, req: pb.WorkerGenerateRequest, context, arrival: float):
-        worker.outstanding += 1
-        timeout = context.time_remaining()
-        call = worker.stub.Generate(req, timeout=timeout)
+    async def _proxy(self, worker: WorkerHandle, prefill: WorkerHandle | None, req: pb.WorkerGenerateRequest,
+                     context, arrival: float):
+        busy = [worker] + ([prefill] if prefill else [])
+        for w in busy:
+            w.outstanding += 1
+        call = worker.stub.Generate(req, timeout=context.time_remaining())
         first_token_at = None
         try:
             async for chunk in call:
                 now = time.monotonic()
-                first_token_at = first_token_at or now
-                response = gen_pb.GenerateResponse(request_id=req.request_id, text=chunk.text,
-                                                   token_ids=chunk.token_ids, logprobs=chunk.logprobs)
-                if chunk.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
-                    response.finish_reason, response.stop_reason = chunk.finish_reason, chunk.stop_reason
-                    response.usage.CopyFrom(chunk.usage)
-                    response.timings.CopyFrom(gen_pb.Timings(queue_ms=chunk.queue_ms,
-                                                             ttft_ms=(first_token_at - arrival) * 1e3,
-                                                             e2e_ms=(now - arrival) * 1e3))
-                yield response
+                if first_token_at is None:
+                    first_token_at = now
+                    if prefill is not None:  # its part is done
+                        prefill.outstanding -= 1
+                        busy.remove(prefill)
+                yield self._response(req.request_id, chunk, arrival, first_token_at, now)
         except grpc.aio.AioRpcError as e:
             if e.code() in _PASS_THROUGH:
                 raise _Abort(e.code(), e.details()) from None
-            self.workers.mark_failed(worker)
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"worker {worker.worker_id} at {worker.address} failed "
-                         f"during the request ({e.code().name}: {e.details()}); retry the request") from None
+            blamed = _failed_peer(e) or worker.address
+            failed = prefill if prefill is not None and blamed == prefill.address else worker
+            self.workers.mark_failed(failed)
+            raise _WorkerFailed(failed, f"{failed.role_name} worker {failed.worker_id} at {failed.address} failed "
+                                f"during the request ({e.code().name}: {e.details()}); retry the request") from None
         finally:
-            worker.outstanding -= 1
+            for w in busy:
+                w.outstanding -= 1
             call.cancel()  # no-op when done; aborts the worker's request when the client went away
+
+    @staticmethod
+    def _response(request_id: str, chunk: pb.WorkerGenerateResponse, arrival: float, first_token_at: float,
+                  now: float) -> gen_pb.GenerateResponse:
+        response = gen_pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
+                                           logprobs=chunk.logprobs)
+        if chunk.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+            response.finish_reason, response.stop_reason = chunk.finish_reason, chunk.stop_reason
+            response.usage.CopyFrom(chunk.usage)
+            response.timings.CopyFrom(gen_pb.Timings(queue_ms=chunk.queue_ms, ttft_ms=(first_token_at - arrival) * 1e3,
+                                                     e2e_ms=(now - arrival) * 1e3))
+        return response
 
     def _max_model_len(self) -> int:
         """The context the healthy workers accept (0 while none is known)."""
@@ -186,6 +233,20 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
 def _messages(chat: gen_pb.ChatMessages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
+def _failed_peer(error: grpc.aio.AioRpcError) -> str | None:
+    """The worker a decode worker blamed (a prefill worker), from the trailing metadata."""
+    for key, value in error.trailing_metadata() or ():
+        if key == FAILED_PEER_KEY:
+            return value
+    return None
+
+
+class _WorkerFailed(Exception):
+    def __init__(self, worker: WorkerHandle, message: str) -> None:
+        super().__init__(message)
+        self.worker, self.message = worker, message
 
 
 class _Abort(Exception):

@@ -102,7 +102,8 @@ def _worker(a: argparse.Namespace) -> int:
     if a.num_threads:
         torch.set_num_threads(a.num_threads)
     config = WorkerConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
-                          metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode)
+                          metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode,
+                          kv_transfer_timeout_s=a.kv_transfer_timeout)
     asyncio.run(serve_worker(config))
     return 0
 
@@ -123,7 +124,8 @@ def _gateway(a: argparse.Namespace) -> int:
 def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
     from splitserve.services.launcher import run_up
 
-    return run_up(a.workers, engine_argv, a.host, a.port)
+    workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
+    return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker (an engine behind the Worker gRPC API)")
     _add_server_args(worker)
     worker.add_argument("--gateway", default=None, help="gateway HOST:PORT to register with")
-    worker.add_argument("--mode", default="unified", choices=["unified"], help="prefill/decode come next")
+    worker.add_argument("--mode", default="unified", choices=["unified", "prefill", "decode"],
+                        help="unified: whole requests; prefill: prompts only, sends KV; decode: continues "
+                             "requests whose KV a prefill worker sends")
+    worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                        help="seconds any KV transfer step may take before it counts as failed")
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     add_engine_args(worker)
     worker.set_defaults(func=_worker)
@@ -158,8 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--router", default="least-outstanding")
     gateway.set_defaults(func=_gateway)
 
-    up = sub.add_parser("up", help="start a gateway and N unified workers as local processes")
-    up.add_argument("--workers", type=int, default=1)
+    up = sub.add_parser("up", help="start a gateway and its workers as local processes")
+    up.add_argument("--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)")
+    up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
+    up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port")
     up.set_defaults(func=None)

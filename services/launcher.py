@@ -1,7 +1,8 @@
-"""`splitserve up`: a gateway and N unified workers as local processes on free ports.
+"""`splitserve up`: a gateway plus N unified workers, or P prefill and D decode workers (xPyD), as
+local processes on free ports.
 
 Each child's output is echoed with a [name] prefix; Ctrl-C / SIGTERM stops workers first (they
-drain), then the gateway. (`--prefill P --decode D` arrives with the disaggregation issue.)
+drain), then the gateway.
 """
 
 from __future__ import annotations
@@ -57,11 +58,29 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
     raise TimeoutError(f"{address} was not healthy within {timeout_s:.0f} s")
 
 
+def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0) -> list[tuple[str, str]]:
+    """(name, mode) of each worker to start."""
+    if (num_prefill > 0) != (num_decode > 0):
+        raise ValueError("a disaggregated system needs both tiers: give --prefill and --decode (each >= 1)")
+    if num_workers < 0 or num_prefill < 0 or num_decode < 0:
+        raise ValueError("worker counts must be >= 0")
+    return ([(f"worker-{i}", "unified") for i in range(num_workers)]
+            + [(f"prefill-{i}", "prefill") for i in range(num_prefill)]
+            + [(f"decode-{i}", "decode") for i in range(num_decode)])
+
+
 def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0.1", gateway_port: int = 0,
-                  timeout_s: float = 180.0) -> list[Child]:
-    """Start gateway + workers and wait until all are healthy; the gateway is children[0]."""
-    threads = max(1, (os.cpu_count() or 1) // max(1, num_workers))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+                  timeout_s: float = 180.0, num_prefill: int = 0, num_decode: int = 0,
+                  worker_argv: list[str] | None = None, env: dict[str, str] | None = None) -> list[Child]:
+    """Start gateway + workers and wait until all are healthy; the gateway is children[0].
+
+    worker_argv goes to workers only (e.g. --kv-transfer-timeout); env adds environment variables.
+    """
+    modes = worker_modes(num_workers, num_prefill, num_decode)
+    if not modes:
+        raise ValueError("start at least one worker (--workers N, or --prefill P --decode D)")
+    threads = max(1, (os.cpu_count() or 1) // len(modes))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     model = _model_argv(engine_argv)
     gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
     gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}",
@@ -70,12 +89,9 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
     children = [gateway]
     try:
         wait_healthy(gateway.address, timeout_s, gateway.proc)
-        for i in range(num_workers):
-            port, metrics = free_port(host), free_port(host)
-            argv = ["worker", "--host", host, "--port", str(port), "--metrics-port", str(metrics),
-                    "--gateway", gateway.address, "--num-threads", str(threads), *engine_argv]
-            children.append(Child(f"worker-{i}", f"{host}:{port}", f"{host}:{metrics}",
-                                  _spawn(f"worker-{i}", argv, env)))
+        for name, mode in modes:
+            children.append(spawn_worker(name, mode, gateway.address, engine_argv + (worker_argv or []), host,
+                                         threads, env))
         for child in children[1:]:
             wait_healthy(child.address, timeout_s, child.proc)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
@@ -83,6 +99,15 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
         stop_cluster(children)
         raise
     return children
+
+
+def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str = "127.0.0.1",
+                 threads: int = 0, env: dict[str, str] | None = None) -> Child:
+    port, metrics = free_port(host), free_port(host)
+    full = ["worker", "--mode", mode, "--host", host, "--port", str(port), "--metrics-port", str(metrics),
+            "--gateway", gateway, "--num-threads", str(threads), *argv]
+    return Child(name, f"{host}:{port}", f"{host}:{metrics}",
+                 _spawn(name, full, env or dict(os.environ, PYTHONUNBUFFERED="1")))
 
 
 def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:
@@ -106,8 +131,9 @@ def _model_argv(engine_argv: list[str]) -> list[str]:
     return []
 
 
-def run_up(num_workers: int, engine_argv: list[str], host: str, port: int) -> int:
-    children = start_cluster(num_workers, engine_argv, host, port)
+def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_prefill: int = 0,
+           num_decode: int = 0) -> int:
+    children = start_cluster(num_workers, engine_argv, host, port, num_prefill=num_prefill, num_decode=num_decode)
     print(f"\nsplitserve is up: gateway grpc {children[0].address} "
           f"(metrics http://{children[0].metrics}/metrics)", flush=True)
     for child in children[1:]:

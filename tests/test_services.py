@@ -5,19 +5,16 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
+from cluster_helpers import all_blocks_free, collect, engine_argv, greedy_request, stub, tokens
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.protos.v1 import generation_pb2 as pb
-from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
-from splitserve.protos.v1 import worker_pb2 as wpb
-from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.config import CacheConfig, EngineConfig
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.sampling_params import SamplingParams
@@ -25,10 +22,12 @@ from splitserve.services.launcher import _spawn, start_cluster, stop_cluster, wa
 from splitserve.services.serving import free_port
 
 KV_BYTES = 4 * 1024**2
+_engine_argv = engine_argv
+_stub, _greedy_request, _collect, _all_blocks_free = stub, greedy_request, collect, all_blocks_free
 
 
-def _engine_argv(folder) -> list[str]:
-    return ["--model", str(folder), "--kv-cache-bytes", str(KV_BYTES), "--block-size", "8", "--max-model-len", "256"]
+def _num_tokens(stub_, request) -> int:
+    return len(tokens(stub_, request))
 
 
 @pytest.fixture(scope="module")
@@ -38,28 +37,6 @@ def cluster(tiny_llama_dir):
         yield children
     finally:
         stop_cluster(children)
-
-
-def _stub(address: str) -> pb_grpc.GenerationStub:
-    return pb_grpc.GenerationStub(grpc.insecure_channel(address))
-
-
-def _greedy_request(ids: list[int], max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), sampling=pb.SamplingParameters(temperature=0.0),
-                              stopping=pb.StoppingCriteria(max_tokens=max_tokens))
-
-
-def _collect(stub, request, timeout=60.0) -> list[pb.GenerateResponse]:
-    return list(stub.Generate(request, timeout=timeout))
-
-
-def _num_tokens(stub, request) -> int:
-    return sum(len(chunk.token_ids) for chunk in _collect(stub, request))
-
-
-def _all_blocks_free(worker_address: str) -> bool:
-    load = wpb_grpc.WorkerStub(grpc.insecure_channel(worker_address)).GetLoad(wpb.GetLoadRequest(), timeout=5)
-    return load.num_free_blocks == load.num_total_blocks and load.num_running == 0 and load.num_waiting == 0
 
 
 def test_concurrent_greedy_output_equals_in_process_engine(cluster, tiny_llama_dir):

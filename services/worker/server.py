@@ -1,10 +1,15 @@
 """Run a worker: load the engine, serve Worker + health + reflection, expose /metrics, register
-with the gateway, drain on SIGTERM."""
+with the gateway, drain on SIGTERM.
+
+Modes: unified (whole requests), prefill (the Prefill RPC; sends KV), decode (whole requests, and
+requests whose prompt a prefill worker computes; hosts the TCPStore its KV channels meet through).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
 
@@ -20,11 +25,15 @@ from splitserve.services.engine.engine import Engine
 from splitserve.services.metrics import WorkerMetrics
 from splitserve.services.model.files import model_name
 from splitserve.services.serving import start_metrics_server
-from splitserve.services.worker.servicer import WorkerServicer, engine_snapshot
+from splitserve.services.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.services.worker.decode import DecodeHandoff
+from splitserve.services.worker.servicer import GrpcPrefillClient, WorkerServicer, engine_snapshot
 
 log = logging.getLogger("splitserve.worker")
 
-ROLES = {"unified": pb.WORKER_ROLE_UNIFIED}
+ROLES = {"unified": pb.WORKER_ROLE_UNIFIED, "prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
+# Test hook: the prefill side waits this long before sending KV (a slow or stuck sender).
+SEND_DELAY_ENV = "SPLITSERVE_FAULT_SEND_DELAY_S"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,17 +45,36 @@ class WorkerConfig:
     gateway: str | None = None  # host:port of the gateway's Registry
     mode: str = "unified"
     drain_timeout_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
+    kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
 
     def __post_init__(self) -> None:
         if self.mode not in ROLES:
-            raise ValueError(f"--mode {self.mode!r} is not available yet; supported: {sorted(ROLES)}")
+            raise ValueError(f"--mode must be one of {sorted(ROLES)}, got {self.mode!r}")
+        if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
+            raise ValueError("KV transfer and reserve timeouts must be > 0")
+
+
+def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics) -> WorkerServicer:
+    role = ROLES[config.mode]
+    if config.mode == "prefill":
+        sender = TorchDistSender(config.kv_transfer_timeout_s)
+        delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
+        return WorkerServicer(engine, metrics, role, sender=sender, send_delay_s=delay)
+    if config.mode == "decode":
+        receiver = TorchDistReceiver(config.host, config.kv_transfer_timeout_s)
+        log.info("KV channels meet at TCPStore %s", receiver.address)
+        handoff = DecodeHandoff(engine, receiver, GrpcPrefillClient(), metrics, config.kv_reserve_timeout_s,
+                                config.kv_transfer_timeout_s)
+        return WorkerServicer(engine, metrics, role, handoff=handoff)
+    return WorkerServicer(engine, metrics, role)
 
 
 async def serve_worker(config: WorkerConfig) -> None:
     engine = AsyncEngine(Engine(config.engine))
     name = model_name(config.engine.model)
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(engine))
-    servicer = WorkerServicer(engine, metrics)
+    servicer = _make_servicer(config, engine, metrics)
     server = grpc.aio.server()
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -69,6 +97,9 @@ async def serve_worker(config: WorkerConfig) -> None:
     await _drain(config, servicer, health_servicer, engine, address)
     await server.stop(grace=1.0)
     await engine.shutdown()
+    for transport in (servicer.sender, servicer.handoff and servicer.handoff.receiver):
+        if transport is not None:
+            transport.close()
 
 
 async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, max_len: int) -> None:
@@ -99,5 +130,11 @@ async def _drain(config, servicer, health_servicer, engine: AsyncEngine, address
         except grpc.aio.AioRpcError:
             pass  # the gateway's health checks drop us anyway
     deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
-    while engine.num_requests() and asyncio.get_running_loop().time() < deadline:
+    while _busy(servicer) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
+
+
+def _busy(servicer: WorkerServicer) -> bool:
+    """Requests streaming, KV still to send (prefill) or still landing (decode)."""
+    landing = servicer.handoff is not None and bool(servicer.handoff.landings)
+    return bool(servicer.engine.num_requests() or servicer.engine.engine.scheduler.held or landing)

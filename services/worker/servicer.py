@@ -1,8 +1,10 @@
-"""The Worker gRPC service: streams an AsyncEngine's outputs, aborts on cancel, reports load."""
+"""The Worker gRPC service: streams an AsyncEngine's outputs, aborts on cancel, reports load, and
+(by role) serves the Prefill RPC or continues requests prefilled elsewhere."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -11,22 +13,38 @@ from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.engine import RequestOutput
+from splitserve.services.engine.request import Request
 from splitserve.services.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
-from splitserve.services.wire import FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
+from splitserve.services.transfer.base import ChannelSpec, KVSender, TransferError
+from splitserve.services.wire import (
+    FINISH_REASONS,
+    logprobs_from_proto,
+    logprobs_to_proto,
+    sampling_params_from_proto,
+    sampling_params_to_proto,
+)
+from splitserve.services.worker.decode import DecodeHandoff, PrefillClient
+from splitserve.services.worker.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, TransferDone
+from splitserve.services.worker.prefill import prefill_and_send
+
+FAILED_PEER_KEY = "splitserve-failed-peer"  # trailing metadata: the worker the gateway should avoid
 
 
 def engine_snapshot(engine: AsyncEngine) -> EngineSnapshot:
     e = engine.engine
-    stats = e.scheduler.stats
-    return EngineSnapshot(num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
-                          kv_cache_usage=e.kv_usage(), num_preemptions=stats.num_preemptions,
-                          prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits)
+    s = e.scheduler
+    return EngineSnapshot(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=e.kv_usage(),
+                          num_preemptions=s.stats.num_preemptions, prefix_cache_queries=s.stats.prefix_cache_queries,
+                          prefix_cache_hits=s.stats.prefix_cache_hits, num_awaiting_kv=len(s.awaiting_kv))
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics) -> None:
-        self.engine = engine
-        self.metrics = metrics
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, role: int = pb.WORKER_ROLE_UNIFIED,
+                 sender: KVSender | None = None, handoff: DecodeHandoff | None = None,
+                 send_delay_s: float = 0.0) -> None:
+        self.engine, self.metrics, self.role = engine, metrics, role
+        self.sender, self.handoff = sender, handoff
+        self.send_delay_s = send_delay_s  # fault injection for tests: a slow prefill-side send
         self.draining = False
 
     async def Generate(self, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
@@ -34,14 +52,32 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down; retry on another")
         timing = RequestTiming(arrival=time.monotonic())
         try:
-            params = sampling_params_from_proto(request.sampling, request.stopping,
-                                                request.logprobs if request.HasField("logprobs") else None)
-            stream = self.engine.generate(list(request.prompt_token_ids), params,
-                                          request.request_id or None, request.priority)
-            async for out in stream:
+            async for out in self._outputs(request, context):
                 yield self._response(out, timing)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except HandoffError as e:
+            if e.failed_peer:
+                context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
+            await context.abort(grpc.StatusCode[e.code], e.message)
+
+    async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
+        params = sampling_params_from_proto(request.sampling, request.stopping,
+                                            request.logprobs if request.HasField("logprobs") else None)
+        prompt, rid = list(request.prompt_token_ids), request.request_id or None
+        if request.prefill_address:
+            if self.handoff is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is not a decode worker; "
+                                    "send requests with a prefill_address to one started with --mode decode")
+            engine_request = self.engine.engine.make_request(prompt, params, rid, request.priority)
+            stream = self.handoff.generate(engine_request, request.prefill_address)
+        elif self.role == pb.WORKER_ROLE_PREFILL:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker runs prompts only (the "
+                                "Prefill RPC); send whole requests to a unified or decode worker")
+        else:
+            stream = self.engine.generate(prompt, params, rid, request.priority)
+        async for out in stream:
+            yield out
 
     def _response(self, out: RequestOutput, timing: RequestTiming) -> pb.WorkerGenerateResponse:
         now = time.monotonic()
@@ -64,6 +100,31 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             msg.queue_ms = out.timings.get("queue_ms", 0.0)
         return msg
 
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        if self.role != pb.WORKER_ROLE_PREFILL or self.sender is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
+        r = request.request
+        job = HandoffJob(ChannelSpec(request.channel.store_address, request.channel.key), request.transfer_tag,
+                         request.num_skip_blocks, request.kv_layout)
+        timing = RequestTiming(arrival=time.monotonic())
+        try:
+            params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
+            engine_request = self.engine.engine.make_request(list(r.prompt_token_ids), params, r.request_id or None,
+                                                             r.priority, stop_after_prefill=True)
+            async for event in prefill_and_send(self.engine, engine_request, self.sender, job, self.metrics,
+                                                self.send_delay_s):
+                if isinstance(event, FirstToken):
+                    timing.first_token = timing.finished = time.monotonic()
+                    timing.queue_s = event.queue_ms / 1e3
+                    self.metrics.observe_finished(timing, engine_request.num_prompt_tokens, 1, "length")
+                yield _event_to_proto(event)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason}): {e}")
+
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         known = self.engine.has_request(request.request_id)
         self.engine.abort(request.request_id)
@@ -73,4 +134,58 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         e = self.engine.engine
         return pb.LoadReport(num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
                              num_free_blocks=e.kv.num_free_blocks, num_total_blocks=e.runner.num_blocks,
-                             block_size=e.runtime.block_size)
+                             block_size=e.runtime.block_size, num_awaiting_kv=len(e.scheduler.awaiting_kv),
+                             role=self.role)
+
+
+def _event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
+    if isinstance(event, FirstToken):
+        logprobs = logprobs_to_proto([event.logprobs] if event.logprobs is not None else None)
+        return pb.PrefillResponse(first_token=pb.FirstToken(
+            token_id=event.token_id, logprobs=logprobs, sampler_state=event.sampler_state or b"",
+            num_blocks=event.num_blocks, queue_ms=event.queue_ms))
+    return pb.PrefillResponse(transfer_done=pb.TransferDone(
+        num_blocks=event.num_blocks, num_bytes=event.num_bytes, checksum_crc32=event.checksum,
+        send_ms=event.seconds * 1e3))
+
+
+def _event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
+    if msg.WhichOneof("event") == "first_token":
+        f = msg.first_token
+        logprobs = logprobs_from_proto(f.logprobs)
+        return FirstToken(f.token_id, logprobs[0] if logprobs else None, f.sampler_state or None, f.num_blocks,
+                          f.queue_ms)
+    d = msg.transfer_done
+    return TransferDone(d.num_blocks, d.num_bytes, d.checksum_crc32, d.send_ms / 1e3)
+
+
+class GrpcPrefillClient(PrefillClient):
+    """Reaches prefill workers over their Worker service (one channel per address, reused)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.WorkerStub:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return pb_grpc.WorkerStub(self._channels[address])
+
+    async def prefill(self, peer: str, request: Request, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+        params = request.sampling_params
+        sampling, stopping = sampling_params_to_proto(params)
+        inner = pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.all_token_ids,
+                                         sampling=sampling, stopping=stopping, priority=request.priority,
+                                         logprobs=params.logprobs)
+        msg = pb.PrefillRequest(request=inner, transfer_tag=job.tag, num_skip_blocks=job.num_skip_blocks,
+                                kv_layout=job.kv_layout,
+                                channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key))
+        call = self._stub(peer).Prefill(msg)
+        try:
+            async for response in call:
+                yield _event_from_proto(response)
+        finally:
+            call.cancel()  # no-op once finished
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close(grace=None)
