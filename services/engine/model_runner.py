@@ -11,6 +11,7 @@ from splitserve.services.engine.scheduler import ScheduledRequest, SchedulerOutp
 from splitserve.services.model.arch import ModelArchConfig
 from splitserve.services.model.attention import AttentionMetadata, get_backend
 from splitserve.services.model.loader import ModelSource, build_model
+from splitserve.services.transfer.base import gather_blocks, scatter_blocks
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -79,13 +80,11 @@ class ModelRunner:
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kvh, head_dim]."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        return self.kv_cache.index_select(2, index)
+        return gather_blocks(self.kv_cache, block_ids)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i]."""
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv_cache.index_copy_(2, index, blocks.to(self.device, self.dtype))
+        scatter_blocks(self.kv_cache, block_ids, blocks)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         budget = config.cache.kv_cache_bytes

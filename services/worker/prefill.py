@@ -43,6 +43,10 @@ async def prefill_and_send(engine: AsyncEngine, request: Request, sender: KVSend
     yield await asyncio.shield(send)
 
 
+async def _zero() -> float:
+    return 0.0
+
+
 def _consume_error(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()
@@ -64,8 +68,9 @@ async def _send(engine: AsyncEngine, sender: KVSender, job: HandoffJob, request_
             await asyncio.sleep(send_delay_s)
         # Held blocks are never written by anyone else, so reading them beside a step is safe.
         blocks = await asyncio.to_thread(core.runner.read_blocks, block_ids)
-        crc = checksum(blocks)
-        seconds = await sender.send(job.channel, job.tag, blocks) if block_ids else 0.0
+        sending = asyncio.ensure_future(sender.send(job.channel, job.tag, blocks) if block_ids else _zero())
+        crc = await asyncio.to_thread(checksum, blocks)  # overlaps the send (both only read blocks)
+        seconds = await sending
     except TransferError as e:
         if metrics is not None:
             metrics.observe_transfer_failure(e.reason)
