@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 WORKERS ?= 1
 
-.PHONY: install serve generate test bench bench-quick bench-serving clean
+.PHONY: install serve generate test bench bench-quick bench-serving bench-kernels clean
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ bench-quick: install
 
 bench-serving: install
 	$(PY) benchmarks/serving.py
+
+# Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
+bench-kernels: install
+	$(PY) benchmarks/kernels.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

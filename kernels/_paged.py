@@ -72,7 +72,8 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     return num_heads, num_kv_heads, head_dim
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference helper: one sequence's K and V, each [seq_len, num_kv_heads, head_dim]."""
     block_size = kv_cache.shape[2]
     pos = torch.arange(seq_len, device=kv_cache.device)

@@ -20,7 +20,7 @@ from splitserve.kernels._paged import attend_range, attention_ref, check_paged_i
 
 _LOG2E = math.log2(math.e)
 _BLOCK_N = 64  # context tokens per tile
-_MIN_ROWS = 16  # tl.dot needs at least 16 rows on the GPU; the group is padded up to this
+_MIN_DOT = 16  # tl.dot needs >= 16 along each dimension on the GPU: pad the group and head_dim
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
 
@@ -131,7 +131,7 @@ def paged_decode_attention(
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     group = num_heads // num_kv_heads
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     if num_splits > 1:  # partials in float32; from the caching allocator, so no sync here
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs, num_heads, num_splits, 2, dtype=torch.float32, device=q.device)
@@ -143,7 +143,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_H=max(_MIN_ROWS, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
+        BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
         BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=num_splits, DOT_DTYPE=dot_dtype(q.dtype),
     )
     if num_splits > 1:

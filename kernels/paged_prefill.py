@@ -25,6 +25,7 @@ from splitserve.kernels._paged import attend_range, attention_ref, check_paged_i
 _LOG2E = math.log2(math.e)
 _BLOCK_N = 64
 _ROWS = 64  # query rows per program (tokens x padded group)
+_MIN_DOT = 16  # tl.dot needs >= 16 along each dimension on the GPU: pad head_dim
 
 
 @triton.jit
@@ -113,7 +114,7 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=_BLOCK_N,
+        BLOCK_M=block_m, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=_BLOCK_N,
         BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype),
     )
     return out

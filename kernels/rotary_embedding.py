@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from splitserve.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_device, check_same_dtype, check_shape, check_tensor
+from splitserve.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check_device, check_same_dtype, check_shape,
+                                        check_tensor)
 
 
 @triton.jit
@@ -52,7 +53,8 @@ def _rotary_kernel(
 def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [max_positions, head_dim // 2], float32, from inverse frequencies
     [head_dim // 2] (e.g. services.model.arch.rope_inv_freq, which applies llama3 scaling)."""
-    freqs = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)[:, None] * inv_freq.float()[None, :]
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
     return freqs.cos(), freqs.sin()
 
 
