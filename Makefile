@@ -4,8 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in two sentences why the sky is blue.
 WORKERS ?= 1
+PREFILL ?= 1
+DECODE ?= 1
 
-.PHONY: install serve generate test bench bench-quick bench-serving bench-kernels clean
+.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-kernels clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +24,10 @@ $(VENV)/.installed: pyproject.toml
 serve: install
 	$(VENV)/bin/splitserve up --workers $(WORKERS)
 
+# The same, disaggregated: PREFILL prefill workers and DECODE decode workers (xPyD).
+serve-disagg: install
+	$(VENV)/bin/splitserve up --prefill $(PREFILL) --decode $(DECODE)
+
 # In-process generation, no servers.
 generate: install
 	$(VENV)/bin/splitserve generate --chat "$(PROMPT)" --max-tokens 128
@@ -37,6 +43,12 @@ bench-quick: install
 
 bench-serving: install
 	$(PY) benchmarks/serving.py
+
+bench-transfer: install
+	$(PY) benchmarks/disagg.py transfer
+
+bench-disagg: install
+	$(PY) benchmarks/disagg.py latency
 
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install

@@ -171,7 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="what", required=True)
     t = sub.add_parser("transfer")
-    t.add_argument("--repeats", type=int, default=5)
+    t.add_argument("--repeats", type=int, default=9)
     lat = sub.add_parser("latency")
     lat.add_argument("--requests", type=int, default=12)
     lat.add_argument("--prompt-len", type=int, default=256)

@@ -49,6 +49,11 @@ async def _wait(work) -> None:
     await asyncio.get_running_loop().run_in_executor(_EXECUTOR, work.wait)
 
 
+async def _group(future: Future) -> dist.ProcessGroup:
+    """The group once built (no thread hop when it already is)."""
+    return future.result() if future.done() else await asyncio.wrap_future(future)
+
+
 class TorchDistReceiver(KVReceiver):
     """Decode side. Hosts the TCPStore every channel of this worker meets through."""
 
@@ -82,7 +87,7 @@ class TorchDistReceiver(KVReceiver):
     async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
         start = time.monotonic()
         try:
-            group = await asyncio.wrap_future(self._group_future(channel))
+            group = await _group(self._group_future(channel))
         except TransferError:
             raise
         except Exception as e:
@@ -147,7 +152,7 @@ class TorchDistSender(KVSender):
         if key != channel.key:
             raise TransferError("closed", f"channel {channel.key} was replaced by {key}")
         try:
-            group = await asyncio.wrap_future(future)
+            group = await _group(future)
         except Exception as e:
             self._fail(channel)
             with self._lock:  # the store may be gone with its decode worker: reconnect next time

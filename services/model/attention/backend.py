@@ -76,7 +76,14 @@ def available_backends() -> list[str]:
 
 
 def default_backend_name(device: torch.device) -> str:
-    return "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
+    """triton on CUDA when it can run there (the triton package is importable), else torch."""
+    if device.type == "cuda" and "triton" in _REGISTRY:
+        try:
+            _REGISTRY["triton"].check_supported(device)
+            return "triton"
+        except RuntimeError:
+            pass
+    return "torch"
 
 
 def get_backend(name: str | None, device: torch.device) -> type[AttentionBackend]:
