@@ -75,6 +75,9 @@ def test_1p1d_equals_unified_worker_and_in_process_engine(one_p_one_d, tiny_llam
     assert metric(decode.metrics, "splitserve:kv_transfer_blocks_total", direction="received") > 0
     assert metric(prefill.metrics, "splitserve:kv_transfer_bytes_total", direction="sent") == \
         metric(decode.metrics, "splitserve:kv_transfer_bytes_total", direction="received")
+    # Every transfer's CRC matched (a mismatch would count as a failure and recompute).
+    assert metric(decode.metrics, "splitserve:kv_transfer_failures_total") == 0
+    assert metric(decode.metrics, "splitserve:kv_transfer_recompute_fallbacks_total") == 0
     assert metric(unified.metrics, "splitserve:generation_tokens_total") == 16 * len(PROMPTS)  # the direct calls only
     assert wait_all_free([prefill.address, decode.address, unified.address])
 
