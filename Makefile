@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-kernels clean
+.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix bench-kernels clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,7 @@ generate: install
 	$(VENV)/bin/splitserve generate --chat "$(PROMPT)" --max-tokens 128
 
 test: install
+	scripts/install-redis-server.sh
 	$(PY) -m pytest -q
 
 bench: install
@@ -49,6 +50,9 @@ bench-transfer: install
 
 bench-disagg: install
 	$(PY) benchmarks/disagg.py latency
+
+bench-prefix: install
+	$(PY) benchmarks/prefix_routing.py
 
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install

@@ -1,39 +1,144 @@
-"""Routers pick a worker for a request. The prefix-index issue adds a KV-aware router here."""
+"""Routers pick a worker of one tier for a request.
+
+kv-aware (default) scores workers by the prompt blocks they already hold (from the prefix index)
+and by their load:
+
+  prefill / unified tier: cost = (1 - hit) + PREFILL_LOAD_WEIGHT * load
+      hit  = leading prompt blocks the worker holds / prompt blocks (0..1)
+      load = max(requests this gateway has in flight there, running + waiting it last reported)
+      One queued request weighs as much as recomputing 10% of the prompt. Guard against the
+      cache-affinity pile-up (reported against Dynamo and SGLang): if the cheapest worker's load
+      exceeds the least-loaded worker's by SPREAD_MARGIN or more, the least-loaded one gets it.
+  decode tier: cost = load + DECODE_KV_WEIGHT * used KV fraction - DECODE_HIT_WEIGHT * hit
+      Free KV blocks and a short queue first; holding the prefix (fewer blocks to transfer) only
+      breaks near-ties.
+Ties go to the next worker in a rotating order, so equal workers share the load. Without an
+index answer (backend down) it routes by load alone.
+"""
 
 from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from splitserve.gateway.workers import WorkerHandle
+
+PREFILL_LOAD_WEIGHT = 0.1
+SPREAD_MARGIN = 6
+DECODE_KV_WEIGHT = 4.0
+DECODE_HIT_WEIGHT = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    prompt_token_ids: Sequence[int]
+    num_prompt_blocks: int  # full blocks of the prompt
+    matched: Mapping[str, int] | None = None  # worker address -> leading blocks held; None: no index
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker: WorkerHandle
+    reason: str  # for the routing-decisions metric
+
+
+def load(w: WorkerHandle) -> int:
+    return max(w.outstanding, w.load.num_running + w.load.num_waiting)
+
+
+def hit(w: WorkerHandle, route: RouteInput) -> float:
+    if not route.matched or not route.num_prompt_blocks:
+        return 0.0
+    return route.matched.get(w.address, 0) / route.num_prompt_blocks
 
 
 class Router(ABC):
     name: str
-
-    @abstractmethod
-    def pick(self, workers: Sequence[WorkerHandle], prompt_token_ids: Sequence[int]) -> WorkerHandle | None:
-        """The worker for this request among healthy candidates, or None when there are none."""
-
-
-class LeastOutstandingRouter(Router):
-    """Fewest requests in flight from this gateway, then shortest reported queue; ties rotate."""
-
-    name = "least-outstanding"
+    uses_index = False  # whether the gateway should look the prompt up before pick()
 
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def pick(self, workers, prompt_token_ids):
+    def rotated(self, workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
+        """workers starting at a moving offset: min() over it breaks ties round robin."""
+        offset = next(self._turn) % len(workers)
+        return list(workers[offset:]) + list(workers[:offset])
+
+    @abstractmethod
+    def pick(self, workers: Sequence[WorkerHandle], route: RouteInput, tier: str) -> Decision | None:
+        """The worker for this request among healthy candidates of tier ("prefill" or "decode";
+        unified workers count as prefill), or None when there are none."""
+
+
+class LeastOutstandingRouter(Router):
+    """Fewest requests in flight from this gateway, then shortest reported queue."""
+
+    name = "least-outstanding"
+
+    def pick(self, workers, route, tier):
         if not workers:
             return None
-        offset = next(self._turn) % len(workers)
-        rotated = list(workers[offset:]) + list(workers[:offset])
-        return min(rotated, key=lambda w: (w.outstanding, w.load.num_waiting))
+        return Decision(min(self.rotated(workers), key=lambda w: (w.outstanding, w.load.num_waiting)), "load")
 
 
-ROUTERS: dict[str, type[Router]] = {LeastOutstandingRouter.name: LeastOutstandingRouter}
+class RoundRobinRouter(Router):
+    """Each worker in turn (a baseline for benchmarks)."""
+
+    name = "round-robin"
+
+    def pick(self, workers, route, tier):
+        return Decision(self.rotated(workers)[0], "round_robin") if workers else None
+
+
+class PrefixAffinityRouter(Router):
+    """Sticky by the prompt's first block: each new first block goes to the next worker in turn,
+    later prompts with that first block to the same worker. Perfect affinity and balance for a
+    workload of a few shared system prompts, blind to load (the benchmark's oracle)."""
+
+    name = "prefix-affinity"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._owner: dict[tuple[int, ...], int] = {}
+
+    def pick(self, workers, route, tier):
+        if not workers:
+            return None
+        key = tuple(route.prompt_token_ids[:16])
+        slot = self._owner.setdefault(key, len(self._owner))
+        ordered = sorted(workers, key=lambda w: w.address)
+        return Decision(ordered[slot % len(ordered)], "affinity")
+
+
+class KVAwareRouter(Router):
+    name = "kv-aware"
+    uses_index = True
+
+    def pick(self, workers, route, tier):
+        if not workers:
+            return None
+        candidates = self.rotated(workers)
+        if route.matched is None:
+            return Decision(min(candidates, key=load), "no_index")
+        if tier == "decode":
+            best = min(candidates, key=lambda w: load(w) + DECODE_KV_WEIGHT * _kv_used(w) - DECODE_HIT_WEIGHT * hit(w, route))
+            return Decision(best, "prefix_hit" if hit(best, route) else "load")
+        best = min(candidates, key=lambda w: (1.0 - hit(w, route)) + PREFILL_LOAD_WEIGHT * load(w))
+        idle = min(candidates, key=load)
+        if load(best) - load(idle) >= SPREAD_MARGIN:
+            return Decision(idle, "spread")
+        return Decision(best, "prefix_hit" if hit(best, route) else "load")
+
+
+def _kv_used(w: WorkerHandle) -> float:
+    total = w.load.num_total_blocks
+    return 1.0 - w.load.num_free_blocks / total if total else 0.0
+
+
+ROUTERS: dict[str, type[Router]] = {
+    r.name: r for r in (KVAwareRouter, LeastOutstandingRouter, RoundRobinRouter, PrefixAffinityRouter)}
 
 
 def make_router(name: str) -> Router:

@@ -24,7 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from splitserve.gateway.router import Router, make_router
+from splitserve.gateway.prefix import PrefixIndex, PrefixIndexMetrics
+from splitserve.gateway.router import Decision, RouteInput, Router, make_router
 from splitserve.gateway.workers import WorkerHandle, WorkerSet
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import generation_pb2_grpc as gen_grpc
@@ -49,8 +50,10 @@ class GatewayConfig:
     metrics_port: int = 0
     workers: tuple[str, ...] = ()  # worker addresses known at start (others register themselves)
     max_pending: int = 256  # requests in flight through this gateway before RESOURCE_EXHAUSTED
-    router: str = "least-outstanding"
+    router: str = "kv-aware"
     health_check_interval_s: float = 1.0
+    redis_url: str | None = None  # prefix index in Redis; None: in this process's memory
+    index_heartbeat_ttl_s: float = 5.0  # a worker silent this long drops out of the prefix index
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -65,15 +68,16 @@ class GatewayMetrics:
         self.routed = Counter("splitserve:gateway_routing_decisions", "Requests routed, by worker and reason.",
                               ["worker", "reason"], registry=self.registry)
         self.pending = Gauge("splitserve:gateway_requests_in_flight", "Requests in flight.", registry=self.registry)
+        self.prefix = PrefixIndexMetrics(self.registry)
         self.retries = Counter("splitserve:gateway_retries", "Requests retried on another worker before any "
                                "token went out, by the failed worker's role.", ["role"], registry=self.registry)
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):
     def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, name: str, workers: WorkerSet,
-                 router: Router, metrics: GatewayMetrics) -> None:
+                 router: Router, metrics: GatewayMetrics, prefix: PrefixIndex) -> None:
         self.config, self.tokenizer, self.model_name = config, tokenizer, name
-        self.workers, self.router, self.metrics = workers, router, metrics
+        self.workers, self.router, self.metrics, self.prefix = workers, router, metrics, prefix
         self.num_pending = 0
 
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -103,13 +107,15 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                          "retry later or start it with a higher --max-pending")
         avoid: set[str] = set()
         for attempt in range(2):
-            target, prefill = self._plan(worker_request.prompt_token_ids, avoid)
-            worker_request.prefill_address = prefill.address if prefill else ""
-            reason = ("disaggregated" if prefill else self.router.name) + ("+retry" if attempt else "")
-            self.metrics.routed.labels(worker=target.worker_id, reason=reason).inc()
+            target, prefill = await self._plan(worker_request.prompt_token_ids, avoid)
+            worker_request.prefill_address = prefill.worker.address if prefill else ""
+            for d in (target, prefill):
+                if d is not None:
+                    self.metrics.routed.labels(worker=d.worker.worker_id, reason=d.reason + ("+retry" if attempt else "")).inc()
             started = False
             try:
-                async for response in self._proxy(target, prefill, worker_request, context, arrival):
+                async for response in self._proxy(target.worker, prefill and prefill.worker, worker_request, context,
+                                                  arrival):
                     started = True
                     yield response
                 return
@@ -120,19 +126,34 @@ class GenerationServicer(gen_grpc.GenerationServicer):
                 self.metrics.retries.labels(role=e.worker.role_name).inc()
                 log.warning("request %s: %s; retrying once elsewhere", worker_request.request_id, e.message)
 
-    def _plan(self, prompt: Sequence[int], avoid: set[str]) -> tuple[WorkerHandle, WorkerHandle | None]:
-        """(worker to stream from, prefill worker or None)."""
+    async def _plan(self, prompt: Sequence[int], avoid: set[str]) -> tuple[Decision, Decision | None]:
+        """(decision for the worker to stream from, decision for the prefill worker or None)."""
         healthy = [w for w in self.workers.healthy(self.model_name) if w.address not in avoid]
         prefills = [w for w in healthy if w.role == pb.WORKER_ROLE_PREFILL]
         decodes = [w for w in healthy if w.role == pb.WORKER_ROLE_DECODE]
+        route = await self._route_input(prompt, healthy)
         if prefills and decodes:
-            return self.router.pick(decodes, prompt), self.router.pick(prefills, prompt)
-        target = self.router.pick([w for w in healthy if w.role != pb.WORKER_ROLE_PREFILL], prompt)
+            prefill = self.router.pick(prefills, route, "prefill")
+            self._observe_match(route, prefill)
+            return self.router.pick(decodes, route, "decode"), prefill
+        target = self.router.pick([w for w in healthy if w.role != pb.WORKER_ROLE_PREFILL], route, "prefill")
         if target is None:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "no healthy worker can serve this model now; start one with "
                          "`splitserve worker --gateway HOST:PORT` (unified, or a prefill and a decode worker) "
                          "or wait for one to become healthy")
+        self._observe_match(route, target)
         return target, None
+
+    async def _route_input(self, prompt: Sequence[int], workers: list[WorkerHandle]) -> RouteInput:
+        block_size = next((w.block_size for w in workers if w.block_size), 0)
+        if not block_size or not self.router.uses_index:
+            return RouteInput(prompt, len(prompt) // block_size if block_size else 0, None)
+        matched = await self.prefix.matches(prompt, block_size, [w.address for w in workers])
+        return RouteInput(prompt, len(prompt) // block_size, matched)
+
+    def _observe_match(self, route: RouteInput, decision: Decision | None) -> None:
+        if decision is not None and route.matched is not None:
+            self.metrics.prefix.matched.observe(route.matched.get(decision.worker.address, 0))
 
     def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
         if request.model and request.model != self.model_name:
@@ -256,8 +277,8 @@ class _Abort(Exception):
 
 
 class RegistryServicer(pb_grpc.RegistryServicer):
-    def __init__(self, workers: WorkerSet) -> None:
-        self.workers = workers
+    def __init__(self, workers: WorkerSet, prefix: PrefixIndex) -> None:
+        self.workers, self.prefix = workers, prefix
 
     async def RegisterWorker(self, request, context) -> pb.RegisterWorkerResponse:
         if not request.address:
@@ -265,7 +286,15 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         return pb.RegisterWorkerResponse(worker_id=self.workers.add(request).worker_id)
 
     async def DeregisterWorker(self, request, context) -> pb.DeregisterWorkerResponse:
-        return pb.DeregisterWorkerResponse(removed=await self.workers.remove(request.address))
+        removed = await self.workers.remove(request.address)
+        await self.prefix.remove_worker(request.address)
+        return pb.DeregisterWorkerResponse(removed=removed)
+
+    async def PublishKVEvents(self, request, context) -> pb.PublishKVEventsResponse:
+        if not request.address or not request.instance_id or not request.block_size:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "publish with address, instance_id and block_size")
+        known = self.workers.get(request.address) is not None
+        return pb.PublishKVEventsResponse(resync=await self.prefix.publish(request), register=not known)
 
 
 async def serve_gateway(config: GatewayConfig) -> None:
@@ -275,10 +304,11 @@ async def serve_gateway(config: GatewayConfig) -> None:
     for address in config.workers:
         workers.add(pb.RegisterWorkerRequest(address=address, model=name))
     metrics = GatewayMetrics()
+    prefix = PrefixIndex(name, config.redis_url, metrics.prefix, config.index_heartbeat_ttl_s)
     server = grpc.aio.server()
     gen_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(config, tokenizer, name, workers, make_router(config.router), metrics), server)
-    pb_grpc.add_RegistryServicer_to_server(RegistryServicer(workers), server)
+        GenerationServicer(config, tokenizer, name, workers, make_router(config.router), metrics, prefix), server)
+    pb_grpc.add_RegistryServicer_to_server(RegistryServicer(workers, prefix), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -291,6 +321,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     print(f"gateway ready: grpc {config.host}:{port} metrics http://{config.host}:{metrics_port}/metrics "
           f"model {name}", flush=True)
     checks = asyncio.create_task(workers.run_health_checks())
+    purge = asyncio.create_task(prefix.run_purge())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -298,5 +329,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     await stop.wait()
     await health_servicer.enter_graceful_shutdown()
     checks.cancel()
+    purge.cancel()
     await server.stop(grace=2.0)
     await workers.close()
+    await prefix.close()

@@ -26,6 +26,7 @@ class WorkerHandle:
     model: str
     max_model_len: int
     metrics_address: str
+    block_size: int  # 0 until known (registration or the first load report)
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
     healthy: bool = True
@@ -53,7 +54,7 @@ class WorkerSet:
             asyncio.ensure_future(old.channel.close())
         channel = grpc.aio.insecure_channel(r.address)
         handle = WorkerHandle(f"w{next(self._ids)}", r.address, r.role or pb.WORKER_ROLE_UNIFIED, r.model,
-                              r.max_model_len, r.metrics_address, channel, pb_grpc.WorkerStub(channel))
+                              r.max_model_len, r.metrics_address, r.block_size, channel, pb_grpc.WorkerStub(channel))
         self._workers[r.address] = handle
         log.info("worker %s registered at %s (%s, %s)", handle.worker_id, r.address, handle.role_name, r.model)
         return handle
@@ -65,6 +66,9 @@ class WorkerSet:
         log.info("worker %s at %s left", handle.worker_id, address)
         await handle.channel.close(grace=None)
         return True
+
+    def get(self, address: str) -> WorkerHandle | None:
+        return self._workers.get(address)
 
     def all(self) -> list[WorkerHandle]:
         return list(self._workers.values())
@@ -89,6 +93,7 @@ class WorkerSet:
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
                 handle.load = await handle.stub.GetLoad(pb.GetLoadRequest(), timeout=self.check_timeout_s)
+                handle.block_size = handle.block_size or handle.load.block_size
         except grpc.aio.AioRpcError:
             serving = False
         if serving:

@@ -116,7 +116,8 @@ def _gateway(a: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = GatewayConfig(model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port,
-                           workers=tuple(a.worker or ()), max_pending=a.max_pending, router=a.router)
+                           workers=tuple(a.worker or ()), max_pending=a.max_pending, router=a.router,
+                           redis_url=a.redis_url)
     asyncio.run(serve_gateway(config))
     return 0
 
@@ -125,7 +126,8 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
     from splitserve.services.launcher import run_up
 
     workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
-    return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode)
+    gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
+    return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,13 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
     gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
     gateway.add_argument("--max-pending", type=int, default=256)
-    gateway.add_argument("--router", default="least-outstanding")
+    gateway.add_argument("--router", default="kv-aware",
+                         help="kv-aware (prefix index + load), least-outstanding, round-robin, prefix-affinity")
+    gateway.add_argument("--redis-url", default=None,
+                         help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory")
     gateway.set_defaults(func=_gateway)
 
     up = sub.add_parser("up", help="start a gateway and its workers as local processes")
     up.add_argument("--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
+    up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")
+    up.add_argument("--redis-url", default=None, help="prefix index in Redis; default: in gateway memory")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port")
     up.set_defaults(func=None)

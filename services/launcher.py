@@ -71,10 +71,12 @@ def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0
 
 def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0.1", gateway_port: int = 0,
                   timeout_s: float = 180.0, num_prefill: int = 0, num_decode: int = 0,
-                  worker_argv: list[str] | None = None, env: dict[str, str] | None = None) -> list[Child]:
+                  worker_argv: list[str] | None = None, env: dict[str, str] | None = None,
+                  gateway_argv: list[str] | None = None) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
-    worker_argv goes to workers only (e.g. --kv-transfer-timeout); env adds environment variables.
+    worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
+    (e.g. --router, --redis-url); env adds environment variables.
     """
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
@@ -85,7 +87,7 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
     gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
     gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}",
                     _spawn("gateway", ["gateway", "--host", host, "--port", str(gw_port),
-                                       "--metrics-port", str(gw_metrics), *model], env))
+                                       "--metrics-port", str(gw_metrics), *model, *(gateway_argv or [])], env))
     children = [gateway]
     try:
         wait_healthy(gateway.address, timeout_s, gateway.proc)
@@ -132,8 +134,9 @@ def _model_argv(engine_argv: list[str]) -> list[str]:
 
 
 def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_prefill: int = 0,
-           num_decode: int = 0) -> int:
-    children = start_cluster(num_workers, engine_argv, host, port, num_prefill=num_prefill, num_decode=num_decode)
+           num_decode: int = 0, gateway_argv: list[str] | None = None) -> int:
+    children = start_cluster(num_workers, engine_argv, host, port, num_prefill=num_prefill, num_decode=num_decode,
+                             gateway_argv=gateway_argv)
     print(f"\nsplitserve is up: gateway grpc {children[0].address} "
           f"(metrics http://{children[0].metrics}/metrics)", flush=True)
     for child in children[1:]:

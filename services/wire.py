@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from splitserve.protos.v1 import generation_pb2 as gen_pb
+from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.kv_cache.block_hash import BlockHash
+from splitserve.services.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 FINISH_REASONS = {
     "stop": gen_pb.FINISH_REASON_STOP,
@@ -58,3 +61,32 @@ def logprobs_from_proto(entries) -> list:
     from splitserve.services.engine.sampler import TokenLogprobs  # torch: only workers call this
 
     return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
+
+
+def kv_events_to_proto(events) -> list[wpb.KVCacheEvent]:
+    out = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(wpb.KVCacheEvent(stored=wpb.BlockStoredEvent(
+                block_hashes=list(e.block_hashes), parent_hash=e.parent_hash or b"", token_ids=list(e.token_ids),
+                block_size=e.block_size)))
+        elif isinstance(e, BlockRemoved):
+            out.append(wpb.KVCacheEvent(removed=wpb.BlockRemovedEvent(block_hashes=list(e.block_hashes))))
+        else:
+            out.append(wpb.KVCacheEvent(cleared=wpb.AllBlocksClearedEvent()))
+    return out
+
+
+def kv_events_from_proto(messages) -> tuple[KVCacheEvent, ...]:
+    out: list[KVCacheEvent] = []
+    for m in messages:
+        kind = m.WhichOneof("event")
+        if kind == "stored":
+            s = m.stored
+            out.append(BlockStored(tuple(BlockHash(h) for h in s.block_hashes), BlockHash(s.parent_hash) or None,
+                                   tuple(s.token_ids), s.block_size))
+        elif kind == "removed":
+            out.append(BlockRemoved(tuple(BlockHash(h) for h in m.removed.block_hashes)))
+        elif kind == "cleared":
+            out.append(AllBlocksCleared())
+    return tuple(out)

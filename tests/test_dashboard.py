@@ -26,6 +26,10 @@ def _exported() -> set[str]:
     gateway.requests.labels(code="OK").inc()
     gateway.routed.labels(worker="w1", reason="disaggregated").inc()
     gateway.retries.labels(role="prefill").inc()
+    gateway.prefix.lookups.labels(result="ok").inc()
+    gateway.prefix.matched.observe(3)
+    gateway.prefix.errors.labels(operation="lookup").inc()
+    gateway.prefix.resyncs.inc()
     text = generate_latest(worker.registry).decode() + generate_latest(gateway.registry).decode()
     return set(re.findall(r"^(splitserve:[a-z_]+)", text, re.MULTILINE))
 

@@ -146,18 +146,20 @@ class LoadReport(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "role", "model", "max_model_len", "metrics_address")
+    __slots__ = ("address", "role", "model", "max_model_len", "metrics_address", "block_size")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     model: str
     max_model_len: int
     metrics_address: str
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    block_size: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id",)
@@ -176,3 +178,63 @@ class DeregisterWorkerResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: bool
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class BlockStoredEvent(_message.Message):
+    __slots__ = ("block_hashes", "parent_hash", "token_ids", "block_size")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class BlockRemovedEvent(_message.Message):
+    __slots__ = ("block_hashes",)
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class AllBlocksClearedEvent(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVCacheEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    stored: BlockStoredEvent
+    removed: BlockRemovedEvent
+    cleared: AllBlocksClearedEvent
+    def __init__(self, stored: _Optional[_Union[BlockStoredEvent, _Mapping]] = ..., removed: _Optional[_Union[BlockRemovedEvent, _Mapping]] = ..., cleared: _Optional[_Union[AllBlocksClearedEvent, _Mapping]] = ...) -> None: ...
+
+class PublishKVEventsRequest(_message.Message):
+    __slots__ = ("address", "instance_id", "seq", "events", "is_snapshot", "snapshot_block_hashes", "model", "block_size")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    instance_id: str
+    seq: int
+    events: _containers.RepeatedCompositeFieldContainer[KVCacheEvent]
+    is_snapshot: bool
+    snapshot_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    model: str
+    block_size: int
+    def __init__(self, address: _Optional[str] = ..., instance_id: _Optional[str] = ..., seq: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KVCacheEvent, _Mapping]]] = ..., is_snapshot: _Optional[bool] = ..., snapshot_block_hashes: _Optional[_Iterable[bytes]] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class PublishKVEventsResponse(_message.Message):
+    __slots__ = ("resync", "register")
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    resync: bool
+    register: bool
+    def __init__(self, resync: _Optional[bool] = ..., register: _Optional[bool] = ...) -> None: ...

@@ -254,6 +254,11 @@ class RegistryStub:
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DeregisterWorkerRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DeregisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.PublishKVEvents = channel.unary_unary(
+                '/splitserve.v1.Registry/PublishKVEvents',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -274,6 +279,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PublishKVEvents(self, request, context):
+        """A worker's KV cache events (or a snapshot of its cached blocks) for the prefix index.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -286,6 +298,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.DeregisterWorker,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DeregisterWorkerRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DeregisterWorkerResponse.SerializeToString,
+            ),
+            'PublishKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishKVEvents,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +360,33 @@ class Registry:
             '/splitserve.v1.Registry/DeregisterWorker',
             splitserve_dot_protos_dot_v1_dot_worker__pb2.DeregisterWorkerRequest.SerializeToString,
             splitserve_dot_protos_dot_v1_dot_worker__pb2.DeregisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Registry/PublishKVEvents',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

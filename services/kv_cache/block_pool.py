@@ -183,6 +183,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every hash that resolves on this pool now (a snapshot for the prefix index)."""
+        return list(self._cached)
+
     def _evict(self, block: KVBlock) -> BlockHash | None:
         block_hash = block.block_hash
         if block_hash is None:

@@ -27,6 +27,7 @@ from splitserve.services.model.files import model_name
 from splitserve.services.serving import start_metrics_server
 from splitserve.services.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.services.worker.decode import DecodeHandoff
+from splitserve.services.worker.kv_events import KVEventPublisher
 from splitserve.services.worker.servicer import GrpcPrefillClient, WorkerServicer, engine_snapshot
 
 log = logging.getLogger("splitserve.worker")
@@ -87,14 +88,21 @@ async def serve_worker(config: WorkerConfig) -> None:
     address = f"{config.host}:{port}"
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"worker ready: grpc {address} metrics http://{config.host}:{metrics_port}/metrics", flush=True)
+    publisher = None
     if config.gateway:
-        await _register(config, address, f"{config.host}:{metrics_port}", name, engine.engine.runtime.max_model_len)
+        async def register() -> None:
+            await _register(config, address, f"{config.host}:{metrics_port}", name, engine.engine.runtime)
+
+        await register()
+        publisher = asyncio.create_task(KVEventPublisher(engine, config.gateway, address, name, register).run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await _drain(config, servicer, health_servicer, engine, address)
+    if publisher is not None:
+        publisher.cancel()
     await server.stop(grace=1.0)
     await engine.shutdown()
     for transport in (servicer.sender, servicer.handoff and servicer.handoff.receiver):
@@ -102,9 +110,10 @@ async def serve_worker(config: WorkerConfig) -> None:
             transport.close()
 
 
-async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, max_len: int) -> None:
+async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, runtime) -> None:
     request = pb.RegisterWorkerRequest(address=address, role=ROLES[config.mode], model=name,
-                                       max_model_len=max_len, metrics_address=metrics_address)
+                                       max_model_len=runtime.max_model_len, metrics_address=metrics_address,
+                                       block_size=runtime.block_size)
     async with grpc.aio.insecure_channel(config.gateway) as channel:
         stub = pb_grpc.RegistryStub(channel)
         for attempt in range(60):
