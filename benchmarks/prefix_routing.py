@@ -12,7 +12,7 @@ Reported: prefix-cache hit rate over prompt tokens (from the workers' metrics) a
 TTFT p50/p90. Targets: kv-aware hit rate >= 0.9x the oracle's; TTFT p90 <= 0.3x round robin's.
 
 Usage: python benchmarks/prefix_routing.py [--groups 8 --prefix-len 1024 --suffix-len 16
-       --requests 64 --concurrency 4 --workers 4] [--model PATH]   (default model: bundled SmolLM2)
+       --requests 128 --concurrency 4 --workers 4] [--model PATH]   (default model: bundled SmolLM2)
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=1024)
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=4)
-    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--requests", type=int, default=128)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--model", default=None)

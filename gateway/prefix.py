@@ -4,7 +4,12 @@ function the workers use, and answers "how many leading prompt blocks does each 
 When the index backend fails (Redis down), lookups return None and routing falls back to load
 only; a log line and `splitserve:gateway_prefix_index_up` say so, and no request fails because of
 it. While it is down, requests skip the lookup for RETRY_AFTER_S at a time (so a hung Redis does
-not add its timeout to every request); workers' publishes keep probing it meanwhile. Workers' batches refused meanwhile leave gaps in their sequence numbers, so once the backend
+not add its timeout to every request); workers' publishes keep probing it meanwhile.
+
+Routed-but-not-yet-published prefixes: a worker publishes a prompt's blocks only once it has
+computed them (a 1k-token prefill takes seconds on CPU), so requests sharing a prefix that arrive
+meanwhile would find no holder and scatter. The gateway therefore remembers, for ROUTED_TTL_S, the
+prompt blocks it just sent to each worker and counts them like indexed ones. Workers' batches refused meanwhile leave gaps in their sequence numbers, so once the backend
 is back every worker is asked for a snapshot and the index converges again.
 """
 
@@ -19,11 +24,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitserve.gateway.kv_index import ApplyResult, EventBatch, IndexUnavailable, KVIndex, make_index
 from splitserve.protos.v1 import worker_pb2 as pb
-from splitserve.services.kv_cache.block_hash import BlockHash, hash_block_tokens
+from splitserve.services.kv_cache.block_hash import BlockHash
 from splitserve.services.wire import kv_events_from_proto
 
 log = logging.getLogger("splitserve.gateway")
 RETRY_AFTER_S = 2.0
+ROUTED_TTL_S = 30.0
 _MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -52,6 +58,7 @@ class PrefixIndex:
         self._indexes: dict[int, KVIndex] = {}
         self.available = True
         self._down_since = 0.0  # monotonic time of the last failure while unavailable
+        self._routed: dict[BlockHash, dict[str, float]] = {}  # hash -> worker -> expiry (monotonic)
 
     def _index(self, block_size: int) -> KVIndex:
         if block_size not in self._indexes:
@@ -86,12 +93,13 @@ class PrefixIndex:
             return True
         return False
 
-    async def matches(self, prompt: Sequence[int], block_size: int, workers: Sequence[str]) -> dict[str, int] | None:
-        """Leading prompt blocks each worker holds, or None when the index cannot answer."""
+    async def matches(self, hashes: Sequence[BlockHash], block_size: int,
+                      workers: Sequence[str]) -> dict[str, int] | None:
+        """Leading prompt blocks each worker holds (indexed, or routed there lately), or None when
+        the index cannot answer."""
         if not self.available and time.monotonic() - self._down_since < RETRY_AFTER_S:
             self.metrics.lookups.labels(result="skipped").inc()
             return None
-        hashes = hash_block_tokens(prompt, block_size)
         if not hashes:
             return {w: 0 for w in workers}
         try:
@@ -102,7 +110,32 @@ class PrefixIndex:
             return None
         self.metrics.lookups.labels(result="ok").inc()
         self._mark(True, "lookup")
-        return found
+        routed = self._routed_leading(hashes, workers)
+        return {w: max(found.get(w, 0), routed[w]) for w in workers}
+
+    def note_routed(self, hashes: Sequence[BlockHash], worker: str) -> None:
+        expiry = time.monotonic() + ROUTED_TTL_S
+        for h in hashes:
+            self._routed.setdefault(h, {})[worker] = expiry
+
+    def _routed_leading(self, hashes: Sequence[BlockHash], workers: Sequence[str]) -> dict[str, int]:
+        now = time.monotonic()
+        counts = {}
+        for w in workers:
+            n = 0
+            while n < len(hashes) and self._routed.get(hashes[n], {}).get(w, 0.0) > now:
+                n += 1
+            counts[w] = n
+        return counts
+
+    def _expire_routed(self) -> None:
+        now = time.monotonic()
+        for h in list(self._routed):
+            live = {w: t for w, t in self._routed[h].items() if t > now}
+            if live:
+                self._routed[h] = live
+            else:
+                del self._routed[h]
 
     async def remove_worker(self, address: str) -> None:
         for index in self._indexes.values():
@@ -115,6 +148,7 @@ class PrefixIndex:
         """Drop blocks of workers whose heartbeat expired, every heartbeat TTL."""
         while True:
             await asyncio.sleep(self.heartbeat_ttl_s)
+            self._expire_routed()
             for index in list(self._indexes.values()):
                 try:
                     dead = await index.purge_dead()

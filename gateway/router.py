@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve.gateway.workers import WorkerHandle
+from splitserve.services.kv_cache.block_hash import BlockHash
 
 PREFILL_LOAD_WEIGHT = 0.1
 SPREAD_MARGIN = 6
@@ -36,6 +37,7 @@ class RouteInput:
     prompt_token_ids: Sequence[int]
     num_prompt_blocks: int  # full blocks of the prompt
     matched: Mapping[str, int] | None = None  # worker address -> leading blocks held; None: no index
+    block_hashes: Sequence[BlockHash] = ()  # the prompt's full blocks, hashed as the workers do
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import generation_pb2_grpc as gen_grpc
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.services.kv_cache.block_hash import hash_block_tokens
 from splitserve.services.model.files import model_name
 from splitserve.services.model.tokenizer import Tokenizer, load_tokenizer
 from splitserve.services.serving import start_metrics_server
@@ -133,9 +134,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         decodes = [w for w in healthy if w.role == pb.WORKER_ROLE_DECODE]
         route = await self._route_input(prompt, healthy)
         if prefills and decodes:
-            prefill = self.router.pick(prefills, route, "prefill")
+            prefill, decode = self.router.pick(prefills, route, "prefill"), self.router.pick(decodes, route, "decode")
             self._observe_match(route, prefill)
-            return self.router.pick(decodes, route, "decode"), prefill
+            if route.matched is not None:  # the decode worker will hold the prompt's blocks too
+                self.prefix.note_routed(route.block_hashes, decode.worker.address)
+            return decode, prefill
         target = self.router.pick([w for w in healthy if w.role != pb.WORKER_ROLE_PREFILL], route, "prefill")
         if target is None:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "no healthy worker can serve this model now; start one with "
@@ -148,12 +151,15 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         block_size = next((w.block_size for w in workers if w.block_size), 0)
         if not block_size or not self.router.uses_index:
             return RouteInput(prompt, len(prompt) // block_size if block_size else 0, None)
-        matched = await self.prefix.matches(prompt, block_size, [w.address for w in workers])
-        return RouteInput(prompt, len(prompt) // block_size, matched)
+        hashes = hash_block_tokens(prompt, block_size)
+        matched = await self.prefix.matches(hashes, block_size, [w.address for w in workers])
+        return RouteInput(prompt, len(hashes), matched, hashes)
 
     def _observe_match(self, route: RouteInput, decision: Decision | None) -> None:
-        if decision is not None and route.matched is not None:
-            self.metrics.prefix.matched.observe(route.matched.get(decision.worker.address, 0))
+        if decision is None or route.matched is None:
+            return
+        self.metrics.prefix.matched.observe(route.matched.get(decision.worker.address, 0))
+        self.prefix.note_routed(route.block_hashes, decision.worker.address)
 
     def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
         if request.model and request.model != self.model_name:
