@@ -93,13 +93,18 @@ def _generate_remote(a: argparse.Namespace) -> int:
 def _worker(a: argparse.Namespace) -> int:
     import asyncio
     import logging
+    import os
 
     import torch
 
     from splitserve.services.worker.server import WorkerConfig, serve_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if a.num_threads:
+    if a.cpus:
+        cores = {int(c) for c in a.cpus.split(",")}
+        os.sched_setaffinity(0, cores)  # this worker's cores only (fair colocated vs disaggregated runs)
+        torch.set_num_threads(a.num_threads or len(cores))
+    elif a.num_threads:
         torch.set_num_threads(a.num_threads)
     config = WorkerConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
                           metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode,
@@ -130,6 +135,18 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
     return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv)
 
 
+def _bench(a: argparse.Namespace) -> int:
+    from splitserve.experiments.bench import run_bench
+
+    return run_bench(a)
+
+
+def _experiment(a: argparse.Namespace) -> int:
+    from splitserve.experiments.experiment import run_experiment_file
+
+    return run_experiment_file(a.config, a.out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
                         help="seconds any KV transfer step may take before it counts as failed")
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
     add_engine_args(worker)
     worker.set_defaults(func=_worker)
 
@@ -168,6 +186,21 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--redis-url", default=None,
                          help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory")
     gateway.set_defaults(func=_gateway)
+
+    bench = sub.add_parser("bench", help="send a workload to a gateway; report latency, throughput, goodput")
+    bench.add_argument("--url", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    bench.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50 (goodput counts requests meeting both)")
+    bench.add_argument("--json", default=None, help="write the report (summary + every request) here")
+    bench.add_argument("--no-progress", action="store_true")
+    from splitserve.experiments.bench import add_workload_args
+
+    add_workload_args(bench)
+    bench.set_defaults(func=_bench)
+
+    experiment = sub.add_parser("experiment", help="run deployments x request rates from a TOML config")
+    experiment.add_argument("config", help="TOML file (see deploy/experiments/)")
+    experiment.add_argument("--out", default=None, help="report folder (default: runs/<config name>-<time>)")
+    experiment.set_defaults(func=_experiment)
 
     up = sub.add_parser("up", help="start a gateway and its workers as local processes")
     up.add_argument("--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)")

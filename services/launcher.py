@@ -72,11 +72,12 @@ def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0
 def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0.1", gateway_port: int = 0,
                   timeout_s: float = 180.0, num_prefill: int = 0, num_decode: int = 0,
                   worker_argv: list[str] | None = None, env: dict[str, str] | None = None,
-                  gateway_argv: list[str] | None = None) -> list[Child]:
+                  gateway_argv: list[str] | None = None, worker_cpus: list[str] | None = None) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
     worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
-    (e.g. --router, --redis-url); env adds environment variables.
+    (e.g. --router, --redis-url); env adds environment variables. worker_cpus pins worker i to the
+    cores worker_cpus[i] ("0,1"), with as many torch threads.
     """
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
@@ -91,9 +92,11 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
     children = [gateway]
     try:
         wait_healthy(gateway.address, timeout_s, gateway.proc)
-        for name, mode in modes:
-            children.append(spawn_worker(name, mode, gateway.address, engine_argv + (worker_argv or []), host,
-                                         threads, env))
+        for i, (name, mode) in enumerate(modes):
+            pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
+            n = len(worker_cpus[i].split(",")) if worker_cpus else threads
+            children.append(spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host,
+                                         n, env))
         for child in children[1:]:
             wait_healthy(child.address, timeout_s, child.proc)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic

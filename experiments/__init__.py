@@ -1,0 +1,1 @@
+"""Load generation and disaggregation experiments: `splitserve bench` and `splitserve experiment`."""

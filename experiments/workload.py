@@ -1,0 +1,135 @@
+"""What to send and when: prompt/output length distributions (or a replayed JSONL trace), shared
+prefixes, and arrivals (Poisson at a rate, bursts, or a fixed concurrency). Deterministic per seed."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_KINDS = ("fixed", "uniform", "normal")
+_ARRIVALS = ("poisson", "burst", "concurrency")
+
+
+@dataclass(frozen=True, slots=True)
+class LengthDist:
+    """fixed: a; uniform: integers in [a, b]; normal: mean a, stddev b (clipped to >= 1)."""
+
+    kind: str = "fixed"
+    a: float = 128
+    b: float = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"length distribution must be one of {_KINDS}, got {self.kind!r}")
+        if self.a < 1 or (self.kind == "uniform" and self.b < self.a):
+            raise ValueError(f"bad {self.kind} length distribution ({self.a}, {self.b})")
+
+    @classmethod
+    def parse(cls, text: str) -> LengthDist:
+        """'128', 'uniform:32:512' or 'normal:256:64'."""
+        parts = text.split(":")
+        if len(parts) == 1:
+            return cls("fixed", float(parts[0]))
+        if len(parts) != 3:
+            raise ValueError(f"length must be N, uniform:LO:HI or normal:MEAN:STD; got {text!r}")
+        return cls(parts[0], float(parts[1]), float(parts[2]))
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            return int(self.a)
+        if self.kind == "uniform":
+            return rng.randint(int(self.a), int(self.b))
+        return max(1, round(rng.gauss(self.a, self.b)))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    num_requests: int = 32
+    duration_s: float | None = None  # with poisson/burst: stop sending after this long instead
+    arrival: str = "poisson"
+    rate: float = 4.0  # requests / s (poisson), or bursts / s (burst)
+    burst_size: int = 8
+    concurrency: int = 4  # arrival "concurrency": this many in flight at all times
+    prompt_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 128))
+    output_len: LengthDist = field(default_factory=lambda: LengthDist("fixed", 32))
+    trace: str | None = None  # JSONL rows {"prompt_len", "output_len"[, "prefix_id"]}
+    shared_prefix_fraction: float = 0.0  # share of requests that start with one of num_prefixes prefixes
+    prefix_len: int = 0
+    num_prefixes: int = 1
+    seed: int = 0
+    vocab_low: int = 20  # token ids drawn from [vocab_low, vocab_high) (skips special tokens)
+    vocab_high: int = 49152
+
+    def __post_init__(self) -> None:
+        if self.arrival not in _ARRIVALS:
+            raise ValueError(f"arrival must be one of {_ARRIVALS}, got {self.arrival!r}")
+        if self.num_requests < 1 or self.rate <= 0 or self.concurrency < 1 or self.burst_size < 1:
+            raise ValueError("num_requests, rate, concurrency and burst_size must be positive")
+        if not 0.0 <= self.shared_prefix_fraction <= 1.0:
+            raise ValueError("shared_prefix_fraction must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    prefix_id: int | None = None
+
+
+def make_requests(cfg: WorkloadConfig) -> list[RequestSpec]:
+    rng = random.Random(cfg.seed)
+    rows = _trace_rows(cfg.trace) if cfg.trace else _sampled_rows(cfg, rng)
+    prefixes: dict[int, list[int]] = {}
+    specs = []
+    for prompt_len, output_len, prefix_id in rows:
+        prefix: list[int] = []
+        if prefix_id is not None:
+            length = cfg.prefix_len or prompt_len // 2
+            prefix = prefixes.setdefault(prefix_id, _tokens(rng, length, cfg))
+        body = _tokens(rng, max(1, prompt_len - len(prefix)), cfg)
+        specs.append(RequestSpec(prefix + body, output_len, prefix_id))
+    return specs
+
+
+def _sampled_rows(cfg: WorkloadConfig, rng: random.Random) -> list[tuple[int, int, int | None]]:
+    rows = []
+    for _ in range(cfg.num_requests):
+        shared = cfg.shared_prefix_fraction and rng.random() < cfg.shared_prefix_fraction
+        prefix_id = rng.randrange(cfg.num_prefixes) if shared else None
+        rows.append((cfg.prompt_len.sample(rng), cfg.output_len.sample(rng), prefix_id))
+    return rows
+
+
+def _trace_rows(path: str) -> list[tuple[int, int, int | None]]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            rows.append((int(row["prompt_len"]), int(row["output_len"]), row.get("prefix_id")))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: rows need prompt_len and output_len ({e})") from None
+    if not rows:
+        raise ValueError(f"{path} has no rows")
+    return rows
+
+
+def _tokens(rng: random.Random, n: int, cfg: WorkloadConfig) -> list[int]:
+    return [rng.randrange(cfg.vocab_low, cfg.vocab_high) for _ in range(n)]
+
+
+def arrival_offsets(cfg: WorkloadConfig, num: int) -> list[float] | None:
+    """Send time of each request in seconds from the start; None for fixed concurrency."""
+    if cfg.arrival == "concurrency":
+        return None
+    rng = random.Random(cfg.seed + 1)
+    if cfg.arrival == "poisson":
+        t, out = 0.0, []
+        for _ in range(num):
+            out.append(t)
+            t += rng.expovariate(cfg.rate)
+        return out
+    return [(i // cfg.burst_size) / cfg.rate for i in range(num)]

@@ -1,0 +1,90 @@
+"""`splitserve bench` against a running tiny-model system, and a tiny `splitserve experiment` end to
+end (two deployments, two rates) that writes its report folder and plots."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cluster_helpers import engine_argv
+
+from splitserve.experiments.experiment import load_config, run_experiment
+from splitserve.services.cli import main
+from splitserve.services.launcher import start_cluster, stop_cluster
+
+
+@pytest.fixture(scope="module")
+def system(tiny_llama_dir):
+    children = start_cluster(1, engine_argv(tiny_llama_dir))
+    try:
+        yield children
+    finally:
+        stop_cluster(children)
+
+
+@pytest.mark.parametrize("arrival", ["poisson", "concurrency"])
+def test_bench_reports_every_request(system, tmp_path, arrival, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--url", system[0].address, "--num-requests", "12", "--arrival", arrival, "--rate", "20",
+               "--concurrency", "3", "--prompt-len", "uniform:4:60", "--output-len", "normal:8:2",
+               "--shared-prefix-fraction", "0.5", "--prefix-len", "16", "--vocab-size", "300",
+               "--slo", "ttft_ms=60000,tpot_ms=60000", "--json", str(out), "--no-progress"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "12/12 ok" in table and "TTFT" in table and "goodput" in table
+    report = json.loads(out.read_text())
+    s = report["summary"]
+    assert s["num_ok"] == 12 and s["errors"] == {} and s["slo_attainment"] == 1.0
+    for metric in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert s[metric]["p50"] > 0 and s[metric]["p99"] >= s[metric]["p50"], metric
+    assert len(report["requests"]) == 12
+    assert all(r["e2e_s"] >= r["ttft_s"] > 0 for r in report["requests"])
+    assert report["settings"]["workload"]["arrival"] == arrival
+
+
+def test_tiny_experiment_writes_report_and_plots(tiny_llama_dir, tmp_path):
+    argv = json.dumps(engine_argv(tiny_llama_dir))
+    config = tmp_path / "tiny.toml"
+    config.write_text(f"""
+name = "tiny"
+engine_args = {argv}
+warmup_requests = 1
+[[slos]]
+name = "loose"
+ttft_ms = 60000
+tpot_ms = 60000
+[[slos]]
+name = "impossible"
+ttft_ms = 0.001
+[[deployments]]
+name = "unified x1"
+workers = 1
+pin_cpus = true
+[[deployments]]
+name = "1P1D"
+prefill = 1
+decode = 1
+[sweep]
+rates = [4.0, 8.0]
+[[workloads]]
+name = "short"
+num_requests = 4
+prompt_len = "uniform:8:40"
+output_len = "6"
+vocab_high = 300
+""")
+    out = tmp_path / "report"
+    runs = run_experiment(load_config(config), out)
+    assert [(r["deployment"], r["rate"]) for r in runs] == [("unified x1", 4.0), ("unified x1", 8.0),
+                                                            ("1P1D", 4.0), ("1P1D", 8.0)]
+    assert all(r["summary"]["num_ok"] == 4 for r in runs)
+    assert all(r["goodput"]["impossible"] == 0 and r["goodput"]["loose"] > 0 for r in runs)
+    assert runs[0]["cpu_sets"] and runs[2]["cpu_sets"] is None
+    saved = json.loads((out / "runs.json").read_text())
+    assert len(saved["runs"]) == 4 and saved["settings"]["config"]["name"] == "tiny"
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == sorted(f"short-{n}.png" for n in ("ttft_vs_rate", "tpot_vs_rate", "itl_vs_rate", "e2e_vs_rate",
+                                                     "goodput_vs_rate", "latency_cdf"))
+    assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    summary = (out / "summary.md").read_text()
+    assert "Best for SLO `loose`" in summary and "| 1P1D | 8.0 | 4/4 |" in summary
