@@ -1,6 +1,7 @@
 """The engine on the `triton` attention backend (under the Triton interpreter on CPU: TRITON_INTERPRET=1
 from tests/conftest.py) against the `torch` one:
-same greedy tokens on the tiny test model, across mixed batches, chunked prefill and prefix hits."""
+same greedy tokens on the tiny test models (Llama, Qwen2), across mixed batches, chunked prefill and prefix
+hits, with attention, RMSNorm (residual add fused), RoPE and SiLU-and-mul all on the kernels."""
 
 from __future__ import annotations
 
@@ -26,22 +27,27 @@ def _generate(folder, backend: str, prompts: list[list[list[int]]], max_tokens: 
     config = EngineConfig(model=str(folder), attention_backend=backend, dtype="float32",
                           scheduler=SchedulerConfig(**sched), cache=CacheConfig(block_size=8, kv_cache_bytes=1024**2))
     llm = LLM(config)
-    assert llm.engine.runner.backend.name == backend
+    runner = llm.engine.runner
+    assert runner.backend.name == backend
+    assert runner.model.layers[0].mlp.ops is runner.backend.ops  # the model's other ops come from the backend
+    assert isinstance(runner.backend.ops, triton_backend.TritonOps) == (backend == "triton")
     outs = []
     for group in prompts:
         outs += llm.generate(group, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [o.token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
-def test_triton_backend_matches_torch_backend(tiny_qwen2_dir):
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_triton_backend_matches_torch_backend(model_dir, request):
+    folder = request.getfixturevalue(model_dir)
     rng = random.Random(7)
     shared = [rng.randrange(1, VOCAB_SIZE) for _ in range(20)]
     prompts = [[[rng.randrange(1, VOCAB_SIZE) for _ in range(n)] for n in (1, 9, 30)] + [shared],
                [shared + [5, 6], shared + [7]]]  # the second group hits the first's cached blocks
     # 16 tokens a step: the 30- and 20-token prompts are prefilled in chunks next to running decodes.
     sched = dict(max_num_batched_tokens=16, max_num_seqs=8)
-    expected, _ = _generate(tiny_qwen2_dir, "torch", prompts, 6, **sched)
-    tokens, cached = _generate(tiny_qwen2_dir, "triton", prompts, 6, **sched)
+    expected, _ = _generate(folder, "torch", prompts, 6, **sched)
+    tokens, cached = _generate(folder, "triton", prompts, 6, **sched)
     assert tokens == expected
     assert cached[-2:] == [16, 16]
 

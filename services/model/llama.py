@@ -2,30 +2,33 @@
 
 Parameter names follow the Hugging Face checkpoints except two fused projections:
 qkv_proj = cat(q_proj, k_proj, v_proj) and gate_up_proj = cat(gate_proj, up_proj) (rows).
+
+RMSNorm, RoPE and SiLU-and-mul run through the attention backend's `ops` (plain torch, or Triton
+kernels on the triton backend). The residual stream is carried beside each layer's output rather than
+added to it, so every norm after the first can fuse the add: layer(h, residual) -> (mlp_out, residual).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from splitserve.services.model.arch import ModelArchConfig, rope_inv_freq
-from splitserve.services.model.attention.backend import AttentionBackend, AttentionMetadata
+from splitserve.services.model.attention.backend import AttentionBackend, AttentionMetadata, ModelOps
+from splitserve.services.model.attention.backend import apply_rotary  # noqa: F401  (the torch RoPE, re-exported)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: ModelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.eps, self.ops = eps, ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as transformers (float32 statistics), so greedy tokens match exactly.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normalised stream, stream), the stream being x, or x + residual when one is given."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -48,20 +51,6 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(emb.cos())
         self.sin.copy_(emb.sin())
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the step's tokens, [num_tokens, 1, head_dim]; once per forward."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    # q: [T, h, d], k: [T, kvh, d], cos/sin: [T, 1, d]
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
 
 class Attention(nn.Module):
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend) -> None:
@@ -80,44 +69,48 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = self.backend.ops.rotate(q, k, rope)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelArchConfig) -> None:
+    def __init__(self, config: ModelArchConfig, ops: ModelOps) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         self.self_attn = Attention(config, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
+        self.mlp = MLP(config, backend.ops)
 
-    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, rope, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output (the embedding in the first layer, residual None there);
+        returns this layer's MLP output and the stream before it, not yet added up."""
+        h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_len: int) -> None:
         super().__init__()
         self.config = config
+        self.ops = backend.ops
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config, max_len)
         self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
@@ -133,12 +126,13 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kvh, d]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden] before the final norm
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions, x.dtype)
+        h, residual = self.embed_tokens(input_ids), None
+        rope = self.ops.rope_lookup(self.rotary.cos, self.rotary.sin, positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return x
+            h, residual = layer(h, residual, rope, kv_cache, meta)
+        return residual + h  # only the sampled rows go through the final norm (compute_logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[n, hidden] -> [n, vocab] float32 logits for the rows that sample."""
-        return self.lm_head(self.norm(hidden)).float()
+        normed, _ = self.norm(hidden)
+        return self.lm_head(normed).float()

@@ -1,4 +1,4 @@
-"""The attention backend contract and its registry.
+"""The attention backend contract and its registry, and the model's other ops a backend provides.
 
 KV cache layout (shared with the Triton kernels and the KV transfer):
     one tensor per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]; index 0 is K, 1 is V.
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -34,9 +35,59 @@ class AttentionMetadata:
         return len(self.seq_lens_cpu)
 
 
+class ModelOps:
+    """The model's non-attention ops in plain torch: RMSNorm (alone, or fused with the residual add
+    before it), RoPE and SiLU-and-mul. The model runs them through its backend's `ops`, so a backend
+    can swap in kernels (TritonAttention: splitserve.kernels) that round the same way.
+
+    RMSNorm follows transformers (float32 statistics, normalised row rounded to x's dtype before the
+    weight multiply) so greedy tokens match it exactly; RoPE is neox style (rotate-half: element i
+    pairs with i + head_dim/2) from the float32 table the model keeps."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # x: [num_tokens, hidden], weight: [hidden]
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(dtype)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual). May write the sum into residual in place: callers
+        use the returned stream and never read residual again."""
+        total = x + residual
+        return self.rms_norm(total, weight, eps), total
+
+    def rope_lookup(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> Any:
+        """Once per forward: what rotate needs for the step's tokens. cos, sin: [max_len, head_dim]
+        float32 (cat(freqs, freqs)); positions: [num_tokens]. Opaque to the model."""
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim], both views
+        of the QKV projection (may be rotated in place); returns the rotated q and k."""
+        return apply_rotary(q, k, *rope)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        # [num_tokens, 2 * intermediate] (gate | up) -> [num_tokens, intermediate]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # q: [T, h, d], k: [T, kvh, d], cos/sin: [T, 1, d]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 class AttentionBackend(ABC):
     """Stores the step's new K/V into the paged cache, then attends every query token to its
-    sequence's context (cached prefix + new tokens, causal)."""
+    sequence's context (cached prefix + new tokens, causal). Also hands the model its other ops
+    (`ops`, plain torch unless a backend sets faster ones)."""
 
     name: ClassVar[str]
 
@@ -46,6 +97,7 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.block_size = block_size
         self.scale = head_dim ** -0.5
+        self.ops: ModelOps = ModelOps()
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:

@@ -1,4 +1,5 @@
-"""Triton paged attention: store_kv, then the paged decode and prefill kernels of splitserve.kernels.
+"""Triton paged attention: store_kv, then the paged decode and prefill kernels of splitserve.kernels;
+and the model's RMSNorm (residual add fused), RoPE and SiLU-and-mul as kernels too (TritonOps).
 
 Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests only: the interpreter is slow). Triton and
 splitserve.kernels are imported when the backend is built, not when this module is: Triton fixes at
@@ -17,11 +18,42 @@ import os
 
 import torch
 
-from splitserve.services.model.attention.backend import AttentionBackend, AttentionMetadata, register_backend
+from splitserve.services.model.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    ModelOps,
+    register_backend,
+)
 
 
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+class TritonOps(ModelOps):
+    """ModelOps on splitserve.kernels, rounding as the torch versions do (see the kernels' docstrings)."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def rms_norm(self, x, weight, eps):
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self.kernels.rms_norm(x, weight, eps, residual=residual), residual  # residual += x in place
+
+    def rope_lookup(self, cos, sin, positions, dtype):
+        # The kernel reads float32 [max_len, head_dim // 2] rows (strided views) by position itself.
+        half = cos.shape[1] // 2
+        return positions, cos[:, :half], sin[:, :half]
+
+    def rotate(self, q, k, rope):
+        positions, cos, sin = rope
+        self.kernels.rotary_embedding(positions, q, k, cos, sin)  # in place
+        return q, k
+
+    def silu_and_mul(self, gate_up):
+        return self.kernels.silu_and_mul(gate_up)
 
 
 @register_backend
@@ -47,6 +79,7 @@ class TritonAttention(AttentionBackend):
         from splitserve import kernels
 
         self.kernels = kernels
+        self.ops = TritonOps(kernels)
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         kernels, nd = self.kernels, meta.num_decodes
