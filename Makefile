@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix bench-kernels clean
+.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels clean
 
 install: $(VENV)/.installed
 
@@ -53,6 +53,10 @@ bench-disagg: install
 
 bench-prefix: install
 	$(PY) benchmarks/prefix_routing.py
+
+# Colocated vs disaggregated on this machine with the bundled model; report in runs/.
+experiment: install
+	$(VENV)/bin/splitserve experiment deploy/experiments/cpu-smollm2.toml
 
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install
