@@ -33,7 +33,7 @@ generate: install
 	$(VENV)/bin/splitserve generate --chat "$(PROMPT)" --max-tokens 128
 
 test: install
-	scripts/install-redis-server.sh
+	scripts/install-system-deps.sh
 	$(PY) -m pytest -q
 
 bench: install

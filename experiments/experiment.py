@@ -104,12 +104,14 @@ def run_deployment(cfg: ExperimentConfig, dep: Deployment) -> list[dict]:
         address = children[0].address
         _, first_workload = cfg.workloads[0]
         warmup = replace(first_workload, num_requests=cfg.warmup_requests, arrival="concurrency", concurrency=1,
-                         duration_s=None, seed=first_workload.seed + 999)
+                         duration_s=None, seed=first_workload.seed + 999_999)
         asyncio.run(measure(address, warmup, SLO(), show_progress=False))
         for workload_name, workload in cfg.workloads:
-            for rate in cfg.rates:
+            for i, rate in enumerate(cfg.rates):
                 print(f"[experiment] {dep.name} / {workload_name} / {rate} req/s", flush=True)
-                summary, records = asyncio.run(measure(address, replace(workload, rate=rate), SLO()))
+                # Fresh prompts per rate: repeating them would turn later rates into prefix-cache hits.
+                run_workload = replace(workload, rate=rate, seed=workload.seed + 1000 * (i + 1))
+                summary, records = asyncio.run(measure(address, run_workload, SLO()))
                 goodput = {name: summarize(records, summary.duration_s, slo).goodput for name, slo in cfg.slos}
                 runs.append({"deployment": dep.name, "workload": workload_name, "rate": rate,
                              "cpu_sets": pinning, "summary": summary.to_dict(), "goodput": goodput,

@@ -11,12 +11,18 @@ def _ms(values: dict, q: str) -> str:
 
 
 def best_per_slo(runs: list[dict], workload: str, slo: str) -> tuple[str, float, float] | None:
-    """(deployment, its peak goodput, the rate it was reached at) for one workload and SLO."""
-    candidates = [(r["goodput"][slo], -r["rate"], r["deployment"]) for r in runs if r["workload"] == workload]
-    if not candidates:
+    """(deployment(s), peak goodput, the lowest rate it was reached at) for one workload and SLO;
+    deployments that tie on peak goodput are all named."""
+    peaks: dict[str, tuple[float, float]] = {}
+    for r in (r for r in runs if r["workload"] == workload):
+        best = peaks.get(r["deployment"])
+        if best is None or r["goodput"][slo] > best[0]:
+            peaks[r["deployment"]] = (r["goodput"][slo], r["rate"])
+    if not peaks:
         return None
-    goodput, neg_rate, dep = max(candidates)
-    return dep, goodput, -neg_rate
+    top = max(g for g, _ in peaks.values())
+    winners = [d for d, (g, _) in peaks.items() if abs(g - top) < 1e-9]
+    return " = ".join(winners), top, min(peaks[d][1] for d in winners)
 
 
 def write_summary(runs: list[dict], cfg, out: Path) -> Path:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -61,11 +62,13 @@ class Router(ABC):
     uses_index = False  # whether the gateway should look the prompt up before pick()
 
     def __init__(self) -> None:
-        self._turn = itertools.count()
+        # One turn counter per tier: a shared one advances twice per disaggregated request, so
+        # with two workers per tier every tie would go to the same worker.
+        self._turns: dict[str, itertools.count] = defaultdict(itertools.count)
 
-    def rotated(self, workers: Sequence[WorkerHandle]) -> list[WorkerHandle]:
+    def rotated(self, workers: Sequence[WorkerHandle], tier: str = "prefill") -> list[WorkerHandle]:
         """workers starting at a moving offset: min() over it breaks ties round robin."""
-        offset = next(self._turn) % len(workers)
+        offset = next(self._turns[tier]) % len(workers)
         return list(workers[offset:]) + list(workers[:offset])
 
     @abstractmethod
@@ -82,7 +85,7 @@ class LeastOutstandingRouter(Router):
     def pick(self, workers, route, tier):
         if not workers:
             return None
-        return Decision(min(self.rotated(workers), key=lambda w: (w.outstanding, w.load.num_waiting)), "load")
+        return Decision(min(self.rotated(workers, tier), key=lambda w: (w.outstanding, w.load.num_waiting)), "load")
 
 
 class RoundRobinRouter(Router):
@@ -91,7 +94,7 @@ class RoundRobinRouter(Router):
     name = "round-robin"
 
     def pick(self, workers, route, tier):
-        return Decision(self.rotated(workers)[0], "round_robin") if workers else None
+        return Decision(self.rotated(workers, tier)[0], "round_robin") if workers else None
 
 
 class PrefixAffinityRouter(Router):
@@ -121,7 +124,7 @@ class KVAwareRouter(Router):
     def pick(self, workers, route, tier):
         if not workers:
             return None
-        candidates = self.rotated(workers)
+        candidates = self.rotated(workers, tier)
         if route.matched is None:
             return Decision(min(candidates, key=load), "no_index")
         if tier == "decode":

@@ -296,6 +296,12 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         await self.prefix.remove_worker(request.address)
         return pb.DeregisterWorkerResponse(removed=removed)
 
+    async def ListWorkers(self, request, context) -> pb.ListWorkersResponse:
+        return pb.ListWorkersResponse(workers=[
+            pb.WorkerInfo(worker_id=w.worker_id, address=w.address, role=w.role, model=w.model, healthy=w.healthy,
+                          outstanding=w.outstanding, load=w.load, metrics_address=w.metrics_address)
+            for w in self.workers.all()])
+
     async def PublishKVEvents(self, request, context) -> pb.PublishKVEventsResponse:
         if not request.address or not request.instance_id or not request.block_size:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "publish with address, instance_id and block_size")

@@ -64,8 +64,16 @@ class WorkerSet:
         if handle is None:
             return False
         log.info("worker %s at %s left", handle.worker_id, address)
-        await handle.channel.close(grace=None)
+        # A draining worker finishes what it runs: keep the channel for the calls still on it
+        # (closing it cancels them, and a cancelled stream can hang its reader until the deadline).
+        asyncio.ensure_future(self._close_when_idle(handle))
         return True
+
+    async def _close_when_idle(self, handle: WorkerHandle, timeout_s: float = 300.0) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while handle.outstanding and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.1)
+        await handle.channel.close(grace=1.0)
 
     def get(self, address: str) -> WorkerHandle | None:
         return self._workers.get(address)

@@ -108,6 +108,7 @@ def _worker(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.num_threads)
     config = WorkerConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
                           metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode,
+                          advertise_host=a.advertise_host,
                           kv_transfer_timeout_s=a.kv_transfer_timeout)
     asyncio.run(serve_worker(config))
     return 0
@@ -132,7 +133,66 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
 
     workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
     gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
-    return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv)
+    return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv,
+                  a.admin_port or a.port + 1)
+
+
+def _health(a: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(a.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=a.timeout)
+        except grpc.RpcError as e:
+            print(f"{a.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    print(f"{a.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    return 0 if serving else 1
+
+
+def _workers(a: argparse.Namespace) -> int:
+    import grpc
+
+    from splitserve.protos.v1 import worker_pb2 as pb
+    from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(a.url) as channel:
+        reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    print(f"{'id':<5}{'role':<9}{'address':<22}{'healthy':<9}{'in flight':>10}{'running':>9}{'waiting':>9}"
+          f"{'KV used':>9}")
+    for w in reply.workers:
+        total = w.load.num_total_blocks
+        used = f"{1 - w.load.num_free_blocks / total:.0%}" if total else "-"
+        role = pb.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower()
+        print(f"{w.worker_id:<5}{role:<9}{w.address:<22}{str(w.healthy).lower():<9}{w.outstanding:>10}"
+              f"{w.load.num_running:>9}{w.load.num_waiting:>9}{used:>9}")
+    return 0
+
+
+def _scale(a: argparse.Namespace) -> int:
+    import grpc
+
+    from splitserve.protos.v1 import launcher_pb2 as pb
+    from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
+
+    request = pb.ScaleRequest()
+    for mode, value in (("unified", a.workers), ("prefill", a.prefill), ("decode", a.decode)):
+        if value is not None:
+            setattr(request, f"num_{mode}", value)
+    with grpc.insecure_channel(a.url) as channel:
+        try:
+            reply = pb_grpc.LauncherStub(channel).Scale(request, timeout=600)
+        except grpc.RpcError as e:
+            print(f"splitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    for line in reply.started:
+        print(f"started {line}")
+    for line in reply.drained:
+        print(f"drained {line}")
+    print(f"now: {reply.shape}")
+    return 0
 
 
 def _bench(a: argparse.Namespace) -> int:
@@ -166,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker (an engine behind the Worker gRPC API)")
     _add_server_args(worker)
     worker.add_argument("--gateway", default=None, help="gateway HOST:PORT to register with")
+    worker.add_argument("--advertise-host", default=None,
+                        help="host the gateway and peers reach this worker at (default: --host, or this "
+                             "machine's IP when --host is 0.0.0.0)")
     worker.add_argument("--mode", default="unified", choices=["unified", "prefill", "decode"],
                         help="unified: whole requests; prefill: prompts only, sends KV; decode: continues "
                              "requests whose KV a prefill worker sends")
@@ -197,6 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_args(bench)
     bench.set_defaults(func=_bench)
 
+    health = sub.add_parser("health", help="exit 0 iff the gRPC server at ADDRESS reports SERVING")
+    health.add_argument("address")
+    health.add_argument("--timeout", type=float, default=2.0)
+    health.set_defaults(func=_health)
+
+    workers = sub.add_parser("workers", help="list a gateway's workers: role, address, load, KV usage")
+    workers.add_argument("--url", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    workers.set_defaults(func=_workers)
+
+    scale = sub.add_parser("scale", help="change the number of workers per tier of a running `splitserve up`")
+    scale.add_argument("--url", default="127.0.0.1:50052", help="the launcher control address `up` printed")
+    scale.add_argument("--workers", type=int, default=None, help="unified workers")
+    scale.add_argument("--prefill", type=int, default=None)
+    scale.add_argument("--decode", type=int, default=None)
+    scale.set_defaults(func=_scale)
+
     experiment = sub.add_parser("experiment", help="run deployments x request rates from a TOML config")
     experiment.add_argument("config", help="TOML file (see deploy/experiments/)")
     experiment.add_argument("--out", default=None, help="report folder (default: runs/<config name>-<time>)")
@@ -206,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
+    up.add_argument("--admin-port", type=int, default=0,
+                    help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)")
     up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")
     up.add_argument("--redis-url", default=None, help="prefix index in Redis; default: in gateway memory")
     up.add_argument("--host", default="127.0.0.1")

@@ -1,8 +1,10 @@
 """`splitserve up`: a gateway plus N unified workers, or P prefill and D decode workers (xPyD), as
 local processes on free ports.
 
-Each child's output is echoed with a [name] prefix; Ctrl-C / SIGTERM stops workers first (they
-drain), then the gateway.
+Each child's output is echoed with a [name] prefix (and its last lines kept on Child.log);
+Ctrl-C / SIGTERM stops workers first (they drain), then the gateway. While it runs, `up` serves the
+Launcher gRPC service on --admin-port, so `splitserve scale` can change the shape of the system
+(services/supervisor.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,14 +30,18 @@ class Child:
     address: str
     metrics: str
     proc: subprocess.Popen = field(repr=False)
+    mode: str = "gateway"
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=500), repr=False)  # last output lines
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "splitserve.services.cli", *argv], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
 
     def echo() -> None:
         for line in proc.stdout:
+            if log is not None:
+                log.append(line.rstrip("\n"))
             sys.stdout.write(f"[{name}] {line}")
             sys.stdout.flush()
 
@@ -111,8 +118,9 @@ def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str 
     port, metrics = free_port(host), free_port(host)
     full = ["worker", "--mode", mode, "--host", host, "--port", str(port), "--metrics-port", str(metrics),
             "--gateway", gateway, "--num-threads", str(threads), *argv]
-    return Child(name, f"{host}:{port}", f"{host}:{metrics}",
-                 _spawn(name, full, env or dict(os.environ, PYTHONUNBUFFERED="1")))
+    log: deque[str] = deque(maxlen=500)
+    proc = _spawn(name, full, env or dict(os.environ, PYTHONUNBUFFERED="1"), log)
+    return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log)
 
 
 def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:
@@ -137,14 +145,20 @@ def _model_argv(engine_argv: list[str]) -> list[str]:
 
 
 def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_prefill: int = 0,
-           num_decode: int = 0, gateway_argv: list[str] | None = None) -> int:
+           num_decode: int = 0, gateway_argv: list[str] | None = None, admin_port: int = 0) -> int:
+    from splitserve.services.supervisor import Supervisor, serve_launcher
+
     children = start_cluster(num_workers, engine_argv, host, port, num_prefill=num_prefill, num_decode=num_decode,
                              gateway_argv=gateway_argv)
+    supervisor = Supervisor(children, engine_argv, host)
+    admin = serve_launcher(supervisor, host, admin_port or free_port(host))
     print(f"\nsplitserve is up: gateway grpc {children[0].address} "
-          f"(metrics http://{children[0].metrics}/metrics)", flush=True)
+          f"(metrics http://{children[0].metrics}/metrics); launcher control {supervisor.admin_address}", flush=True)
     for child in children[1:]:
         print(f"  {child.name}: grpc {child.address} metrics http://{child.metrics}/metrics", flush=True)
-    print(f"try: splitserve generate --url {children[0].address} --chat \"Hello!\"\nCtrl-C stops everything.",
+    print(f"try: splitserve generate --url {children[0].address} --chat \"Hello!\"\n"
+          f"     splitserve workers --url {children[0].address}\n"
+          f"     splitserve scale --url {supervisor.admin_address} --prefill 1 --decode 2\nCtrl-C stops everything.",
           flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -154,5 +168,6 @@ def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_p
             print("gateway exited; stopping workers", flush=True)
             break
         stop.wait(0.5)
-    stop_cluster(children)
+    admin.stop(grace=1.0)
+    stop_cluster(supervisor.children)
     return 0

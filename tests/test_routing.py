@@ -66,3 +66,13 @@ def test_prefix_affinity_is_sticky_and_balanced():
         chosen = router.pick(workers, RouteInput(prompt, 1, None), "prefill").worker.address
         assert owner.setdefault(prompt[0], chosen) == chosen
     assert sorted(Counter(owner.values()).values()) == [2, 2, 2, 2]
+
+
+def test_ties_rotate_per_tier_when_both_tiers_are_picked_per_request():
+    router = make_router("kv-aware")
+    prefills, decodes = [_worker("p0"), _worker("p1")], [_worker("d0"), _worker("d1")]
+    seen = Counter()
+    for _ in range(8):  # the gateway picks one of each tier per request
+        seen[router.pick(prefills, _route({}), "prefill").worker.address] += 1
+        seen[router.pick(decodes, _route({}), "decode").worker.address] += 1
+    assert seen == {"p0": 4, "p1": 4, "d0": 4, "d1": 4}

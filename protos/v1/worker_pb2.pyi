@@ -238,3 +238,43 @@ class PublishKVEventsResponse(_message.Message):
     resync: bool
     register: bool
     def __init__(self, resync: _Optional[bool] = ..., register: _Optional[bool] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrainResponse(_message.Message):
+    __slots__ = ("draining",)
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    draining: bool
+    def __init__(self, draining: _Optional[bool] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "role", "model", "healthy", "outstanding", "load", "metrics_address")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    OUTSTANDING_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    role: WorkerRole
+    model: str
+    healthy: bool
+    outstanding: int
+    load: LoadReport
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., outstanding: _Optional[int] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...

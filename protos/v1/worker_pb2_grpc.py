@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_unary(
+                '/splitserve.v1.Worker/Drain',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -90,6 +95,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Starts a drain, as SIGTERM does: stop taking requests, finish (decode/unified) or send
+        (prefill) what it holds, deregister, exit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +125,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DrainRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,6 +251,33 @@ class Worker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Worker/Drain',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.DrainRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class RegistryStub:
     """The gateway's Registry: workers announce themselves here.
@@ -258,6 +303,11 @@ class RegistryStub:
                 '/splitserve.v1.Registry/PublishKVEvents',
                 request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsRequest.SerializeToString,
                 response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsResponse.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/splitserve.v1.Registry/ListWorkers',
+                request_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
                 _registered_method=True)
 
 
@@ -286,6 +336,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListWorkers(self, request, context):
+        """Lists the registered workers with their role, health and load.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -303,6 +360,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.PublishKVEvents,
                     request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsRequest.FromString,
                     response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ListWorkersRequest.FromString,
+                    response_serializer=splitserve_dot_protos_dot_v1_dot_worker__pb2.ListWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -387,6 +449,33 @@ class Registry:
             '/splitserve.v1.Registry/PublishKVEvents',
             splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsRequest.SerializeToString,
             splitserve_dot_protos_dot_v1_dot_worker__pb2.PublishKVEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Registry/ListWorkers',
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+            splitserve_dot_protos_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,

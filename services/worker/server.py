@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 
 import grpc
@@ -44,6 +45,8 @@ class WorkerConfig:
     port: int = 0  # 0: any free port
     metrics_port: int = 0
     gateway: str | None = None  # host:port of the gateway's Registry
+    advertise_host: str | None = None  # the host others reach this worker at; None: host (or this
+    # machine's IP when host is 0.0.0.0, e.g. one replica of a scaled compose service)
     mode: str = "unified"
     drain_timeout_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
@@ -55,6 +58,14 @@ class WorkerConfig:
         if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
             raise ValueError("KV transfer and reserve timeouts must be > 0")
 
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
+
 
 def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics) -> WorkerServicer:
     role = ROLES[config.mode]
@@ -63,7 +74,7 @@ def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMet
         delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
         return WorkerServicer(engine, metrics, role, sender=sender, send_delay_s=delay)
     if config.mode == "decode":
-        receiver = TorchDistReceiver(config.host, config.kv_transfer_timeout_s)
+        receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
         log.info("KV channels meet at TCPStore %s", receiver.address)
         handoff = DecodeHandoff(engine, receiver, GrpcPrefillClient(), metrics, config.kv_reserve_timeout_s,
                                 config.kv_transfer_timeout_s)
@@ -85,24 +96,26 @@ async def serve_worker(config: WorkerConfig) -> None:
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
-    address = f"{config.host}:{port}"
+    address = f"{config.public_host}:{port}"
+    stop = asyncio.Event()
+    servicer.request_drain = stop.set  # the Drain RPC does what SIGTERM does
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"worker ready: grpc {address} metrics http://{config.host}:{metrics_port}/metrics", flush=True)
+    print(f"worker ready: grpc {address} metrics http://{config.public_host}:{metrics_port}/metrics", flush=True)
     publisher = None
     if config.gateway:
         async def register() -> None:
-            await _register(config, address, f"{config.host}:{metrics_port}", name, engine.engine.runtime)
+            await _register(config, address, f"{config.public_host}:{metrics_port}", name, engine.engine.runtime)
 
         await register()
         publisher = asyncio.create_task(KVEventPublisher(engine, config.gateway, address, name, register).run())
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await _drain(config, servicer, health_servicer, engine, address)
-    if publisher is not None:
+    if publisher is not None:  # before deregistering, or it would register this worker again
         publisher.cancel()
+    await _drain(config, servicer, health_servicer, engine, address)
+    log.info("drained: %s", _pool_report(engine))
     await server.stop(grace=1.0)
     await engine.shutdown()
     for transport in (servicer.sender, servicer.handoff and servicer.handoff.receiver):
@@ -141,6 +154,13 @@ async def _drain(config, servicer, health_servicer, engine: AsyncEngine, address
     deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
     while _busy(servicer) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
+
+
+def _pool_report(engine: AsyncEngine) -> str:
+    """One line the launcher's tests read: the KV pool must be empty when a drained worker exits."""
+    e, s = engine.engine, engine.engine.scheduler
+    return (f"free_blocks={e.kv.num_free_blocks} total_blocks={e.runner.num_blocks} running={s.num_running} "
+            f"waiting={s.num_waiting} awaiting_kv={len(s.awaiting_kv)} held={len(s.held)}")
 
 
 def _busy(servicer: WorkerServicer) -> bool:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -46,6 +46,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.sender, self.handoff = sender, handoff
         self.send_delay_s = send_delay_s  # fault injection for tests: a slow prefill-side send
         self.draining = False
+        self.request_drain: Callable[[], None] | None = None  # set by the server: starts the drain
 
     async def Generate(self, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
         if self.draining:
@@ -124,6 +125,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except TransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason}): {e}")
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        if self.request_drain is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker cannot be drained over RPC")
+        self.request_drain()
+        return pb.DrainResponse(draining=True)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         known = self.engine.has_request(request.request_id)
