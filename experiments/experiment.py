@@ -41,6 +41,7 @@ class Deployment:
     prefill: int = 0
     decode: int = 0
     pin_cpus: bool = False
+    devices: tuple[str, ...] = ()  # spread workers over these devices round robin, e.g. ("cuda:0", "cuda:1")
     worker_args: tuple[str, ...] = ()
     gateway_args: tuple[str, ...] = ()
 
@@ -98,7 +99,7 @@ def run_deployment(cfg: ExperimentConfig, dep: Deployment) -> list[dict]:
     pinning = cpu_sets(dep.num_workers) if dep.pin_cpus else None
     children = start_cluster(dep.workers, list(cfg.engine_args), num_prefill=dep.prefill, num_decode=dep.decode,
                              worker_argv=list(dep.worker_args), gateway_argv=list(dep.gateway_args),
-                             worker_cpus=pinning)
+                             worker_cpus=pinning, devices=list(dep.devices) or None)
     runs = []
     try:
         address = children[0].address

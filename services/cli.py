@@ -133,8 +133,10 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
 
     workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
     gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
+    from splitserve.services.launcher import parse_devices
+
     return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv,
-                  a.admin_port or a.port + 1)
+                  a.admin_port or a.port + 1, parse_devices(a.devices))
 
 
 def _health(a: argparse.Namespace) -> int:
@@ -285,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
+    up.add_argument("--devices", default=None,
+                    help="spread workers over devices round robin: 'cuda' (every visible GPU, one worker each "
+                         "in turn) or a list like cuda:0,cuda:1; default: every worker uses --device")
     up.add_argument("--admin-port", type=int, default=0,
                     help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)")
     up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")

@@ -32,6 +32,7 @@ class Child:
     proc: subprocess.Popen = field(repr=False)
     mode: str = "gateway"
     log: deque[str] = field(default_factory=lambda: deque(maxlen=500), repr=False)  # last output lines
+    device: str = ""  # the --device it was given, if any
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
@@ -79,12 +80,14 @@ def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0
 def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0.1", gateway_port: int = 0,
                   timeout_s: float = 180.0, num_prefill: int = 0, num_decode: int = 0,
                   worker_argv: list[str] | None = None, env: dict[str, str] | None = None,
-                  gateway_argv: list[str] | None = None, worker_cpus: list[str] | None = None) -> list[Child]:
+                  gateway_argv: list[str] | None = None, worker_cpus: list[str] | None = None,
+                  devices: list[str] | None = None) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
     worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
     (e.g. --router, --redis-url); env adds environment variables. worker_cpus pins worker i to the
-    cores worker_cpus[i] ("0,1"), with as many torch threads.
+    cores worker_cpus[i] ("0,1"), with as many torch threads. devices spreads workers over
+    accelerators: worker i gets --device devices[i % len(devices)] (e.g. one GPU per worker).
     """
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
@@ -101,6 +104,7 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
         wait_healthy(gateway.address, timeout_s, gateway.proc)
         for i, (name, mode) in enumerate(modes):
             pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
+            pin += ["--device", device_for(i, devices)] if devices else []
             n = len(worker_cpus[i].split(",")) if worker_cpus else threads
             children.append(spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host,
                                          n, env))
@@ -113,6 +117,24 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
     return children
 
 
+def device_for(index: int, devices: list[str]) -> str:
+    """Worker index's device when workers are spread over devices round robin."""
+    return devices[index % len(devices)]
+
+
+def parse_devices(text: str | None) -> list[str] | None:
+    """"cuda:0,cuda:1" -> the list; "cuda" -> every visible GPU (needs torch); None/"" -> None."""
+    if not text:
+        return None
+    if text == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--devices cuda: torch sees no CUDA device")
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
 def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str = "127.0.0.1",
                  threads: int = 0, env: dict[str, str] | None = None) -> Child:
     port, metrics = free_port(host), free_port(host)
@@ -120,7 +142,8 @@ def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str 
             "--gateway", gateway, "--num-threads", str(threads), *argv]
     log: deque[str] = deque(maxlen=500)
     proc = _spawn(name, full, env or dict(os.environ, PYTHONUNBUFFERED="1"), log)
-    return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log)
+    device = full[len(full) - full[::-1].index("--device")] if "--device" in full else ""  # the last one wins
+    return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log, device)
 
 
 def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:
@@ -145,12 +168,13 @@ def _model_argv(engine_argv: list[str]) -> list[str]:
 
 
 def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_prefill: int = 0,
-           num_decode: int = 0, gateway_argv: list[str] | None = None, admin_port: int = 0) -> int:
+           num_decode: int = 0, gateway_argv: list[str] | None = None, admin_port: int = 0,
+           devices: list[str] | None = None) -> int:
     from splitserve.services.supervisor import Supervisor, serve_launcher
 
     children = start_cluster(num_workers, engine_argv, host, port, num_prefill=num_prefill, num_decode=num_decode,
-                             gateway_argv=gateway_argv)
-    supervisor = Supervisor(children, engine_argv, host)
+                             gateway_argv=gateway_argv, devices=devices)
+    supervisor = Supervisor(children, engine_argv, host, devices=devices)
     admin = serve_launcher(supervisor, host, admin_port or free_port(host))
     print(f"\nsplitserve is up: gateway grpc {children[0].address} "
           f"(metrics http://{children[0].metrics}/metrics); launcher control {supervisor.admin_address}", flush=True)

@@ -29,8 +29,9 @@ class Supervisor:
     """Owns the children of `splitserve up` after start; children[0] is the gateway."""
 
     def __init__(self, children: list[Child], engine_argv: list[str], host: str, drain_timeout_s: float = 90.0,
-                 start_timeout_s: float = 180.0) -> None:
+                 start_timeout_s: float = 180.0, devices: list[str] | None = None) -> None:
         self.children = children
+        self.devices = devices  # new workers take the device the fewest live workers use
         self.engine_argv, self.host = engine_argv, host
         self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
         self.admin_address = ""
@@ -60,13 +61,23 @@ class Supervisor:
 
     def _start(self, mode: str, n: int) -> list[Child]:
         threads = max(1, (os.cpu_count() or 1) // max(1, len(self.children) - 1 + n))
-        new = [spawn_worker(f"{mode}-{next(self._ids[mode])}", mode, self.children[0].address, self.engine_argv,
-                            self.host, threads) for _ in range(n)]
-        self.children.extend(new)
+        new = []
+        for _ in range(n):
+            argv = self.engine_argv + (["--device", self._least_used_device()] if self.devices else [])
+            new.append(spawn_worker(f"{mode}-{next(self._ids[mode])}", mode, self.children[0].address, argv,
+                                    self.host, threads))
+            self.children.append(new[-1])
         for child in new:
             wait_healthy(child.address, self.start_timeout_s, child.proc)
         time.sleep(1.5)  # one gateway health-check round: they take traffic now
         return new
+
+    def _least_used_device(self) -> str:
+        used = {d: 0 for d in self.devices}
+        for child in self.children[1:]:
+            if child.proc.poll() is None and child.device in used:
+                used[child.device] += 1
+        return min(self.devices, key=lambda d: used[d])
 
     def _drain(self, victims: list[Child]) -> list[Child]:
         for child in victims:

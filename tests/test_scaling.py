@@ -122,3 +122,18 @@ def test_up_scale_and_workers_commands(tiny_llama_dir):
     finally:
         up.terminate()
         up.wait(120)
+
+
+def test_workers_are_spread_over_devices(tiny_llama_dir):
+    from splitserve.services.launcher import device_for, parse_devices
+
+    assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"] and parse_devices(None) is None
+    assert [device_for(i, ["cuda:0", "cuda:1"]) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    children = start_cluster(2, engine_argv(tiny_llama_dir), devices=["cpu"])  # the only device here
+    supervisor = Supervisor(children, engine_argv(tiny_llama_dir), "127.0.0.1", devices=["cpu", "meta"])
+    try:
+        assert [c.device for c in children[1:]] == ["cpu", "cpu"]
+        assert supervisor._least_used_device() == "meta"  # where a new worker would go
+        assert len(tokens(stub(children[0].address), greedy_request([1, 2, 3], 3))) == 3
+    finally:
+        stop_cluster(children)
