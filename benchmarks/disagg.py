@@ -5,8 +5,8 @@ transfer: KV transfer bandwidth for 1, 16 and 256 blocks of SmolLM2 (fp32, block
     raw gloo send/recv of the same bytes in the same run. Three rows per size:
       raw gloo       ProcessGroupGloo send/recv of one contiguous tensor (the floor to beat);
       transport      TorchDistSender/TorchDistReceiver (asyncio, pair group, tags);
-      handoff path   transport + gather from the paged cache + CRC-32 on both sides + scatter into
-                     the destination blocks (what a request really pays).
+      handoff path   transport + gather from the paged cache into a reused staging buffer + CRC-32
+                     on both sides + scatter into the destination blocks (what a request pays).
     Target: transport >= 0.8x raw gloo.
 latency: TTFT, time to the second token and inter-token latency at low load (one request at a time)
     through the gateway: 1 unified worker vs 1P1D, SmolLM2 (bundled), distinct random prompts.
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.services.transfer.base import ChannelSpec, checksum, gather_blocks, scatter_blocks
+from splitserve.services.transfer.staging import StagingPool
 from splitserve.services.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 
 SMOLLM2_KV = (30, 2, 600, 16, 3, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
@@ -87,6 +88,7 @@ async def _send_all(conn, repeats: int) -> None:
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
     raw = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timedelta(seconds=120))
     cache = _cache()
+    pool = StagingPool(SMOLLM2_KV[:2] + SMOLLM2_KV[3:], cache.dtype)
     tag = 0
     for n in SIZES:
         for kind in ("raw gloo", "transport", "handoff path"):
@@ -99,10 +101,12 @@ async def _send_all(conn, repeats: int) -> None:
                 elif kind == "transport":
                     await sender.send(channel, tag, prepared)
                 else:
-                    blocks = gather_blocks(cache, _ids(n, r))  # as services/worker/prefill.py does
+                    staging = pool.acquire(n)  # as services/worker/prefill.py does
+                    blocks = gather_blocks(cache, _ids(n, r), out=staging.tensor)
                     sending = asyncio.ensure_future(sender.send(channel, tag, blocks))
                     crc = await asyncio.to_thread(checksum, blocks)
                     await sending
+                    pool.release(staging)
                     conn.send(crc)
     sender.close()
 

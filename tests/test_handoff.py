@@ -176,7 +176,7 @@ def test_received_blocks_are_bit_identical(engines):
         hub = Hub()
         receiver, sender = InProcessReceiver(hub), InProcessSender(hub)
         channel = receiver.channel_for("p0")
-        buffer = decode_engine.runner.blocks_buffer(3)
+        buffer = decode_engine.runner.staging.acquire(3).tensor
         await asyncio.gather(receiver.recv(channel, 1, buffer), sender.send(channel, 1, sent))
         return buffer
 

@@ -66,3 +66,21 @@ def test_gather_scatter_round_trip_through_scattered_block_ids():
     scatter_blocks(other, [0, 5, 6], blocks)
     assert torch.equal(other[:, :, 5], cache[:, :, 2]) and torch.equal(other[:, :, 6], cache[:, :, 9])
     assert other[:, :, [1, 2, 3, 4, 7, 8, 9]].abs().sum() == 0
+
+
+def test_staging_pool_reuses_buffers_by_power_of_two_class():
+    from splitserve.services.transfer.staging import StagingPool
+
+    pool = StagingPool((3, 2, 4, 2, 8), torch.float32, max_cached_bytes=10 * 3 * 2 * 4 * 2 * 8 * 4)
+    a = pool.acquire(3)
+    assert a.tensor.shape == (3, 2, 3, 4, 2, 8) and a.tensor.is_contiguous() and a.capacity == 4
+    cache = torch.randn(3, 2, 10, 4, 2, 8)
+    gather_blocks(cache, [9, 1, 4], out=a.tensor)
+    assert torch.equal(a.tensor[:, :, 2], cache[:, :, 4])
+    pool.release(a)
+    b = pool.acquire(4)  # same class: the same storage again, now viewed as 4 blocks
+    assert b.storage.data_ptr() == a.storage.data_ptr() and b.tensor.shape[2] == 4
+    c = pool.acquire(4)  # the class's free list is empty: fresh storage
+    assert c.storage.data_ptr() != b.storage.data_ptr()
+    pool.release(b), pool.release(c)  # the cap (10 blocks' bytes) keeps only the first
+    assert pool.acquire(2).storage.data_ptr() != c.storage.data_ptr()

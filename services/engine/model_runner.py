@@ -12,6 +12,7 @@ from splitserve.services.model.arch import ModelArchConfig
 from splitserve.services.model.attention import AttentionMetadata, get_backend
 from splitserve.services.model.loader import ModelSource, build_model
 from splitserve.services.transfer.base import gather_blocks, scatter_blocks
+from splitserve.services.transfer.staging import StagingPool
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -65,6 +66,7 @@ class ModelRunner:
             self.arch.head_dim, dtype=self.dtype, device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
+        self._staging: StagingPool | None = None
 
     @property
     def kv_layout(self) -> str:
@@ -72,15 +74,20 @@ class ModelRunner:
         _, _, _, bs, kvh, d = self.kv_cache.shape
         return f"{str(self.dtype).removeprefix('torch.')}/layers={self.arch.num_layers}/block={bs}/kv_heads={kvh}/head_dim={d}"
 
-    def blocks_buffer(self, num_blocks: int) -> torch.Tensor:
-        """Uninitialised host memory shaped like read_blocks(num_blocks ids), to receive into."""
-        shape = list(self.kv_cache.shape)
-        shape[2] = num_blocks
-        return torch.empty(shape, dtype=self.dtype)
+    @property
+    def staging(self) -> StagingPool:
+        """Reused host buffers for KV transfers (made on first use)."""
+        if self._staging is None:
+            _, two, _, bs, kvh, d = self.kv_cache.shape
+            self._staging = StagingPool((self.arch.num_layers, two, bs, kvh, d), self.dtype)
+        return self._staging
 
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kvh, head_dim]."""
-        return gather_blocks(self.kv_cache, block_ids)
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kvh, head_dim]
+        (into out when given, e.g. a host staging buffer)."""
+        if out is not None and out.device != self.kv_cache.device:
+            return out.copy_(gather_blocks(self.kv_cache, block_ids))
+        return gather_blocks(self.kv_cache, block_ids, out)
 
     def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
         """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i]."""

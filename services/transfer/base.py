@@ -50,10 +50,14 @@ def _rows(kv: torch.Tensor) -> torch.Tensor:
     return kv.view(kv.shape[0] * kv.shape[1], kv.shape[2], -1)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """[num_layers, 2, num_blocks, ...] cache -> contiguous [num_layers, 2, len(block_ids), ...] copy."""
+def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """[num_layers, 2, num_blocks, ...] cache -> contiguous [num_layers, 2, len(block_ids), ...] copy
+    (into out, a contiguous tensor of that shape, when given)."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
     shape = kv_cache.shape[:2] + (len(block_ids),) + kv_cache.shape[3:]
+    if out is not None:
+        torch.index_select(_rows(kv_cache), 1, index, out=_rows(out))
+        return out
     return _rows(kv_cache).index_select(1, index).view(shape)
 
 

@@ -130,12 +130,14 @@ class DecodeHandoff:
         """Receive the blocks and admit the request, or fall back to recomputing the prompt here."""
         core = self.engine.engine
         rid = request.request_id
-        buffer = core.runner.blocks_buffer(first.num_blocks)
+        staging = core.runner.staging.acquire(first.num_blocks)
+        buffer = staging.tensor
         try:
             done, seconds = await self._receive(job, buffer, events)
             if done.checksum != checksum(buffer):
                 raise TransferError("checksum", f"KV checksum mismatch on transfer {job.tag}")
             admitted = await self.engine.call(core.admit_transferred, rid, job.num_skip_blocks, buffer)
+            core.runner.staging.release(staging)  # copied into the cache (or discarded): reusable
             if self.metrics is not None:
                 self.metrics.observe_transfer("received", done.num_blocks, done.num_bytes, seconds)
             log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)

@@ -63,20 +63,25 @@ async def _run_prompt(engine: AsyncEngine, request: Request) -> RequestOutput:
 async def _send(engine: AsyncEngine, sender: KVSender, job: HandoffJob, request_id: str, block_ids: list[int],
                 metrics: WorkerMetrics | None, send_delay_s: float) -> TransferDone:
     core = engine.engine
+    staging = core.runner.staging.acquire(len(block_ids))
+    sent = False
     try:
         if send_delay_s:
             await asyncio.sleep(send_delay_s)
         # Held blocks are never written by anyone else, so reading them beside a step is safe.
-        blocks = await asyncio.to_thread(core.runner.read_blocks, block_ids)
+        blocks = await asyncio.to_thread(core.runner.read_blocks, block_ids, staging.tensor)
         sending = asyncio.ensure_future(sender.send(job.channel, job.tag, blocks) if block_ids else _zero())
         crc = await asyncio.to_thread(checksum, blocks)  # overlaps the send (both only read blocks)
         seconds = await sending
+        sent = True
     except TransferError as e:
         if metrics is not None:
             metrics.observe_transfer_failure(e.reason)
         raise
     finally:
         await engine.call(core.release_held, request_id)
+        if sent:  # after a failure gloo may still be reading it: leave it to the garbage collector
+            core.runner.staging.release(staging)
     done = TransferDone(len(block_ids), blocks.numel() * blocks.element_size(), crc, seconds)
     if metrics is not None:
         metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, seconds)
