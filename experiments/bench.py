@@ -55,11 +55,7 @@ def run_bench(a: argparse.Namespace) -> int:
     summary, records = asyncio.run(measure(a.url, cfg, slo, show_progress=not a.no_progress))
     print(format_table(summary))
     if a.json:
-        settings = {"url": a.url, "workload": _plain(asdict(cfg))}
+        settings = {"url": a.url, "workload": asdict(cfg)}
         Path(a.json).write_text(to_json(summary, records, settings))
         print(f"wrote {a.json}")
     return 0 if summary.num_ok == summary.num_requests else 1
-
-
-def _plain(d: dict) -> dict:
-    return {k: (_plain(v) if isinstance(v, dict) else v) for k, v in d.items()}

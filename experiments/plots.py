@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from splitserve.experiments.stats import RequestRecord  # noqa: E402
+
 
 def _series(runs: list[dict], workload: str):
     by_dep: dict[str, list[dict]] = {}
@@ -50,10 +52,9 @@ def _cdf_plot(runs, workload: str, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for dep, rs in _series(runs, workload).items():
         top = rs[-1]
-        ok = [r for r in top["records"] if r["code"] == "OK"]
-        ttft = sorted(r["ttft_s"] * 1e3 for r in ok if r["ttft_s"] is not None)
-        tpot = sorted((r["e2e_s"] - r["ttft_s"]) / (len(r["token_times_s"]) - 1) * 1e3
-                      for r in ok if r["ttft_s"] is not None and len(r["token_times_s"]) > 1)
+        ok = [rec for rec in (RequestRecord(**r) for r in top["records"]) if rec.ok]
+        ttft = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s is not None)
+        tpot = sorted(t * 1e3 for r in ok if (t := r.tpot_s) is not None)
         for ax, values in ((axes[0], ttft), (axes[1], tpot)):
             if values:
                 ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{dep} @ {top['rate']}")

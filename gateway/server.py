@@ -35,10 +35,9 @@ from splitserve.services.kv_cache.block_hash import hash_block_tokens
 from splitserve.services.model.files import model_name
 from splitserve.services.model.tokenizer import Tokenizer, load_tokenizer
 from splitserve.services.serving import start_metrics_server
-from splitserve.services.wire import sampling_params_from_proto
+from splitserve.services.wire import FAILED_PEER_KEY, sampling_params_from_proto
 
 log = logging.getLogger("splitserve.gateway")
-FAILED_PEER_KEY = "splitserve-failed-peer"  # set by decode workers (services/worker/servicer.py)
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.DEADLINE_EXCEEDED}
 

@@ -92,7 +92,7 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
         raise ValueError("start at least one worker (--workers N, or --prefill P --decode D)")
-    threads = max(1, (os.cpu_count() or 1) // len(modes))
+    threads = threads_per_worker(len(modes))
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     model = _model_argv(engine_argv)
     gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
@@ -104,10 +104,9 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
         wait_healthy(gateway.address, timeout_s, gateway.proc)
         for i, (name, mode) in enumerate(modes):
             pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
-            pin += ["--device", device_for(i, devices)] if devices else []
             n = len(worker_cpus[i].split(",")) if worker_cpus else threads
             children.append(spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host,
-                                         n, env))
+                                         n, env, device_for(i, devices) if devices else ""))
         for child in children[1:]:
             wait_healthy(child.address, timeout_s, child.proc)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
@@ -115,6 +114,11 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
         stop_cluster(children)
         raise
     return children
+
+
+def threads_per_worker(num_workers: int) -> int:
+    """Torch threads each of num_workers local workers gets: an equal share of the cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_workers))
 
 
 def device_for(index: int, devices: list[str]) -> str:
@@ -136,13 +140,12 @@ def parse_devices(text: str | None) -> list[str] | None:
 
 
 def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str = "127.0.0.1",
-                 threads: int = 0, env: dict[str, str] | None = None) -> Child:
+                 threads: int = 0, env: dict[str, str] | None = None, device: str = "") -> Child:
     port, metrics = free_port(host), free_port(host)
     full = ["worker", "--mode", mode, "--host", host, "--port", str(port), "--metrics-port", str(metrics),
-            "--gateway", gateway, "--num-threads", str(threads), *argv]
+            "--gateway", gateway, "--num-threads", str(threads), *argv, *(["--device", device] if device else [])]
     log: deque[str] = deque(maxlen=500)
     proc = _spawn(name, full, env or dict(os.environ, PYTHONUNBUFFERED="1"), log)
-    device = full[len(full) - full[::-1].index("--device")] if "--device" in full else ""  # the last one wins
     return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log, device)
 
 

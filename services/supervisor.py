@@ -8,7 +8,6 @@ The newest workers of a tier are removed first.
 from __future__ import annotations
 
 import itertools
-import os
 import signal
 import subprocess
 import threading
@@ -20,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
-from splitserve.services.launcher import Child, spawn_worker, wait_healthy
+from splitserve.services.launcher import Child, spawn_worker, threads_per_worker, wait_healthy
 
 MODES = ("unified", "prefill", "decode")
 
@@ -60,12 +59,12 @@ class Supervisor:
             return started, drained
 
     def _start(self, mode: str, n: int) -> list[Child]:
-        threads = max(1, (os.cpu_count() or 1) // max(1, len(self.children) - 1 + n))
+        threads = threads_per_worker(len(self.children) - 1 + n)
         new = []
         for _ in range(n):
-            argv = self.engine_argv + (["--device", self._least_used_device()] if self.devices else [])
-            new.append(spawn_worker(f"{mode}-{next(self._ids[mode])}", mode, self.children[0].address, argv,
-                                    self.host, threads))
+            device = self._least_used_device() if self.devices else ""
+            new.append(spawn_worker(f"{mode}-{next(self._ids[mode])}", mode, self.children[0].address,
+                                    self.engine_argv, self.host, threads, device=device))
             self.children.append(new[-1])
         for child in new:
             wait_healthy(child.address, self.start_timeout_s, child.proc)

@@ -8,6 +8,9 @@ from splitserve.services.engine.sampling_params import SamplingParams
 from splitserve.services.kv_cache.block_hash import BlockHash
 from splitserve.services.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
+# Trailing metadata a decode worker sets on UNAVAILABLE: the prefill worker the gateway should avoid.
+FAILED_PEER_KEY = "splitserve-failed-peer"
+
 FINISH_REASONS = {
     "stop": gen_pb.FINISH_REASON_STOP,
     "length": gen_pb.FINISH_REASON_LENGTH,

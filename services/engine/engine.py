@@ -146,7 +146,7 @@ class Engine:
         request = prompt if isinstance(prompt, Request) else self.make_request(
             prompt, params or SamplingParams(), request_id, priority)
         self.scheduler.add_request(request)
-        self._tracked[request.request_id] = _Tracked(IncrementalDetokenizer(self.tokenizer, request.sampling_params))
+        self._track(request)
         return request.request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -172,8 +172,7 @@ class Engine:
         """Reserve the prompt's blocks; returns the number already held here, None when full."""
         num_held = self.scheduler.reserve_for_transfer(request)
         if num_held is not None:
-            self._tracked[request.request_id] = _Tracked(
-                IncrementalDetokenizer(self.tokenizer, request.sampling_params))
+            self._track(request)
         return num_held
 
     def accept_first_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None,
@@ -253,6 +252,9 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
             num_cached_tokens=request.num_cached_tokens, timings=_timings(tracked), handoff=handoff,
         )
+
+    def _track(self, request: Request) -> None:
+        self._tracked[request.request_id] = _Tracked(IncrementalDetokenizer(self.tokenizer, request.sampling_params))
 
     def _forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)

@@ -253,7 +253,7 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hit):
                 break
             self.waiting.pop()
-            if request.num_preemptions == 0 and not holds and request.num_output_tokens == 0:
+            if request.num_preemptions == 0 and request.num_output_tokens == 0:
                 request.num_cached_tokens = hit.num_tokens
                 self.stats.prefix_cache_queries += request.num_tokens
                 self.stats.prefix_cache_hits += hit.num_tokens

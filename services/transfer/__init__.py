@@ -7,8 +7,7 @@ from splitserve.services.transfer.base import (
     KVReceiver,
     KVSender,
     TransferError,
-    TransferStats,
     checksum,
 )
 
-__all__ = ["ChannelSpec", "KVReceiver", "KVSender", "TransferError", "TransferStats", "checksum"]
+__all__ = ["ChannelSpec", "KVReceiver", "KVSender", "TransferError", "checksum"]

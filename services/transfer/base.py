@@ -30,13 +30,6 @@ class ChannelSpec:
     key: str  # unique per channel incarnation; a dropped channel is never reused
 
 
-@dataclass(frozen=True, slots=True)
-class TransferStats:
-    num_blocks: int
-    num_bytes: int
-    seconds: float
-
-
 class TransferError(Exception):
     def __init__(self, reason: str, message: str) -> None:
         assert reason in FAILURE_REASONS, reason

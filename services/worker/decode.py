@@ -66,7 +66,7 @@ class DecodeHandoff:
             try:
                 first, job, events = await asyncio.shield(ask)
             except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
-                ask.add_done_callback(lambda t: t.cancelled() or t.exception() or self._start_landing(request, *t.result()))
+                ask.add_done_callback(lambda task: self._land_if_asked(request, task))
                 raise
             landing = self._start_landing(request, first, job, events)
             out = await engine.call(engine.engine.accept_first_token, rid, first.token_id, first.logprobs,
@@ -84,6 +84,11 @@ class DecodeHandoff:
         finally:
             if not streaming:
                 engine.close_stream(rid, finished)
+
+    def _land_if_asked(self, request: Request, ask: asyncio.Task) -> None:
+        """The caller left while asking; if the blocks were announced anyway, receive and discard them."""
+        if not ask.cancelled() and ask.exception() is None:
+            self._start_landing(request, *ask.result())
 
     def _start_landing(self, request: Request, first: FirstToken, job: HandoffJob, events) -> asyncio.Task:
         landing = asyncio.create_task(self._land(request, job, first, events))

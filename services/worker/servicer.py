@@ -17,6 +17,7 @@ from splitserve.services.engine.request import Request
 from splitserve.services.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 from splitserve.services.transfer.base import ChannelSpec, KVSender, TransferError
 from splitserve.services.wire import (
+    FAILED_PEER_KEY,
     FINISH_REASONS,
     logprobs_from_proto,
     logprobs_to_proto,
@@ -26,8 +27,6 @@ from splitserve.services.wire import (
 from splitserve.services.worker.decode import DecodeHandoff, PrefillClient
 from splitserve.services.worker.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, TransferDone
 from splitserve.services.worker.prefill import prefill_and_send
-
-FAILED_PEER_KEY = "splitserve-failed-peer"  # trailing metadata: the worker the gateway should avoid
 
 
 def engine_snapshot(engine: AsyncEngine) -> EngineSnapshot:
