@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from splitserve.protos.v1 import generation_pb2 as splitserve_dot_protos_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/worker.proto\x12\rsplitserve.v1\x1a%splitserve/protos/v1/generation.proto\"\xfc\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.splitserve.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x07 \x01(\tB\x0b\n\t_logprobs\"/\n\tKVChannel\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\xb4\x01\n\x0ePrefillRequest\x12\x35\n\x07request\x18\x01 \x01(\x0b\x32$.splitserve.v1.WorkerGenerateRequest\x12)\n\x07\x63hannel\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.KVChannel\x12\x14\n\x0ctransfer_tag\x18\x03 \x01(\x04\x12\x17\n\x0fnum_skip_blocks\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\"\x82\x01\n\x0fPrefillResponse\x12\x30\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.FirstTokenH\x00\x12\x34\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\x8a\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rsampler_state\x18\x03 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\"^\n\x0cTransferDone\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63hecksum_crc32\x18\x03 \x01(\r\x12\x0f\n\x07send_ms\x18\x04 \x01(\x01\"\xe8\x01\n\x16WorkerGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xbf\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\r\x12\'\n\x04role\x18\x07 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\"\xa4\x01\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\"+\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"d\n\x10\x42lockStoredEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\")\n\x11\x42lockRemovedEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x17\n\x15\x41llBlocksClearedEvent\"\xb8\x01\n\x0cKVCacheEvent\x12\x31\n\x06stored\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.BlockStoredEventH\x00\x12\x33\n\x07removed\x18\x02 \x01(\x0b\x32 .splitserve.v1.BlockRemovedEventH\x00\x12\x37\n\x07\x63leared\x18\x03 \x01(\x0b\x32$.splitserve.v1.AllBlocksClearedEventH\x00\x42\x07\n\x05\x65vent\"\xcf\x01\n\x16PublishKVEventsRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12+\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.KVCacheEvent\x12\x13\n\x0bis_snapshot\x18\x05 \x01(\x08\x12\x1d\n\x15snapshot_block_hashes\x18\x06 \x03(\x0c\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\";\n\x17PublishKVEventsResponse\x12\x0e\n\x06resync\x18\x01 \x01(\x08\x12\x10\n\x08register\x18\x02 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\xd0\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x13\n\x0boutstanding\x18\x06 \x01(\r\x12\'\n\x04load\x18\x07 \x01(\x0b\x32\x19.splitserve.v1.LoadReport\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.WorkerInfo*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_UNIFIED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xfc\x02\n\x06Worker\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.LoadReport\x12J\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse0\x01\x12\x42\n\x05\x44rain\x12\x1b.splitserve.v1.DrainRequest\x1a\x1c.splitserve.v1.DrainResponse2\x86\x03\n\x08Registry\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12\x63\n\x10\x44\x65registerWorker\x12&.splitserve.v1.DeregisterWorkerRequest\x1a\'.splitserve.v1.DeregisterWorkerResponse\x12`\n\x0fPublishKVEvents\x12%.splitserve.v1.PublishKVEventsRequest\x1a&.splitserve.v1.PublishKVEventsResponse\x12T\n\x0bListWorkers\x12!.splitserve.v1.ListWorkersRequest\x1a\".splitserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/protos/v1/worker.proto\x12\rsplitserve.v1\x1a%splitserve/protos/v1/generation.proto\"\xfc\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x08sampling\x18\x03 \x01(\x0b\x32!.splitserve.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x17\n\x0fprefill_address\x18\x07 \x01(\tB\x0b\n\t_logprobs\"/\n\tKVChannel\x12\x15\n\rstore_address\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\xb4\x01\n\x0ePrefillRequest\x12\x35\n\x07request\x18\x01 \x01(\x0b\x32$.splitserve.v1.WorkerGenerateRequest\x12)\n\x07\x63hannel\x18\x02 \x01(\x0b\x32\x18.splitserve.v1.KVChannel\x12\x14\n\x0ctransfer_tag\x18\x03 \x01(\x04\x12\x17\n\x0fnum_skip_blocks\x18\x04 \x01(\r\x12\x11\n\tkv_layout\x18\x05 \x01(\t\"\x82\x01\n\x0fPrefillResponse\x12\x30\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.FirstTokenH\x00\x12\x34\n\rtransfer_done\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\x8a\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12-\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x15\n\rsampler_state\x18\x03 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x10\n\x08queue_ms\x18\x05 \x01(\x01\"^\n\x0cTransferDone\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x11\n\tnum_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63hecksum_crc32\x18\x03 \x01(\r\x12\x0f\n\x07send_ms\x18\x04 \x01(\x01\"\xe8\x01\n\x16WorkerGenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf3\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\r\x12\'\n\x04role\x18\x07 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\x17\n\x0fnum_held_blocks\x18\x08 \x01(\r\x12\x19\n\x11num_held_requests\x18\t \x01(\r\"\xb8\x01\n\x15RegisterWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\"+\n\x16RegisterWorkerResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\"*\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"+\n\x18\x44\x65registerWorkerResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"d\n\x10\x42lockStoredEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\x12\x13\n\x0bparent_hash\x18\x02 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\")\n\x11\x42lockRemovedEvent\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c\"\x17\n\x15\x41llBlocksClearedEvent\"\xb8\x01\n\x0cKVCacheEvent\x12\x31\n\x06stored\x18\x01 \x01(\x0b\x32\x1f.splitserve.v1.BlockStoredEventH\x00\x12\x33\n\x07removed\x18\x02 \x01(\x0b\x32 .splitserve.v1.BlockRemovedEventH\x00\x12\x37\n\x07\x63leared\x18\x03 \x01(\x0b\x32$.splitserve.v1.AllBlocksClearedEventH\x00\x42\x07\n\x05\x65vent\"\xcf\x01\n\x16PublishKVEventsRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12+\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.KVCacheEvent\x12\x13\n\x0bis_snapshot\x18\x05 \x01(\x08\x12\x1d\n\x15snapshot_block_hashes\x18\x06 \x03(\x0c\x12\r\n\x05model\x18\x07 \x01(\t\x12\x12\n\nblock_size\x18\x08 \x01(\r\";\n\x17PublishKVEventsResponse\x12\x0e\n\x06resync\x18\x01 \x01(\x08\x12\x10\n\x08register\x18\x02 \x01(\x08\"\x0e\n\x0c\x44rainRequest\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\xd0\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\'\n\x04role\x18\x03 \x01(\x0e\x32\x19.splitserve.v1.WorkerRole\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07healthy\x18\x05 \x01(\x08\x12\x13\n\x0boutstanding\x18\x06 \x01(\r\x12\'\n\x04load\x18\x07 \x01(\x0b\x32\x19.splitserve.v1.LoadReport\x12\x17\n\x0fmetrics_address\x18\x08 \x01(\t\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.WorkerInfo*s\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_UNIFIED\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x32\xfc\x02\n\x06Worker\x12Y\n\x08Generate\x12$.splitserve.v1.WorkerGenerateRequest\x1a%.splitserve.v1.WorkerGenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.splitserve.v1.GetLoadRequest\x1a\x19.splitserve.v1.LoadReport\x12J\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse0\x01\x12\x42\n\x05\x44rain\x12\x1b.splitserve.v1.DrainRequest\x1a\x1c.splitserve.v1.DrainResponse2\x86\x03\n\x08Registry\x12]\n\x0eRegisterWorker\x12$.splitserve.v1.RegisterWorkerRequest\x1a%.splitserve.v1.RegisterWorkerResponse\x12\x63\n\x10\x44\x65registerWorker\x12&.splitserve.v1.DeregisterWorkerRequest\x1a\'.splitserve.v1.DeregisterWorkerResponse\x12`\n\x0fPublishKVEvents\x12%.splitserve.v1.PublishKVEventsRequest\x1a&.splitserve.v1.PublishKVEventsResponse\x12T\n\x0bListWorkers\x12!.splitserve.v1.ListWorkersRequest\x1a\".splitserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=2745
-  _globals['_WORKERROLE']._serialized_end=2860
+  _globals['_WORKERROLE']._serialized_start=2817
+  _globals['_WORKERROLE']._serialized_end=2932
   _globals['_WORKERGENERATEREQUEST']._serialized_start=92
   _globals['_WORKERGENERATEREQUEST']._serialized_end=344
   _globals['_KVCHANNEL']._serialized_start=346
@@ -55,39 +55,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=1253
   _globals['_GETLOADREQUEST']._serialized_end=1269
   _globals['_LOADREPORT']._serialized_start=1272
-  _globals['_LOADREPORT']._serialized_end=1463
-  _globals['_REGISTERWORKERREQUEST']._serialized_start=1466
-  _globals['_REGISTERWORKERREQUEST']._serialized_end=1630
-  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1632
-  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1675
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1677
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1719
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1721
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1764
-  _globals['_BLOCKSTOREDEVENT']._serialized_start=1766
-  _globals['_BLOCKSTOREDEVENT']._serialized_end=1866
-  _globals['_BLOCKREMOVEDEVENT']._serialized_start=1868
-  _globals['_BLOCKREMOVEDEVENT']._serialized_end=1909
-  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_start=1911
-  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_end=1934
-  _globals['_KVCACHEEVENT']._serialized_start=1937
-  _globals['_KVCACHEEVENT']._serialized_end=2121
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=2124
-  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=2331
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=2333
-  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=2392
-  _globals['_DRAINREQUEST']._serialized_start=2394
-  _globals['_DRAINREQUEST']._serialized_end=2408
-  _globals['_DRAINRESPONSE']._serialized_start=2410
-  _globals['_DRAINRESPONSE']._serialized_end=2443
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2445
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2465
-  _globals['_WORKERINFO']._serialized_start=2468
-  _globals['_WORKERINFO']._serialized_end=2676
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2678
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2743
-  _globals['_WORKER']._serialized_start=2863
-  _globals['_WORKER']._serialized_end=3243
-  _globals['_REGISTRY']._serialized_start=3246
-  _globals['_REGISTRY']._serialized_end=3636
+  _globals['_LOADREPORT']._serialized_end=1515
+  _globals['_REGISTERWORKERREQUEST']._serialized_start=1518
+  _globals['_REGISTERWORKERREQUEST']._serialized_end=1702
+  _globals['_REGISTERWORKERRESPONSE']._serialized_start=1704
+  _globals['_REGISTERWORKERRESPONSE']._serialized_end=1747
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_start=1749
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=1791
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=1793
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=1836
+  _globals['_BLOCKSTOREDEVENT']._serialized_start=1838
+  _globals['_BLOCKSTOREDEVENT']._serialized_end=1938
+  _globals['_BLOCKREMOVEDEVENT']._serialized_start=1940
+  _globals['_BLOCKREMOVEDEVENT']._serialized_end=1981
+  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_start=1983
+  _globals['_ALLBLOCKSCLEAREDEVENT']._serialized_end=2006
+  _globals['_KVCACHEEVENT']._serialized_start=2009
+  _globals['_KVCACHEEVENT']._serialized_end=2193
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_start=2196
+  _globals['_PUBLISHKVEVENTSREQUEST']._serialized_end=2403
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_start=2405
+  _globals['_PUBLISHKVEVENTSRESPONSE']._serialized_end=2464
+  _globals['_DRAINREQUEST']._serialized_start=2466
+  _globals['_DRAINREQUEST']._serialized_end=2480
+  _globals['_DRAINRESPONSE']._serialized_start=2482
+  _globals['_DRAINRESPONSE']._serialized_end=2515
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2517
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2537
+  _globals['_WORKERINFO']._serialized_start=2540
+  _globals['_WORKERINFO']._serialized_end=2748
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2750
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2815
+  _globals['_WORKER']._serialized_start=2935
+  _globals['_WORKER']._serialized_end=3315
+  _globals['_REGISTRY']._serialized_start=3318
+  _globals['_REGISTRY']._serialized_end=3708
 # @@protoc_insertion_point(module_scope)

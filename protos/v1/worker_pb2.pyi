@@ -128,7 +128,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "num_awaiting_kv", "role")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "num_awaiting_kv", "role", "num_held_blocks", "num_held_requests")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,8 @@ class LoadReport(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_AWAITING_KV_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -143,23 +145,27 @@ class LoadReport(_message.Message):
     block_size: int
     num_awaiting_kv: int
     role: WorkerRole
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ...) -> None: ...
+    num_held_blocks: int
+    num_held_requests: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_held_blocks: _Optional[int] = ..., num_held_requests: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "role", "model", "max_model_len", "metrics_address", "block_size")
+    __slots__ = ("address", "role", "model", "max_model_len", "metrics_address", "block_size", "vocab_size")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: WorkerRole
     model: str
     max_model_len: int
     metrics_address: str
     block_size: int
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+    vocab_size: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., metrics_address: _Optional[str] = ..., block_size: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerResponse(_message.Message):
     __slots__ = ("worker_id",)

@@ -261,6 +261,10 @@ class Engine:
         self.sampler.release(request_id)
 
     # -- introspection ------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.arch.vocab_size
+
     def kv_usage(self) -> float:
         return self.kv.pool.usage()
 

@@ -104,7 +104,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     publisher = None
     if config.gateway:
         async def register() -> None:
-            await _register(config, address, f"{config.public_host}:{metrics_port}", name, engine.engine.runtime)
+            await _register(config, address, f"{config.public_host}:{metrics_port}", name, engine.engine)
 
         await register()
         publisher = asyncio.create_task(KVEventPublisher(engine, config.gateway, address, name, register).run())
@@ -123,10 +123,11 @@ async def serve_worker(config: WorkerConfig) -> None:
             transport.close()
 
 
-async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, runtime) -> None:
+async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, engine: Engine) -> None:
+    runtime = engine.runtime
     request = pb.RegisterWorkerRequest(address=address, role=ROLES[config.mode], model=name,
                                        max_model_len=runtime.max_model_len, metrics_address=metrics_address,
-                                       block_size=runtime.block_size)
+                                       block_size=runtime.block_size, vocab_size=engine.vocab_size)
     async with grpc.aio.insecure_channel(config.gateway) as channel:
         stub = pb_grpc.RegistryStub(channel)
         for attempt in range(60):
