@@ -16,6 +16,8 @@ class CacheConfig:
     kv_cache_bytes: int | None = None
     gpu_memory_fraction: float = 0.85
     enable_prefix_caching: bool = True
+    # Prefill tier: how long a finished prompt's blocks wait for their sender to claim them.
+    kv_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -24,6 +26,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
+        if not self.kv_lease_s > 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,9 @@ class EngineSnapshot:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_awaiting_kv: int = 0  # decode tier: KV in flight from a prefill worker
+    num_held_blocks: int = 0  # prefill tier: blocks kept for finished prompts until sent
+    num_lease_expiries: int = 0  # prefill tier: held blocks released because nobody claimed them
+    num_failed_requests: int = 0  # requests a failed engine step stopped (the worker went on)
 
 
 class _EngineCollector:
@@ -41,6 +44,12 @@ class _EngineCollector:
             ("num_requests_awaiting_kv", "Decode tier: requests whose KV is in flight.", s.num_awaiting_kv,
              GaugeMetricFamily),
             ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage, GaugeMetricFamily),
+            ("num_held_kv_blocks", "Prefill tier: KV blocks held for finished prompts until sent.",
+             s.num_held_blocks, GaugeMetricFamily),
+            ("kv_lease_expiries", "Prefill tier: held prompts released because no sender claimed them in time.",
+             s.num_lease_expiries, CounterMetricFamily),
+            ("engine_failed_requests", "Requests stopped with an error by a failed engine step.",
+             s.num_failed_requests, CounterMetricFamily),
             ("num_preemptions", "Preemptions (recompute) so far.", s.num_preemptions, CounterMetricFamily),
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries,
              CounterMetricFamily),

@@ -2,11 +2,16 @@
 
 Only the background loop touches the Engine: callers validate in their own task (pure), then hand
 adds and aborts to the loop, which applies them between steps and runs each step in a thread.
+
+A request the step failed for ends its stream with RequestFailed; the loop goes on. If the loop
+itself dies (the engine's state can no longer be trusted), every stream gets the error, new
+requests are refused, and `died` is set so the server can leave the cluster and exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -18,42 +23,50 @@ from splitserve.services.engine.sampling_params import SamplingParams
 T = TypeVar("T")
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed while running this request (it was stopped, its blocks freed)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         # Adds, aborts and calls, applied in order between steps by the loop.
         self._pending: list[tuple[Callable, tuple, asyncio.Future | None]] = []
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._labels: dict[str, str] = {}  # request id -> the client's id (for Abort by that id)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        self.died = asyncio.Event()  # the loop raised: this engine serves nothing more
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(Engine(config))
 
     async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, stop_after_prefill: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, stop_after_prefill: bool = False,
+                       label: str = "") -> AsyncIterator[RequestOutput]:
         request = self.engine.make_request(prompt, params, request_id, priority,  # raises ValueError
-                                           stop_after_prefill=stop_after_prefill)
+                                           stop_after_prefill=stop_after_prefill, label=label)
         async for out in self.generate_request(request):
             yield out
 
     async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Add a validated request and stream its outputs."""
-        self.open_stream(request.request_id)
+        self.open_stream(request.request_id, request.label)
         self._pending.append((self._add, (request,), None))
         self._ensure_loop()
         async for out in self.stream(request.request_id):
             yield out
 
-    def open_stream(self, request_id: str) -> None:
+    def open_stream(self, request_id: str, label: str = "") -> None:
         """Claim request_id and start collecting its step outputs (stream() reads them)."""
         if self._error is not None:
             raise RuntimeError(f"the engine loop died: {self._error!r}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = asyncio.Queue()
+        self._labels[request_id] = label
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of an opened request until it finishes; leaving early aborts it."""
@@ -74,6 +87,7 @@ class AsyncEngine:
 
     def close_stream(self, request_id: str, finished: bool) -> None:
         self._streams.pop(request_id, None)
+        self._labels.pop(request_id, None)
         if not finished:  # consumer cancelled or stopped early: free the request's blocks
             self.abort(request_id)
 
@@ -87,6 +101,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._pending.append((self.engine.abort_request, (request_id,), None))
         self._wakeup.set()
+
+    def abort_label(self, label: str) -> int:
+        """Abort every request carrying the client's id label; returns how many."""
+        request_ids = [rid for rid, lab in self._labels.items() if lab == label]
+        for rid in request_ids:
+            self.abort(rid)
+        return len(request_ids)
 
     def num_requests(self) -> int:
         return len(self._streams)
@@ -104,20 +125,31 @@ class AsyncEngine:
         try:
             while True:
                 self._apply_pending()
+                engine.expire_leases()
                 if not engine.has_work():
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
+                    await self._idle()
                     continue
                 outputs = await asyncio.to_thread(engine.step)
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
-                        queue.put_nowait(out)
+                        queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
         except Exception as e:  # surface to every waiting stream instead of hanging them
             self._error = e
             for queue in self._streams.values():
                 queue.put_nowait(e)
+            self.died.set()
             raise
+
+    async def _idle(self) -> None:
+        """Wait for new work, waking for the next held-block lease to expire."""
+        self._wakeup.clear()
+        deadline = self.engine.leases.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.01
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except TimeoutError:
+            pass
 
     def _add(self, request: Request) -> None:
         if request.request_id in self._streams:  # not cancelled before it got here

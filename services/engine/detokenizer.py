@@ -3,6 +3,10 @@
 Text is released only when it ends on a whole character (no broken multi-byte sequences), and,
 while stop strings are active, the last len(longest stop) - 1 characters are held back, so the
 concatenation of streamed deltas is exactly the final text.
+
+Output tokens are decoded after a few prompt tokens of context: SentencePiece/Metaspace decoders
+(Llama 2, Mistral) strip the leading space of a sequence, so the first output token decoded alone
+would lose its space. Stop strings, like EOS and stop token ids, count only from min_tokens on.
 """
 
 from __future__ import annotations
@@ -10,18 +14,25 @@ from __future__ import annotations
 from splitserve.services.engine.sampling_params import SamplingParams
 from splitserve.services.model.tokenizer import Tokenizer
 
+# Prompt tokens decoded before the first output token (enough for a word boundary and a partial
+# multi-byte character; vLLM uses 5 for the same reason).
+_PROMPT_CONTEXT_TOKENS = 6
+
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop
+        self.min_tokens = params.min_tokens
         self.include_stop = params.include_stop_str_in_output
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
-        self.token_ids: list[int] = []
+        # Prompt context, then output tokens; only the output's text is kept.
+        self.token_ids: list[int] = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._num_output_tokens = 0
         self.text = ""  # decoded so far (possibly cut at a stop string)
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = len(self.token_ids)
         self._sent = 0
         self._stopped = False
 
@@ -31,8 +42,11 @@ class IncrementalDetokenizer:
             return None
         for token_id in token_ids:
             self.token_ids.append(token_id)
+            self._num_output_tokens += 1
             before = len(self.text)
             self.text += self._decode_step(final=False)
+            if self._num_output_tokens < self.min_tokens:
+                continue
             matched = self._find_stop(before)
             if matched is not None:
                 self._stopped = True

@@ -5,11 +5,20 @@ Disaggregated tiers use the same engine: the prefill tier finishes a request at 
 and holds its blocks until sent (`held_blocks`, `release_held`); the decode tier reserves blocks,
 takes the first token from the prefill worker, then admits the request once its KV has landed
 (`reserve_for_transfer`, `accept_first_token`, `admit_transferred`, `recompute_locally`).
+
+Ids: the engine names requests itself (`req-N`, unique for the life of the process); a client's id
+is only a label. Held blocks live under a lease (services/engine/leases.py).
+
+Failures: an exception in the forward fails the requests of that batch; one in a request's own
+sampling or output processing fails that request only. Either way they finish with an error
+(RequestOutput.error), their blocks are freed and the engine goes on. An exception in scheduling
+or bookkeeping leaves state that cannot be trusted: it propagates and the worker must exit.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +27,7 @@ import torch
 
 from splitserve.services.config import EngineConfig, RuntimeInfo
 from splitserve.services.engine.detokenizer import IncrementalDetokenizer
+from splitserve.services.engine.leases import HeldLeases
 from splitserve.services.engine.model_runner import ModelRunner
 from splitserve.services.engine.request import FinishReason, Request, RequestId, RequestStatus
 from splitserve.services.engine.sampler import Sampler, TokenLogprobs
@@ -28,6 +38,7 @@ from splitserve.services.model.loader import open_model
 from splitserve.services.model.tokenizer import Tokenizer
 
 PromptInput = str | Sequence[int]
+log = logging.getLogger("splitserve.engine")
 
 
 @dataclass(slots=True)
@@ -46,6 +57,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     handoff: PrefillHandoff | None = None  # prefill tier, on the finished output
+    error: str | None = None  # the step failed for this request (finished, aborted, blocks freed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,8 +79,15 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
         new_text=first.new_text + later.new_text, finished=later.finished, finish_reason=later.finish_reason,
         stop_reason=later.stop_reason, new_logprobs=logprobs, num_prompt_tokens=later.num_prompt_tokens,
         num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
-        timings=later.timings, handoff=later.handoff,
+        timings=later.timings, handoff=later.handoff, error=later.error,
     )
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Cumulative counters for metrics."""
+
+    num_failed_requests: int = 0  # finished with an error by a failed step
 
 
 class _Tracked:
@@ -100,6 +119,8 @@ class Engine:
                                  config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.runtime, self.kv)
         self.sampler = Sampler(config.seed)
+        self.leases = HeldLeases(config.cache.kv_lease_s)
+        self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -112,12 +133,17 @@ class Engine:
         return list(prompt)
 
     def make_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0, stop_after_prefill: bool = False) -> Request:
-        """Validate a request without touching engine state (safe from any thread)."""
+                     priority: int = 0, stop_after_prefill: bool = False, label: str = "") -> Request:
+        """Validate a request without touching engine state (safe from any thread).
+
+        request_id None (what servers pass) names it `req-N`; an in-process caller's own id must
+        not be in use when the request is added. label is the client's id, echoed in logs only.
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         token_ids = self.tokenize(prompt)
         self._validate_tokens(token_ids)
+        params.check_token_ids(self.vocab_size)
         rt = self.runtime
         max_tokens = params.max_tokens or rt.max_model_len - len(token_ids)
         if len(token_ids) + max_tokens > rt.max_model_len:
@@ -126,9 +152,20 @@ class Engine:
         if len(token_ids) + max_tokens > rt.kv_capacity_tokens:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) can never fit the KV "
                              f"cache of {rt.kv_capacity_tokens} tokens; lower max_tokens or raise --kv-cache-bytes")
+        self._check_schedulable(len(token_ids) + (1 if stop_after_prefill else max_tokens))
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
         return Request(rid, token_ids, params, max_tokens=max_tokens, eos_token_ids=rt.eos_token_ids,
-                       block_size=rt.block_size, priority=priority, stop_after_prefill=stop_after_prefill)
+                       block_size=rt.block_size, priority=priority, stop_after_prefill=stop_after_prefill,
+                       label=label)
+
+    def _check_schedulable(self, max_num_tokens: int) -> None:
+        """Without chunked prefill a request (recomputed after preemption: prompt and output) must fit
+        one step's token budget, or it would wait forever at the head of the queue."""
+        sched = self.config.scheduler
+        if not sched.enable_chunked_prefill and max_num_tokens > sched.max_num_batched_tokens:
+            raise ValueError(f"prompt + max_tokens ({max_num_tokens} tokens) exceeds max_num_batched_tokens "
+                             f"({sched.max_num_batched_tokens}) and chunked prefill is off; shorten the request "
+                             "or start the worker with chunked prefill or a larger --max-num-batched-tokens")
 
     def _validate_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -145,14 +182,25 @@ class Engine:
                     request_id: str | None = None, priority: int = 0) -> str:
         request = prompt if isinstance(prompt, Request) else self.make_request(
             prompt, params or SamplingParams(), request_id, priority)
+        self._check_unused(request.request_id)
         self.scheduler.add_request(request)
         self._track(request)
         return request.request_id
 
+    def _check_unused(self, request_id: str) -> None:
+        """An id is in use while its request is tracked or owns blocks (held or reserved included)."""
+        if request_id in self._tracked or self.kv.holds(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks. False if it is unknown or already done."""
+        """Stop a request now and free its KV blocks (held ones too, unless their send has started).
+
+        False if it is unknown or already done."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
+        if request is None and self.leases.claim(request_id):  # finished and held, nobody sending yet
+            self.scheduler.release_held(request_id)
+            return True
         return request is not None
 
     def has_unfinished_requests(self) -> bool:
@@ -163,13 +211,32 @@ class Engine:
         return self.scheduler.has_work()
 
     # -- prefill tier ---------------------------------------------------------------------------
+    def claim_held(self, request_id: str) -> bool:
+        """The sender starts reading the held blocks: from now on only release_held frees them.
+        False if they are gone (lease expired, or the request was aborted)."""
+        return self.leases.claim(request_id)
+
     def release_held(self, request_id: str) -> bool:
         """The prompt's blocks were sent (or the send failed): back to the pool, kept as prefix cache."""
+        self.leases.claim(request_id)
         return self.scheduler.release_held(request_id)
+
+    def expire_leases(self, now: float | None = None) -> int:
+        """Free held blocks whose lease ran out unclaimed; returns how many requests that freed."""
+        expired = self.leases.expire(now)
+        for request_id in expired:
+            log.warning("request %s: held KV blocks not claimed within %.1f s; released", request_id,
+                        self.leases.lease_s)
+            self.scheduler.release_held(request_id)
+        return len(expired)
+
+    def num_held_blocks(self) -> int:
+        return sum(self.kv.num_blocks_of(rid) for rid in self.scheduler.held)
 
     # -- decode tier ----------------------------------------------------------------------------
     def reserve_for_transfer(self, request: Request) -> int | None:
         """Reserve the prompt's blocks; returns the number already held here, None when full."""
+        self._check_unused(request.request_id)
         num_held = self.scheduler.reserve_for_transfer(request)
         if num_held is not None:
             self._track(request)
@@ -221,13 +288,41 @@ class Engine:
         for s in out.scheduled:
             tracked = self._tracked[s.request.request_id]
             tracked.first_scheduled = tracked.first_scheduled or now
-        batch = self.runner.prepare(out)
-        logits = self.runner.forward(batch)
+        try:
+            batch = self.runner.prepare(out)
+            logits = self.runner.forward(batch)
+        except Exception as e:  # isolation boundary: a failed forward fails its batch, not the engine
+            log.exception("the forward failed; failing the %d requests of this batch", len(out.scheduled))
+            return [self._fail(s.request, e) for s in out.scheduled]
         result = self.sampler.sample(logits, [s.request for s in batch.sampling])
-        sampled = {s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids)}
+        failed = [self._fail(r, e) for r, e in result.errors]  # before update_after_step skips them
+        sampled = {s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids) if t is not None}
         logprobs = {s.request.request_id: lp for s, lp in zip(batch.sampling, result.logprobs)}
         advanced = self.scheduler.update_after_step(out, sampled)
-        return [self._output(r, logprobs[r.request_id]) for r in advanced]
+        return failed + [self._output_or_fail(r, logprobs[r.request_id]) for r in advanced]
+
+    def _output_or_fail(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
+        try:
+            return self._output(request, logprobs)
+        except Exception as e:  # isolation boundary: e.g. detokenizing this request's tokens
+            log.exception("output processing failed for request %s", request.request_id)
+            return self._fail(request, e)
+
+    def _fail(self, request: Request, error: Exception) -> RequestOutput:
+        """Finish a request the step failed for: free its blocks, report the error to its stream."""
+        rid = request.request_id
+        self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+        self.leases.claim(rid)
+        self.scheduler.release_held(rid)  # finished at this step and already held: nobody will send
+        tracked = self._tracked.get(rid)
+        self._forget(rid)
+        self.stats.num_failed_requests += 1
+        return RequestOutput(
+            request_id=rid, new_token_ids=[], new_text="", finished=True, finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+            timings=_timings(tracked) if tracked else {},
+            error=f"the engine failed on this request ({type(error).__name__}: {error}); it was stopped and "
+                  "its KV blocks freed; the worker goes on")
 
     def _output(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
         rid = request.request_id
@@ -243,6 +338,7 @@ class Engine:
             detok.flush()
             if request.stop_after_prefill and rid in self.scheduler.held:
                 handoff = PrefillHandoff(self.kv.block_ids(rid), self.sampler.get_state(rid))
+                self.leases.start(rid)
             self._forget(rid)
         return RequestOutput(
             request_id=rid, new_token_ids=[request.all_token_ids[-1]],
@@ -254,7 +350,9 @@ class Engine:
         )
 
     def _track(self, request: Request) -> None:
-        self._tracked[request.request_id] = _Tracked(IncrementalDetokenizer(self.tokenizer, request.sampling_params))
+        prompt = request.all_token_ids[: request.num_prompt_tokens]
+        self._tracked[request.request_id] = _Tracked(
+            IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt))
 
     def _forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)

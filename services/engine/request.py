@@ -67,8 +67,10 @@ class Request:
         block_size: int,
         priority: int = 0,
         stop_after_prefill: bool = False,
+        label: str = "",
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the engine's own id, unique in this process's lifetime
+        self.label = label  # the client's id: echoed in logs, never used as a key
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens  # resolved: never None
         self.eos_token_ids = eos_token_ids
@@ -130,5 +132,5 @@ class Request:
         return None
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id}, {self.status.value}, "
+        return (f"Request({self.request_id} {self.label[:64]!r}, {self.status.value}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")

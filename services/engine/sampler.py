@@ -5,11 +5,14 @@ Each seeded request owns a torch.Generator, so its tokens do not depend on what 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from splitserve.services.engine.request import Request
+
+log = logging.getLogger("splitserve.sampler")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,8 +24,9 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class SampleResult:
-    token_ids: list[int]
+    token_ids: list[int | None]  # None where the request failed
     logprobs: list[TokenLogprobs | None]
+    errors: list[tuple[Request, Exception]] = field(default_factory=list)  # requests whose own processing failed
 
 
 class Sampler:
@@ -44,17 +48,41 @@ class Sampler:
         self._generators[request_id] = gen
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """logits: [num_requests, vocab] float32, one row per request."""
+        """logits: [num_requests, vocab] float32, one row per request.
+
+        A request whose own logits processing raises is left out (in `errors`) before any
+        generator is drawn from, so the others sample exactly as they would have without it.
+        """
         raw = logits
         logits = logits.clone() if any(_needs_processing(r) for r in requests) else logits
+        errors: list[tuple[Request, Exception]] = []
         for row, request in enumerate(requests):
-            _apply_penalties(logits[row], request)
-            _block_stop_tokens(logits[row], request)
+            try:
+                _apply_penalties(logits[row], request)
+                _block_stop_tokens(logits[row], request)
+            except Exception as e:  # isolation boundary: this request's parameters, not the batch
+                log.exception("logits processing failed for request %s", request.request_id)
+                errors.append((request, e))
+        if errors:
+            return self._sample_without(raw, logits, requests, errors)
         if all(r.sampling_params.greedy for r in requests):
             token_ids = logits.argmax(dim=-1).tolist()
         else:
             token_ids = [self._sample_row(logits[row], r) for row, r in enumerate(requests)]
         return SampleResult(token_ids, _logprobs(raw, requests, token_ids))
+
+    def _sample_without(self, raw: torch.Tensor, logits: torch.Tensor, requests: list[Request],
+                        errors: list[tuple[Request, Exception]]) -> SampleResult:
+        failed = {id(r) for r, _ in errors}
+        token_ids: list[int | None] = [None] * len(requests)
+        keep = [row for row, r in enumerate(requests) if id(r) not in failed]
+        for row in keep:
+            token_ids[row] = self._sample_row(logits[row], requests[row])
+        kept = _logprobs(raw[keep], [requests[row] for row in keep], [token_ids[row] for row in keep])
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        for row, lp in zip(keep, kept):
+            logprobs[row] = lp
+        return SampleResult(token_ids, logprobs, errors)
 
     def _sample_row(self, row: torch.Tensor, request: Request) -> int:
         params = request.sampling_params

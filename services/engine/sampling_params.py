@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+# Temperatures below this are greedy (as in vLLM): dividing logits by them overflows to inf/NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 def _as_str_tuple(stop: object) -> tuple[str, ...]:
@@ -27,7 +31,7 @@ def _as_int_tuple(ids: object) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """What to sample and when to stop. temperature == 0 means greedy.
+    """What to sample and when to stop. temperature < 1e-5 (0 included) means greedy.
 
     max_tokens None means "until the context is full". top_k None means no top-k cut.
     logprobs None returns no logprobs; N returns the sampled token's logprob and the top N.
@@ -53,6 +57,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_str_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_int_tuple(self.stop_token_ids))
+        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
+                  "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
+                  "frequency_penalty": self.frequency_penalty}
+        for name, value in floats.items():
+            if not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value}")
         checks = [
             (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
@@ -73,7 +83,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Stop token ids must be real tokens (an id past the vocabulary would index out of range)."""
+        bad = [t for t in self.stop_token_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size}); got {bad[:5]}")
 
     @property
     def has_penalties(self) -> bool:

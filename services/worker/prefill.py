@@ -63,6 +63,9 @@ async def _run_prompt(engine: AsyncEngine, request: Request) -> RequestOutput:
 async def _send(engine: AsyncEngine, sender: KVSender, job: HandoffJob, request_id: str, block_ids: list[int],
                 metrics: WorkerMetrics | None, send_delay_s: float) -> TransferDone:
     core = engine.engine
+    if not await engine.call(core.claim_held, request_id):
+        raise TransferError("closed", f"the KV of request {request_id} was released before its send started "
+                            "(its lease expired or it was aborted)")
     staging = core.runner.staging.acquire(len(block_ids))
     sent = False
     try:

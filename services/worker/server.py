@@ -82,6 +82,10 @@ def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMet
     return WorkerServicer(engine, metrics, role)
 
 
+class EngineDied(RuntimeError):
+    """The engine loop raised; the worker left the cluster and must exit non-zero (to be restarted)."""
+
+
 async def serve_worker(config: WorkerConfig) -> None:
     engine = AsyncEngine(Engine(config.engine))
     name = model_name(config.engine.model)
@@ -111,9 +115,13 @@ async def serve_worker(config: WorkerConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    died = asyncio.ensure_future(engine.died.wait())
+    await asyncio.wait({died, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if publisher is not None:  # before deregistering, or it would register this worker again
         publisher.cancel()
+    if died.done():
+        await _leave_dead(config, health_servicer, server, address)
+        raise EngineDied("the engine loop died (see the traceback above); the worker left the gateway")
     await _drain(config, servicer, health_servicer, engine, address)
     log.info("drained: %s", _pool_report(engine))
     await server.stop(grace=1.0)
@@ -141,17 +149,30 @@ async def _register(config: WorkerConfig, address: str, metrics_address: str, na
     raise RuntimeError(f"could not register with the gateway at {config.gateway}")
 
 
+async def _leave_dead(config: WorkerConfig, health_servicer, server, address: str) -> None:
+    """Health NOT_SERVING, deregister, stop serving: nothing is routed to a worker that cannot step."""
+    log.error("the engine loop died; leaving the gateway and exiting")
+    await health_servicer.enter_graceful_shutdown()
+    await _deregister(config, address)
+    await server.stop(grace=0.5)
+
+
+async def _deregister(config: WorkerConfig, address: str) -> None:
+    if not config.gateway:
+        return
+    try:
+        async with grpc.aio.insecure_channel(config.gateway) as channel:
+            await pb_grpc.RegistryStub(channel).DeregisterWorker(
+                pb.DeregisterWorkerRequest(address=address), timeout=2.0)
+    except grpc.aio.AioRpcError:
+        pass  # the gateway's health checks drop us anyway
+
+
 async def _drain(config, servicer, health_servicer, engine: AsyncEngine, address: str) -> None:
     """Stop taking requests, leave the gateway, let running requests finish (bounded)."""
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
-    if config.gateway:
-        try:
-            async with grpc.aio.insecure_channel(config.gateway) as channel:
-                await pb_grpc.RegistryStub(channel).DeregisterWorker(
-                    pb.DeregisterWorkerRequest(address=address), timeout=2.0)
-        except grpc.aio.AioRpcError:
-            pass  # the gateway's health checks drop us anyway
+    await _deregister(config, address)
     deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
     while _busy(servicer) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
@@ -161,7 +182,8 @@ def _pool_report(engine: AsyncEngine) -> str:
     """One line the launcher's tests read: the KV pool must be empty when a drained worker exits."""
     e, s = engine.engine, engine.engine.scheduler
     return (f"free_blocks={e.kv.num_free_blocks} total_blocks={e.runner.num_blocks} running={s.num_running} "
-            f"waiting={s.num_waiting} awaiting_kv={len(s.awaiting_kv)} held={len(s.held)}")
+            f"waiting={s.num_waiting} awaiting_kv={len(s.awaiting_kv)} held={len(s.held)} "
+            f"held_blocks={e.num_held_blocks()} lease_expiries={e.leases.num_expired}")
 
 
 def _busy(servicer: WorkerServicer) -> bool:

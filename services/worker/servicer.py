@@ -11,7 +11,7 @@ import grpc
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.async_engine import AsyncEngine, RequestFailed
 from splitserve.services.engine.engine import RequestOutput
 from splitserve.services.engine.request import Request
 from splitserve.services.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
@@ -34,7 +34,9 @@ def engine_snapshot(engine: AsyncEngine) -> EngineSnapshot:
     s = e.scheduler
     return EngineSnapshot(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=e.kv_usage(),
                           num_preemptions=s.stats.num_preemptions, prefix_cache_queries=s.stats.prefix_cache_queries,
-                          prefix_cache_hits=s.stats.prefix_cache_hits, num_awaiting_kv=len(s.awaiting_kv))
+                          prefix_cache_hits=s.stats.prefix_cache_hits, num_awaiting_kv=len(s.awaiting_kv),
+                          num_held_blocks=e.num_held_blocks(), num_lease_expiries=e.leases.num_expired,
+                          num_failed_requests=e.stats.num_failed_requests)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
@@ -56,6 +58,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 yield self._response(out, timing)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         except HandoffError as e:
             if e.failed_peer:
                 context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
@@ -64,18 +68,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
         params = sampling_params_from_proto(request.sampling, request.stopping,
                                             request.logprobs if request.HasField("logprobs") else None)
-        prompt, rid = list(request.prompt_token_ids), request.request_id or None
+        # The client's id is a label only: the engine names the request itself, so a reused id can
+        # never reach another request's blocks.
+        prompt, label = list(request.prompt_token_ids), request.request_id
         if request.prefill_address:
             if self.handoff is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is not a decode worker; "
                                     "send requests with a prefill_address to one started with --mode decode")
-            engine_request = self.engine.engine.make_request(prompt, params, rid, request.priority)
+            engine_request = self.engine.engine.make_request(prompt, params, priority=request.priority, label=label)
             stream = self.handoff.generate(engine_request, request.prefill_address)
         elif self.role == pb.WORKER_ROLE_PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker runs prompts only (the "
                                 "Prefill RPC); send whole requests to a unified or decode worker")
         else:
-            stream = self.engine.generate(prompt, params, rid, request.priority)
+            stream = self.engine.generate(prompt, params, priority=request.priority, label=label)
         async for out in stream:
             yield out
 
@@ -111,8 +117,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         timing = RequestTiming(arrival=time.monotonic())
         try:
             params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-            engine_request = self.engine.engine.make_request(list(r.prompt_token_ids), params, r.request_id or None,
-                                                             r.priority, stop_after_prefill=True)
+            engine_request = self.engine.engine.make_request(list(r.prompt_token_ids), params, priority=r.priority,
+                                                             stop_after_prefill=True, label=r.request_id)
             async for event in prefill_and_send(self.engine, engine_request, self.sender, job, self.metrics,
                                                 self.send_delay_s):
                 if isinstance(event, FirstToken):
@@ -122,6 +128,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 yield _event_to_proto(event)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
         except TransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason}): {e}")
 
@@ -132,16 +140,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.DrainResponse(draining=True)
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        known = self.engine.has_request(request.request_id)
-        self.engine.abort(request.request_id)
-        return pb.AbortResponse(aborted=known)
+        """Aborts every request the client sent with this id (ids are labels, so there may be several)."""
+        return pb.AbortResponse(aborted=self.engine.abort_label(request.request_id) > 0)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.LoadReport:
         e = self.engine.engine
         return pb.LoadReport(num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
                              num_free_blocks=e.kv.num_free_blocks, num_total_blocks=e.runner.num_blocks,
                              block_size=e.runtime.block_size, num_awaiting_kv=len(e.scheduler.awaiting_kv),
-                             role=self.role)
+                             role=self.role, num_held_blocks=e.num_held_blocks(),
+                             num_held_requests=len(e.scheduler.held))
 
 
 def _event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
