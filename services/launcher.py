@@ -194,6 +194,7 @@ def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_p
         if children[0].proc.poll() is not None:
             print("gateway exited; stopping workers", flush=True)
             break
+        supervisor.restart_crashed()
         stop.wait(0.5)
     admin.stop(grace=1.0)
     stop_cluster(supervisor.children)

@@ -22,6 +22,7 @@ from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
 from splitserve.services.launcher import Child, spawn_worker, threads_per_worker, wait_healthy
 
 MODES = ("unified", "prefill", "decode")
+RESTART_BACKOFF_S = 10.0  # a worker that crashes again this soon after a restart waits this long
 
 
 class Supervisor:
@@ -36,6 +37,7 @@ class Supervisor:
         self.admin_address = ""
         self._lock = threading.Lock()
         self._ids = {mode: itertools.count(sum(c.mode == mode for c in children)) for mode in MODES}
+        self._restarted_at: dict[str, float] = {}  # worker name -> when it was last restarted
 
     def workers(self, mode: str) -> list[Child]:
         return [c for c in self.children[1:] if c.mode == mode and c.proc.poll() is None]
@@ -70,6 +72,23 @@ class Supervisor:
             wait_healthy(child.address, self.start_timeout_s, child.proc)
         time.sleep(1.5)  # one gateway health-check round: they take traffic now
         return new
+
+    def restart_crashed(self) -> list[Child]:
+        """Start again, same name, mode and device, every worker that exited on its own with an error
+        (killed, or its engine loop died: exit 3). Drained workers exit 0 and are not restarted."""
+        with self._lock:
+            now, restarted = time.monotonic(), []
+            for i, child in enumerate(self.children[1:], start=1):
+                code = child.proc.poll()
+                if code in (None, 0) or now - self._restarted_at.get(child.name, -RESTART_BACKOFF_S) < RESTART_BACKOFF_S:
+                    continue
+                print(f"{child.name} exited with code {code}; starting it again", flush=True)
+                self.children[i] = spawn_worker(child.name, child.mode, self.children[0].address, self.engine_argv,
+                                                self.host, threads_per_worker(len(self.children) - 1),
+                                                device=child.device)
+                self._restarted_at[child.name] = now
+                restarted.append(self.children[i])
+            return restarted
 
     def _least_used_device(self) -> str:
         used = {d: 0 for d in self.devices}

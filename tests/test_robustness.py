@@ -14,7 +14,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.async_engine import AsyncEngine, RequestFailed
+from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from splitserve.services.engine.detokenizer import IncrementalDetokenizer
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.llm import LLM
@@ -148,11 +148,11 @@ def test_dead_loop_fails_every_stream_and_refuses_new_requests(tiny_llama_dir, m
 
     async def main():
         aengine = AsyncEngine(engine)
-        with pytest.raises(AssertionError):
+        with pytest.raises(EngineDead, match="scheduler invariant broken"):
             async for _ in aengine.generate(PROMPT, SamplingParams(max_tokens=4)):
                 pass
         await asyncio.wait_for(aengine.died.wait(), 5)
-        with pytest.raises(RuntimeError, match="engine loop died"):
+        with pytest.raises(EngineDead, match="retry the request on another worker"):
             async for _ in aengine.generate(PROMPT, SamplingParams(max_tokens=4)):
                 pass
 

@@ -11,6 +11,7 @@ requests are refused, and `died` is set so the server can leave the cluster and 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
@@ -21,10 +22,15 @@ from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampling_params import SamplingParams
 
 T = TypeVar("T")
+log = logging.getLogger("splitserve.engine")
 
 
 class RequestFailed(RuntimeError):
     """The engine failed while running this request (it was stopped, its blocks freed)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine loop died: this engine runs nothing more (retry elsewhere)."""
 
 
 class AsyncEngine:
@@ -36,7 +42,7 @@ class AsyncEngine:
         self._labels: dict[str, str] = {}  # request id -> the client's id (for Abort by that id)
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
-        self._error: BaseException | None = None
+        self._error: EngineDead | None = None
         self.died = asyncio.Event()  # the loop raised: this engine serves nothing more
 
     @classmethod
@@ -62,7 +68,7 @@ class AsyncEngine:
     def open_stream(self, request_id: str, label: str = "") -> None:
         """Claim request_id and start collecting its step outputs (stream() reads them)."""
         if self._error is not None:
-            raise RuntimeError(f"the engine loop died: {self._error!r}")
+            raise self._error
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = asyncio.Queue()
@@ -135,11 +141,12 @@ class AsyncEngine:
                     if queue is not None:
                         queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
         except Exception as e:  # surface to every waiting stream instead of hanging them
-            self._error = e
+            self._error = EngineDead(f"this worker's engine loop died ({type(e).__name__}: {e}); retry the "
+                                     "request on another worker")
+            log.exception("the engine loop died")  # the server reads `died`, leaves the cluster, exits
             for queue in self._streams.values():
-                queue.put_nowait(e)
+                queue.put_nowait(self._error)
             self.died.set()
-            raise
 
     async def _idle(self) -> None:
         """Wait for new work, waking for the next held-block lease to expire."""

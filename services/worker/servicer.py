@@ -11,7 +11,7 @@ import grpc
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.engine.async_engine import AsyncEngine, RequestFailed
+from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from splitserve.services.engine.engine import RequestOutput
 from splitserve.services.engine.request import Request
 from splitserve.services.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
@@ -60,6 +60,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailed as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except EngineDead as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except HandoffError as e:
             if e.failed_peer:
                 context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
@@ -130,6 +132,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailed as e:
             await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except EngineDead as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except TransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason}): {e}")
 
