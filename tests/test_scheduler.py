@@ -408,3 +408,119 @@ def test_abort_between_schedule_and_update_is_harmless():
     sched.finish_request("r", RequestStatus.FINISHED_ABORTED)
     assert sched.update_after_step(out, {"r": 7}) == []
     assert r.num_output_tokens == 0 and kv.num_free_blocks == 8
+
+
+def test_fcfs_preempts_the_latest_arrival_whatever_its_priority():
+    sched = make_scheduler(num_blocks=4, policy="fcfs")
+    early, late = make_request("early", 4, max_tokens=8, priority=5), make_request("late", 4, max_tokens=8)
+    sched.add_request(early)
+    sched.add_request(late)
+    preempted = []
+    for out in run_until_done(sched):
+        preempted += out.preempted
+    assert preempted and set(preempted) == {late}  # priority is ignored under fcfs
+    assert early.num_preemptions == 0
+    assert all_blocks_free(sched)
+
+
+# -- decode tier: KV transferred from a prefill worker -----------------------------------------------
+
+def land(sched: Scheduler, request: Request, first_token: int = NEXT_TOKEN) -> None:
+    """What the decode worker does: the first token arrives (Engine.accept_first_token), then the KV."""
+    request.append_output_token(first_token)
+    sched.admit_transferred(request.request_id)
+
+
+def test_landed_requests_join_before_a_head_that_does_not_fit():
+    sched = make_scheduler(num_blocks=8)
+    head = make_request("head", list(range(100, 120)))  # 5 blocks, first to arrive
+    sched.add_request(head)
+    # 6 tokens: its first token fits in its 2 reserved blocks; 8 tokens: its first token needs a 3rd.
+    t6, t8 = make_request("t6", list(range(200, 206))), make_request("t8", list(range(300, 308)))
+    assert sched.reserve_for_transfer(t6) == 0 and sched.reserve_for_transfer(t8) == 0
+    land(sched, t6)
+    land(sched, t8)
+    assert sched.kv.num_free_blocks == 4 and list(sched.waiting) == [t6, t8, head]
+    out = step(sched)
+    # Before the fix: the head came first, needed 5 of 4 free blocks, and nothing ever ran again.
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(t6, 1), (t8, 1)]
+    assert head.status == RequestStatus.WAITING and sched.kv.num_free_blocks == 3
+    run_until_done(sched)
+    assert head.num_output_tokens == t6.num_output_tokens == t8.num_output_tokens == 4
+    assert all_blocks_free(sched)
+
+
+def test_a_landed_request_needing_no_block_passes_one_that_needs_a_block():
+    sched = make_scheduler(num_blocks=8)
+    t8, t6 = make_request("t8", list(range(300, 308))), make_request("t6", list(range(200, 206)))
+    assert sched.reserve_for_transfer(t8) == 0 and sched.reserve_for_transfer(t6) == 0
+    running = make_request("running", list(range(100, 115)), max_tokens=2)  # takes the last 4 blocks
+    sched.add_request(running)
+    step(sched)
+    land(sched, t8)
+    land(sched, t6)
+    assert sched.kv.num_free_blocks == 0 and list(sched.waiting) == [t8, t6]
+    out = step(sched)  # running's 16th token fits its 4th block; t8's 9th token needs a 3rd block
+    assert [s.request for s in out.scheduled] == [running, t6]
+    assert t8.status == RequestStatus.WAITING
+    run_until_done(sched)
+    assert t8.num_output_tokens == t6.num_output_tokens == 4 and all_blocks_free(sched)
+
+
+def test_only_requests_holding_blocks_pass_a_head_that_does_not_fit():
+    sched = make_scheduler(num_blocks=8)
+    t = make_request("t", list(range(200, 216)))  # 4 blocks
+    assert sched.reserve_for_transfer(t) == 0
+    head, small = make_request("head", list(range(100, 120))), make_request("small", [300])
+    sched.add_request(head)
+    sched.add_request(small)
+    land(sched, t)
+    out = sched.schedule()
+    # t arrived first and runs; head needs 5 of the 4 free blocks; small fits but waits its turn.
+    assert [s.request for s in out.scheduled] == [t]
+    assert list(sched.waiting) == [head, small]
+
+
+def test_landed_requests_passing_the_head_respect_max_num_seqs():
+    sched = make_scheduler(num_blocks=16, max_num_seqs=1)
+    head = make_request("head", list(range(100, 160)))  # 15 blocks
+    sched.add_request(head)
+    t1, t2 = make_request("t1", list(range(200, 203))), make_request("t2", list(range(300, 303)))
+    assert sched.reserve_for_transfer(t1) == 0 and sched.reserve_for_transfer(t2) == 0
+    land(sched, t1)
+    land(sched, t2)
+    out = step(sched)
+    assert [s.request for s in out.scheduled] == [t1]
+    run_until_done(sched)
+    assert head.num_output_tokens == 4 and all_blocks_free(sched)
+
+
+def test_reservation_leaves_a_free_block_per_request_holding_blocks():
+    sched = make_scheduler(num_blocks=8)
+    running = make_request("running", list(range(100, 107)), max_tokens=20)  # 2 blocks
+    sched.add_request(running)
+    step(sched)
+    assert sched.kv.num_free_blocks == 6
+    # 5 blocks would leave 1 free block for 2 requests that may each need one more: refused.
+    too_big = make_request("too_big", list(range(200, 220)))
+    assert sched.reserve_for_transfer(too_big) is None
+    assert sched.kv.num_free_blocks == 6 and not sched.kv.holds("too_big")
+    assert "too_big" not in sched.requests and not sched.awaiting_kv
+    fits = make_request("fits", list(range(300, 316)))  # 4 blocks, leaving 2
+    assert sched.reserve_for_transfer(fits) == 0
+    assert sched.kv.num_free_blocks == 2 and sched.awaiting_kv == {"fits": fits}
+    # Now 2 requests hold blocks and 2 are free: a 1-block prompt would leave 1 for 3 of them.
+    assert sched.reserve_for_transfer(make_request("one", [400])) is None
+
+
+def test_refused_reservation_keeps_the_prefix_cache():
+    sched = make_scheduler(num_blocks=4)
+    cached = make_request("cached", list(range(100, 109)), max_tokens=1)  # 2 full blocks cached
+    sched.add_request(cached)
+    run_until_done(sched)
+    num_cached = sched.kv.pool.num_cached_blocks()
+    assert num_cached == 2
+    # 4 new blocks would leave none free: refused before any allocation evicts a cached block.
+    refused = make_request("refused", list(range(500, 516)))
+    assert sched.reserve_for_transfer(refused) is None
+    assert sched.kv.pool.num_cached_blocks() == num_cached and all_blocks_free(sched)

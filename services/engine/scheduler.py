@@ -7,8 +7,11 @@ reserved while the KV is in flight); the prefill tier adds finished -> held (blo
 they are sent).
 
 Each step: running requests first (decodes and unfinished chunked prefills), preempting the
-lowest-priority, latest-arrived running request when blocks run out; then, if nothing was
-preempted, waiting requests join while the token budget, max_num_seqs and free blocks allow.
+running request last in service order (see `service_key`) when blocks run out; then, if nothing
+was preempted, waiting requests join while the token budget, max_num_seqs and free blocks allow:
+requests whose KV landed from a prefill worker first, then the rest, each in service order. Once one
+cannot join, later ones wait behind it, except landed ones: they already hold their prompt's
+blocks, which only running them gives back (see `_schedule_waiting`).
 """
 
 from __future__ import annotations
@@ -55,29 +58,33 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of those, tokens found
 
 
+def service_key(r: Request, use_priority: bool) -> tuple:
+    """Service order: min() is served first, max() is the preemption victim.
+
+    "priority": lowest priority value first, then arrival. "fcfs": arrival alone (the client's
+    priority is ignored, for preemption too).
+    """
+    return (r.priority, r.arrival_seq) if use_priority else (r.arrival_seq,)
+
+
 class WaitingQueue:
-    """Waiting requests ordered by (priority,) arrival. Lower priority value is served first."""
+    """Waiting requests: landed ones (holding their prompt's blocks) first, each in service order.
+
+    Landed requests go first whatever their priority: their blocks are taken already, they need at
+    most one more, and the blocks come back only once they run. A request's landed flag cannot
+    change while it waits: it leaves the queue to gain or lose blocks.
+    """
 
     def __init__(self, use_priority: bool) -> None:
         self._use_priority = use_priority
         self._keys: list[tuple] = []
         self._requests: list[Request] = []
 
-    def _key(self, r: Request) -> tuple:
-        return (r.priority, r.arrival_seq) if self._use_priority else (r.arrival_seq,)
-
-    def add(self, request: Request) -> None:
-        key = self._key(request)
+    def add(self, request: Request, landed: bool = False) -> None:
+        key = (not landed, *service_key(request, self._use_priority))
         i = bisect.bisect(self._keys, key)
         self._keys.insert(i, key)
         self._requests.insert(i, request)
-
-    def peek(self) -> Request:
-        return self._requests[0]
-
-    def pop(self) -> Request:
-        self._keys.pop(0)
-        return self._requests.pop(0)
 
     def remove(self, request: Request) -> None:
         i = self._requests.index(request)
@@ -90,17 +97,13 @@ class WaitingQueue:
         return iter(self._requests)
 
 
-def preemption_key(r: Request) -> tuple:
-    """max() of this picks the victim: lowest priority (largest value), then latest arrival."""
-    return (r.priority, r.arrival_seq)
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, runtime: RuntimeInfo, kv: KVCacheManager) -> None:
         self.config = config
         self.runtime = runtime
         self.kv = kv
-        self.waiting = WaitingQueue(config.policy == "priority")
+        self._use_priority = config.policy == "priority"
+        self.waiting = WaitingQueue(self._use_priority)
         self.running: list[Request] = []
         self.awaiting_kv: dict[str, Request] = {}  # decode tier: KV in flight from a prefill worker
         self.held: dict[str, Request] = {}  # prefill tier: finished, blocks kept until sent
@@ -144,12 +147,20 @@ class Scheduler:
         """Reserve blocks for the whole prompt before any KV moves; park the request in awaiting_kv.
 
         Returns how many leading prompt blocks are already here (prefix hits: not transferred),
-        or None, changing nothing, when the pool cannot hold the prompt now.
+        or None, changing nothing, when the pool cannot hold the prompt now with headroom to spare.
+
+        Headroom: afterwards one block must stay free per request holding blocks, this one
+        included: the next block a running decode grows into, or the one an admitted request's
+        first token may need. Reserved and landed requests cannot be preempted, so without it
+        reservations could fill the pool with requests that can never take their next block.
+        With it, blocks not held by waiting or awaiting requests always number at least those
+        requests, so when nothing runs one of them can (see _schedule_waiting): no deadlock.
         """
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         hit = self.kv.find_prefix_hit(request)
-        if not self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit):
+        num_keep_free = self._num_holding_blocks() + 1
+        if not self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit, num_keep_free):
             return None
         request.num_cached_tokens = hit.num_tokens
         self.stats.prefix_cache_queries += request.num_tokens
@@ -173,9 +184,13 @@ class Scheduler:
         request.num_computed_tokens = 0
         self._requeue(request)
 
+    def _num_holding_blocks(self) -> int:
+        """Unfinished requests holding blocks: running, awaiting KV, or landed and waiting."""
+        return sum(1 for request_id in self.requests if self.kv.holds(request_id))
+
     def _requeue(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        self.waiting.add(request)
+        self.waiting.add(request, landed=self.kv.holds(request.request_id))
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -215,7 +230,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
                 continue
-            victim = max(self.running, key=preemption_key)
+            victim = max(self.running, key=lambda r: service_key(r, self._use_priority))
             victim_index = self.running.index(victim)
             budget += self._preempt(victim, out)
             if victim_index < i:
@@ -242,26 +257,50 @@ class Scheduler:
         return refund
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
-            holds = self.kv.holds(request.request_id)  # admitted after a KV transfer
-            hit = PrefixHit([], self.kv.block_size) if holds else self.kv.find_prefix_hit(request)
-            num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens
-            if num_new > budget and not self.config.enable_chunked_prefill:
-                break
-            num_new = min(num_new, budget)
-            if not self.kv.allocate_slots(request, num_new, hit):
-                break
-            self.waiting.pop()
-            if request.num_preemptions == 0 and request.num_output_tokens == 0:
-                request.num_cached_tokens = hit.num_tokens
-                self.stats.prefix_cache_queries += request.num_tokens
-                self.stats.prefix_cache_hits += hit.num_tokens
-            request.num_computed_tokens += hit.num_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+        """Admit waiting requests in queue order; after one that cannot join, only landed ones.
+
+        A landed request (its KV came from a prefill worker) holds its prompt's blocks and needs at
+        most one more, for its first token; those blocks come back only by running it, and the
+        request that cannot join may be waiting for exactly them. Fresh and preempted requests
+        never pass one that cannot join, so a large prompt is not starved by small ones.
+        Liveness: when nothing runs, the headroom kept by reserve_for_transfer leaves a free block
+        per landed request, so the first one joins.
+        """
+        blocked = False
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if blocked and not self.kv.holds(request.request_id):
+                return  # only landed requests pass one that cannot join, and they are queued first
+            num_new = self._try_admit(request, budget)
+            if num_new is None:
+                blocked = True
+                continue
             out.scheduled.append(ScheduledRequest(request, num_new, []))
             budget -= num_new
+
+    def _try_admit(self, request: Request, budget: int) -> int | None:
+        """Move request from waiting to running with its blocks; returns its tokens this step.
+
+        None, changing nothing, when the budget (without chunked prefill) or the pool has no room.
+        """
+        holds = self.kv.holds(request.request_id)  # landed after a KV transfer
+        hit = PrefixHit([], self.kv.block_size) if holds else self.kv.find_prefix_hit(request)
+        num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if not self.kv.allocate_slots(request, num_new, hit):
+            return None
+        self.waiting.remove(request)
+        if request.num_preemptions == 0 and request.num_output_tokens == 0:
+            request.num_cached_tokens = hit.num_tokens
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += hit.num_tokens
+        request.num_computed_tokens += hit.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new
 
     # -- after the forward ----------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

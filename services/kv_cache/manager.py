@@ -63,10 +63,11 @@ class KVCacheManager:
         return PrefixHit(hits, self.block_size)
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int,
-                       hit: PrefixHit | None = None) -> bool:
+                       hit: PrefixHit | None = None, num_keep_free: int = 0) -> bool:
         """Make room for num_new_tokens more tokens (after the prefix hit, if any).
 
-        Returns False, changing nothing, when the pool cannot supply the blocks.
+        Returns False, changing nothing, when the pool cannot supply the blocks and still have
+        num_keep_free blocks free afterwards.
         """
         hit_blocks = hit.blocks if hit else []
         blocks = self._blocks.get(request.request_id, [])
@@ -74,7 +75,7 @@ class KVCacheManager:
         num_needed = cdiv(num_computed + num_new_tokens, self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(hit_blocks))
         num_hits_in_free_queue = sum(1 for block in hit_blocks if block.ref_cnt == 0)
-        if num_new_blocks + num_hits_in_free_queue > self.pool.num_free_blocks:
+        if num_new_blocks + num_hits_in_free_queue + num_keep_free > self.pool.num_free_blocks:
             return False
         self.pool.touch(hit_blocks)
         blocks = self._blocks.setdefault(request.request_id, blocks)
