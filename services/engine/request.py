@@ -132,5 +132,6 @@ class Request:
         return None
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id} {self.label[:64]!r}, {self.status.value}, "
+        label = f" {self.label[:64]!r}" if self.label else ""
+        return (f"Request({self.request_id}{label}, {self.status.value}, "
                 f"computed={self.num_computed_tokens}/{self.num_tokens})")
