@@ -1,6 +1,8 @@
 """The gateway: public Generation API, worker Registry, health, reflection and /metrics.
 
-Request path: validate + tokenize once -> plan -> proxy the token stream.
+Request path: validate + tokenize once -> plan -> proxy the token stream. Sizes are checked before
+tokenizing (validation.py), and any but a short prompt is tokenized on a thread: the event loop serves
+every stream, so it never runs for long the one step whose cost grows with the client's input.
 Plan: with healthy prefill and decode workers, a (prefill, decode) pair: the decode worker gets the
 request with the prefill worker's address and runs the handoff. Otherwise one worker that runs
 whole requests (unified, or decode when no prefill worker is up).
@@ -17,7 +19,7 @@ import signal
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +28,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitserve.gateway.prefix import PrefixIndex, PrefixIndexMetrics
 from splitserve.gateway.router import Decision, RouteInput, Router, make_router
+from splitserve.gateway.validation import (
+    RequestLimits,
+    check_fits_context,
+    check_prompt_length,
+    check_prompt_size,
+    check_sizes,
+    check_token_ids,
+    clip,
+)
 from splitserve.gateway.workers import WorkerHandle, WorkerSet
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import generation_pb2_grpc as gen_grpc
@@ -33,13 +44,18 @@ from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.services.kv_cache.block_hash import hash_block_tokens
 from splitserve.services.model.files import model_name
-from splitserve.services.model.tokenizer import Tokenizer, load_tokenizer
+from splitserve.services.model.tokenizer import Tokenizer, TooManyTokens, load_tokenizer
 from splitserve.services.serving import start_metrics_server
 from splitserve.services.wire import FAILED_PEER_KEY, sampling_params_from_proto
 
 log = logging.getLogger("splitserve.gateway")
+# Prompts up to this size (characters of text, bytes of chat messages) are tokenized on the event loop,
+# in well under a millisecond: they skip the thread hop and never wait for a thread behind big prompts.
+_INLINE_PROMPT_SIZE = 512
+# Worker statuses that concern the request, not the worker: passed to the client as they are, with no
+# retry and no mark against the worker (INTERNAL: the engine failed on this request and went on).
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED}
+                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,7 @@ class GatewayConfig:
     health_check_interval_s: float = 1.0
     redis_url: str | None = None  # prefix index in Redis; None: in this process's memory
     index_heartbeat_ttl_s: float = 5.0  # a worker silent this long drops out of the prefix index
+    limits: RequestLimits = field(default_factory=RequestLimits)  # request sizes, checked before tokenizing
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -100,7 +117,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             self.metrics.requests.labels(code=code.name).inc()
 
     async def _generate(self, request, context, arrival: float):
-        worker_request = self._validate(request)
+        worker_request = await self._validate(request)
         if self.num_pending > self.config.max_pending:
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"the gateway already has {self.config.max_pending} requests in flight; "
@@ -160,39 +177,48 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         self.metrics.prefix.matched.observe(route.matched.get(decision.worker.address, 0))
         self.prefix.note_routed(route.block_hashes, decision.worker.address)
 
-    def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
-        if request.model and request.model != self.model_name:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"unknown model {request.model!r}; this gateway serves {self.model_name!r}")
+    async def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
         try:
-            token_ids = self._tokenize(request)
-            params = sampling_params_from_proto(request.sampling, request.stopping,
-                                                request.logprobs if request.HasField("logprobs") else None)
+            check_sizes(request, self.config.limits)
+            self._check_model(request.model)
+            logprobs = request.logprobs if request.HasField("logprobs") else None
+            params = sampling_params_from_proto(request.sampling, request.stopping, logprobs)
+            check_token_ids(params.stop_token_ids, self._vocab_size(), "stop token ids")
+            token_ids = await self._prompt_token_ids(request)
+            check_prompt_length(len(token_ids), self._max_model_len())
+            check_token_ids(token_ids, self._vocab_size(), "prompt token ids")
+            check_fits_context(len(token_ids), params.max_tokens, self._max_model_len())
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
-        if not token_ids:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty; send text, token ids or chat messages")
-        max_len = self._max_model_len()
-        if max_len and len(token_ids) >= max_len:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt has {len(token_ids)} tokens but the model "
-                         f"context is {max_len}; shorten the prompt")
-        if params.max_tokens and max_len and len(token_ids) + params.max_tokens > max_len:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"prompt ({len(token_ids)} tokens) + max_tokens "
-                         f"({params.max_tokens}) exceeds the model context of {max_len}; lower max_tokens")
         return pb.WorkerGenerateRequest(
             request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=token_ids,
-            sampling=request.sampling, stopping=request.stopping, priority=request.priority,
-            logprobs=request.logprobs if request.HasField("logprobs") else None)
+            sampling=request.sampling, stopping=request.stopping, priority=request.priority, logprobs=logprobs)
 
-    def _tokenize(self, request) -> list[int]:
-        kind = request.WhichOneof("prompt")
-        if kind == "text":
-            return self.tokenizer.encode(request.text) if request.text else []
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise ValueError(f"unknown model {clip(model)!r}; this gateway serves {self.model_name!r}")
+
+    async def _prompt_token_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
+        kind, max_len = request.WhichOneof("prompt"), self._max_model_len()
         if kind == "token_ids":
+            check_prompt_length(len(request.token_ids.ids), max_len)  # before copying them all
             return list(request.token_ids.ids)
-        if kind == "chat":
-            return self.tokenizer.encode_chat(_messages(request.chat)) if request.chat.messages else []
+        limit = max_len - 1 if max_len else None  # a prompt leaves room for one generated token
+        try:
+            if kind == "text" and request.text:
+                return await _off_loop_if_long(len(request.text), self.tokenizer.encode, request.text,
+                                               max_num_tokens=limit)
+            if kind == "chat" and request.chat.messages:
+                return await _off_loop_if_long(request.chat.ByteSize(), self._encode_chat, request.chat, limit)
+        except TooManyTokens as e:  # refused before its ids were built: give the usual message
+            check_prompt_length(e.num_tokens, max_len)
+            raise
         return []
+
+    def _encode_chat(self, chat: gen_pb.ChatMessages, max_num_tokens: int | None = None) -> list[int]:
+        """Rendering the template and tokenizing both grow with the messages (_off_loop_if_long)."""
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        return self.tokenizer.encode_chat(messages, max_num_tokens=max_num_tokens)
 
     async def _proxy(self, worker: WorkerHandle, prefill: WorkerHandle | None, req: pb.WorkerGenerateRequest,
                      context, arrival: float):
@@ -239,26 +265,32 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         """The context the healthy workers accept (0 while none is known)."""
         return min((w.max_model_len for w in self.workers.healthy(self.model_name)), default=0)
 
+    def _vocab_size(self) -> int:
+        """Token ids the healthy workers accept are below this (0 while none is known)."""
+        return min((w.vocab_size for w in self.workers.healthy(self.model_name) if w.vocab_size), default=0)
+
     async def ListModels(self, request, context) -> gen_pb.ListModelsResponse:
         card = gen_pb.ModelCard(id=self.model_name, max_model_len=self._max_model_len())
         return gen_pb.ListModelsResponse(models=[card])
 
     async def Tokenize(self, request, context) -> gen_pb.TokenizeResponse:
-        if request.model and request.model != self.model_name:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown model {request.model!r}; this gateway serves {self.model_name!r}")
         try:
+            check_prompt_size(request, self.config.limits)
+            self._check_model(request.model)
             if request.WhichOneof("input") == "chat":
-                ids = self.tokenizer.encode_chat(_messages(request.chat))
+                ids = await _off_loop_if_long(request.chat.ByteSize(), self._encode_chat, request.chat)
             else:
-                ids = self.tokenizer.encode(request.text)
+                ids = await _off_loop_if_long(len(request.text), self.tokenizer.encode, request.text)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return gen_pb.TokenizeResponse(token_ids=ids)
 
 
-def _messages(chat: gen_pb.ChatMessages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in chat.messages]
+async def _off_loop_if_long(size: int, encode, *args, **kwargs) -> list[int]:
+    """encode(...) on a thread unless the prompt is short; the tokenizer releases the GIL, so the loop runs on."""
+    if size <= _INLINE_PROMPT_SIZE:
+        return encode(*args, **kwargs)
+    return await asyncio.to_thread(encode, *args, **kwargs)
 
 
 def _failed_peer(error: grpc.aio.AioRpcError) -> str | None:
@@ -316,7 +348,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
         workers.add(pb.RegisterWorkerRequest(address=address, model=name))
     metrics = GatewayMetrics()
     prefix = PrefixIndex(name, config.redis_url, metrics.prefix, config.index_heartbeat_ttl_s)
-    server = grpc.aio.server()
+    # Big enough for every request within the limits; a bigger one ends in RESOURCE_EXHAUSTED from gRPC.
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.limits.max_message_bytes)])
     gen_grpc.add_GenerationServicer_to_server(
         GenerationServicer(config, tokenizer, name, workers, make_router(config.router), metrics, prefix), server)
     pb_grpc.add_RegistryServicer_to_server(RegistryServicer(workers, prefix), server)

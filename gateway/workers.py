@@ -29,6 +29,7 @@ class WorkerHandle:
     block_size: int  # 0 until known (registration or the first load report)
     channel: grpc.aio.Channel
     stub: pb_grpc.WorkerStub
+    vocab_size: int = 0  # token ids must be below it; 0 when unknown (a worker named by --worker at start)
     healthy: bool = True
     outstanding: int = 0  # requests this gateway has in flight on the worker
     failures: int = 0  # consecutive failed health checks
@@ -54,7 +55,8 @@ class WorkerSet:
             asyncio.ensure_future(old.channel.close())
         channel = grpc.aio.insecure_channel(r.address)
         handle = WorkerHandle(f"w{next(self._ids)}", r.address, r.role or pb.WORKER_ROLE_UNIFIED, r.model,
-                              r.max_model_len, r.metrics_address, r.block_size, channel, pb_grpc.WorkerStub(channel))
+                              r.max_model_len, r.metrics_address, r.block_size, channel, pb_grpc.WorkerStub(channel),
+                              vocab_size=r.vocab_size)
         self._workers[r.address] = handle
         log.info("worker %s registered at %s (%s, %s)", handle.worker_id, r.address, handle.role_name, r.model)
         return handle

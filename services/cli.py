@@ -19,6 +19,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
     g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="run each prompt in one step (requests over --max-num-batched-tokens are refused)")
+    g.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="prefill tier: release a finished prompt's KV blocks if no send claims them in this time")
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
@@ -30,9 +34,9 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=a.model, dtype=a.dtype, device=a.device, attention_backend=a.attention_backend,
         max_model_len=a.max_model_len, seed=a.seed,
         cache=CacheConfig(block_size=a.block_size, kv_cache_bytes=a.kv_cache_bytes,
-                          enable_prefix_caching=not a.no_prefix_caching),
+                          enable_prefix_caching=not a.no_prefix_caching, kv_lease_s=a.kv_lease_s),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                  policy=a.policy),
+                                  policy=a.policy, enable_chunked_prefill=not a.no_chunked_prefill),
     )
 
 
@@ -97,7 +101,7 @@ def _worker(a: argparse.Namespace) -> int:
 
     import torch
 
-    from splitserve.services.worker.server import WorkerConfig, serve_worker
+    from splitserve.services.worker.server import EngineDied, WorkerConfig, serve_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.cpus:
@@ -110,7 +114,11 @@ def _worker(a: argparse.Namespace) -> int:
                           metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode,
                           advertise_host=a.advertise_host,
                           kv_transfer_timeout_s=a.kv_transfer_timeout)
-    asyncio.run(serve_worker(config))
+    try:
+        asyncio.run(serve_worker(config))
+    except EngineDied as e:
+        print(f"worker: {e}", file=sys.stderr, flush=True)
+        return 3  # non-zero: `splitserve up` or the container's restart policy starts a new one
     return 0
 
 
@@ -119,11 +127,14 @@ def _gateway(a: argparse.Namespace) -> int:
     import logging
 
     from splitserve.gateway.server import GatewayConfig, serve_gateway
+    from splitserve.gateway.validation import RequestLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = RequestLimits(max_prompt_bytes=a.max_prompt_bytes, max_stop_bytes=a.max_stop_bytes,
+                           max_stop_total_bytes=a.max_stop_total_bytes, max_stops=a.max_stops)
     config = GatewayConfig(model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port,
                            workers=tuple(a.worker or ()), max_pending=a.max_pending, router=a.router,
-                           redis_url=a.redis_url)
+                           redis_url=a.redis_url, limits=limits)
     asyncio.run(serve_gateway(config))
     return 0
 
@@ -133,6 +144,7 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
 
     workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
     gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
+    gateway_argv += [arg for flag in _LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
     from splitserve.services.launcher import parse_devices
 
     return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv,
@@ -250,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="kv-aware (prefix index + load), least-outstanding, round-robin, prefix-affinity")
     gateway.add_argument("--redis-url", default=None,
                          help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory")
+    _add_limit_args(gateway)
     gateway.set_defaults(func=_gateway)
 
     bench = sub.add_parser("bench", help="send a workload to a gateway; report latency, throughput, goodput")
@@ -294,10 +307,29 @@ def build_parser() -> argparse.ArgumentParser:
                     help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)")
     up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")
     up.add_argument("--redis-url", default=None, help="prefix index in Redis; default: in gateway memory")
+    _add_limit_args(up)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port")
     up.set_defaults(func=None)
     return parser
+
+
+_LIMIT_FLAGS = ("--max-prompt-bytes", "--max-stop-bytes", "--max-stop-total-bytes", "--max-stops")
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's request limits (checked before tokenizing; over one: INVALID_ARGUMENT)."""
+    from splitserve.gateway.validation import RequestLimits
+
+    d = RequestLimits()
+    g = p.add_argument_group("request limits (gateway)")
+    g.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+                   help="largest prompt text, or chat messages, in bytes (also raises gRPC's 4 MiB message limit)")
+    g.add_argument("--max-stop-bytes", type=int, default=d.max_stop_bytes, help="largest stop string in bytes")
+    g.add_argument("--max-stop-total-bytes", type=int, default=d.max_stop_total_bytes,
+                   help="all stop strings of a request together, in bytes")
+    g.add_argument("--max-stops", type=int, default=d.max_stops,
+                   help="most stop strings, and most stop token ids, per request")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

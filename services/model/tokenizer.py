@@ -10,6 +10,14 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 
 
+class TooManyTokens(ValueError):
+    """The text has more tokens than the caller's max_num_tokens (found before the ids are built)."""
+
+    def __init__(self, num_tokens: int, max_num_tokens: int) -> None:
+        super().__init__(f"the prompt has {num_tokens} tokens; at most {max_num_tokens} are accepted")
+        self.num_tokens = num_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
     role: str
@@ -43,8 +51,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, *, max_num_tokens: int | None = None) -> list[int]:
+        """Token ids of text; with max_num_tokens, more tokens than that raise TooManyTokens (BOS aside)."""
+        ids = self._encode_ids(text, add_special_tokens, max_num_tokens)
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             if not ids or ids[0] != self.bos_token_id:
                 ids = [self.bos_token_id, *ids]
@@ -61,14 +70,31 @@ class Tokenizer:
         msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
         bos = self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
         eos_id = min(self.eos_token_ids) if self.eos_token_ids else None
-        return self._compiled_template.render(
-            messages=msgs, add_generation_prompt=add_generation_prompt,
-            bos_token=bos or "", eos_token=(self.id_to_token(eos_id) or "") if eos_id is not None else "",
-        )
+        from jinja2.exceptions import TemplateError
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return self._compiled_template.render(
+                messages=msgs, add_generation_prompt=add_generation_prompt,
+                bos_token=bos or "", eos_token=(self.id_to_token(eos_id) or "") if eos_id is not None else "",
+            )
+        except TemplateError as e:  # raise_exception(...) in the template, or a message it cannot render
+            raise ValueError(f"the model's chat template rejected these messages: {e}") from None
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, *,
+                    max_num_tokens: int | None = None) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt)
-        return self.backend.encode(text, add_special_tokens=False).ids
+        return self._encode_ids(text, False, max_num_tokens)
+
+    def _encode_ids(self, text: str, add_special_tokens: bool, max_num_tokens: int | None) -> list[int]:
+        # The batch calls release the GIL while they run (encode holds it: 4 s for 4 MB of text), so a
+        # thread tokenizing a big prompt leaves the gateway's event loop running; _fast skips char offsets.
+        # Building the ids list holds the GIL (50 ms for a million tokens): a prompt over max_num_tokens
+        # is refused by its length first.
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)  # _fast: tokenizers>=0.20.1
+        encoding = encode([text], add_special_tokens=add_special_tokens)[0]
+        if max_num_tokens is not None and len(encoding) > max_num_tokens:
+            raise TooManyTokens(len(encoding), max_num_tokens)
+        return encoding.ids
 
 
 def _compile_template(source: str):

@@ -1,0 +1,105 @@
+"""Checks on a client's request that need no worker: sizes before tokenizing, token ids after.
+
+Sizes come first because tokenizing is the gateway's one expensive step (about a second per MB of
+text): a request over a limit is refused by its length in bytes, before any tokenizer runs, and
+what passes is tokenized on a thread (server.py), so one big prompt cannot stall other streams.
+Every check raises ValueError with a message saying what to change; the server maps it to
+INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from splitserve.protos.v1 import generation_pb2 as gen_pb
+
+KiB, MiB = 1 << 10, 1 << 20
+GRPC_DEFAULT_MAX_RECEIVE_BYTES = 4 * MiB
+_FRAMING_BYTES = 64 * KiB  # room in a gRPC message for the fields the limits do not count
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may hold. A prompt over max_prompt_bytes is refused before tokenizing."""
+
+    max_prompt_bytes: int = 1 * MiB  # prompt text (UTF-8), or the chat messages as sent (roles, contents, framing)
+    max_stop_bytes: int = 1 * KiB  # each stop string (UTF-8)
+    max_stop_total_bytes: int = 16 * KiB  # all stop strings together
+    max_stops: int = 256  # stop strings and stop token ids, each
+    max_request_id_bytes: int = 256
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 1:
+                raise ValueError(f"{f.name} must be >= 1, got {getattr(self, f.name)}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The gRPC receive limit that lets every request within these limits through (never below
+        gRPC's 4 MiB default); a bigger message fails in gRPC itself with RESOURCE_EXHAUSTED."""
+        return max(GRPC_DEFAULT_MAX_RECEIVE_BYTES, self.max_prompt_bytes + self.max_stop_total_bytes + _FRAMING_BYTES)
+
+
+def check_sizes(request: gen_pb.GenerateRequest, limits: RequestLimits) -> None:
+    check_prompt_size(request, limits)
+    check_stop_sizes(request.stopping, limits)
+    num_id_bytes = len(request.request_id.encode())
+    if num_id_bytes > limits.max_request_id_bytes:
+        raise ValueError(f"request_id is {num_id_bytes} bytes; at most {limits.max_request_id_bytes} are "
+                         "accepted: send a shorter id")
+
+
+def check_prompt_size(request: gen_pb.GenerateRequest | gen_pb.TokenizeRequest, limits: RequestLimits) -> None:
+    """The text, or the chat messages as sent, against --max-prompt-bytes (both requests have text and chat)."""
+    kind = request.WhichOneof("prompt" if isinstance(request, gen_pb.GenerateRequest) else "input")
+    if kind == "text":
+        num_bytes, what = len(request.text.encode()), "prompt text"
+    elif kind == "chat":
+        num_bytes, what = request.chat.ByteSize(), "chat messages"
+    else:
+        return
+    if num_bytes > limits.max_prompt_bytes:
+        raise ValueError(f"{what} is {num_bytes} bytes; this gateway accepts at most {limits.max_prompt_bytes} "
+                         "(send a shorter prompt, or start the gateway with a higher --max-prompt-bytes)")
+
+
+def check_stop_sizes(stopping: gen_pb.StoppingCriteria, limits: RequestLimits) -> None:
+    for what, count in (("stop strings", len(stopping.stop)), ("stop token ids", len(stopping.stop_token_ids))):
+        if count > limits.max_stops:
+            raise ValueError(f"{count} {what} sent; at most {limits.max_stops} are accepted "
+                             "(send fewer, or start the gateway with a higher --max-stops)")
+    sizes = [len(s.encode()) for s in stopping.stop]
+    if sizes and max(sizes) > limits.max_stop_bytes:
+        raise ValueError(f"a stop string is {max(sizes)} bytes; at most {limits.max_stop_bytes} are accepted "
+                         "(send a shorter one, or start the gateway with a higher --max-stop-bytes)")
+    if sum(sizes) > limits.max_stop_total_bytes:
+        raise ValueError(f"the stop strings are {sum(sizes)} bytes together; at most {limits.max_stop_total_bytes} "
+                         "are accepted (send fewer, or start the gateway with a higher --max-stop-total-bytes)")
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """Every id below the workers' vocabulary size (skipped while it is unknown: 0)."""
+    if vocab_size and token_ids and max(token_ids) >= vocab_size:
+        bad = [t for t in token_ids if t >= vocab_size][:5]
+        raise ValueError(f"{what} must be in [0, {vocab_size}) (the model's vocabulary); got {bad}")
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
+    """Checked before copying a prompt's token ids too (a client can send a million of them)."""
+    if not num_tokens:
+        raise ValueError("prompt is empty; send text, token ids or chat messages")
+    if max_model_len and num_tokens >= max_model_len:
+        raise ValueError(f"prompt has {num_tokens} tokens but the model context is {max_model_len}; "
+                         "shorten the prompt")
+
+
+def check_fits_context(num_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    if max_tokens and max_model_len and num_tokens + max_tokens > max_model_len:
+        raise ValueError(f"prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model context of "
+                         f"{max_model_len}; lower max_tokens")
+
+
+def clip(text: str, num_chars: int = 64) -> str:
+    """A client's string, short enough to quote in an error message."""
+    return text if len(text) <= num_chars else text[:num_chars] + "..."
