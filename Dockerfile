@@ -1,6 +1,7 @@
 # splitserve images, built from the repository root. Targets:
 #   gateway     the torch-free gateway on python:3.11-slim
-#   worker      a prefill / decode / unified worker on a CUDA torch image (build arg TORCH_IMAGE)
+#   worker      a prefill / decode / unified worker on a CUDA torch image (build arg TORCH_IMAGE: a
+#               `-devel` image, torch >= 2.8 / triton >= 3.4, see below)
 #   worker-cpu  the same worker on python:3.11-slim with the CPU torch wheel (build arg TORCH_VERSION)
 # e.g.  docker build --target gateway -t splitserve-gateway .
 # deploy/docker-compose.yml builds all three; deploy/README.md says how to run them.
@@ -10,7 +11,10 @@
 # weights (a Hugging Face folder or a .gguf) at /models and pass --model /models/....
 
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG TORCH_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# torch 2.8.0 ships triton 3.4, the oldest the kernels support (they read triton.knobs); `-devel`
+# because compiled Triton builds a C launcher per kernel at run time (the `-runtime` images have no
+# compiler). With an older or broken Triton the worker falls back to --attention-backend torch and logs why.
+ARG TORCH_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-devel
 
 # ---- builder: the splitserve wheel, requirement lists taken from pyproject.toml, the model file ----
 FROM ${PYTHON_IMAGE} AS builder
@@ -85,7 +89,10 @@ CMD ["worker", "--host", "0.0.0.0", "--port", "50061", "--metrics-port", "9100",
 FROM ${TORCH_IMAGE} AS worker
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 \
     SPLITSERVE_DEFAULT_MODEL=/opt/splitserve/models/SmolLM2-135M-Instruct.Q4_1.gguf
-RUN useradd --create-home --uid 10001 splitserve && mkdir /models
+# Triton's launcher needs a C compiler; install one if TORCH_IMAGE lacks it.
+RUN command -v gcc >/dev/null || (apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+                                  && rm -rf /var/lib/apt/lists/*) \
+ && useradd --create-home --uid 10001 splitserve && mkdir /models
 COPY --from=builder /out/models /opt/splitserve/models
 COPY --from=builder /out/wheels /out/requirements-worker.txt /tmp/splitserve/
 RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" \
@@ -93,6 +100,10 @@ RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.ver
  && pip install --no-deps /tmp/splitserve/splitserve-*.whl \
  && rm -rf /tmp/splitserve \
  && python -c "import torch, splitserve.services.worker.server; print('torch', torch.__version__)"
+# Smoke test (no GPU at build time): one kernel call under the Triton interpreter, then the checks the
+# worker makes before choosing the triton backend on CUDA (triton version, compiler, kernels import).
+RUN TRITON_INTERPRET=1 python -c "import torch, splitserve.kernels as k; x = torch.randn(4, 64); w = torch.rand(64); torch.testing.assert_close(k.rms_norm(x, w, 1e-6), k.rms_norm_ref(x, w, 1e-6)); print('splitserve.kernels: rms_norm OK under the Triton interpreter')" \
+ && python -c "import torch, triton; from splitserve.services.model.attention.triton_backend import TritonAttention; TritonAttention.check_supported(torch.device('cuda')); print('triton', triton.__version__, 'can run the triton backend')"
 USER splitserve
 WORKDIR /home/splitserve
 EXPOSE 50061 9100

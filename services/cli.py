@@ -18,6 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
+    g.add_argument("--gpu-memory-fraction", type=float, default=0.85,
+                   help="CUDA: share of the device's total memory this worker may use (weights, activations, KV)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true",
                    help="run each prompt in one step (requests over --max-num-batched-tokens are refused)")
@@ -34,7 +36,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=a.model, dtype=a.dtype, device=a.device, attention_backend=a.attention_backend,
         max_model_len=a.max_model_len, seed=a.seed,
         cache=CacheConfig(block_size=a.block_size, kv_cache_bytes=a.kv_cache_bytes,
-                          enable_prefix_caching=not a.no_prefix_caching, kv_lease_s=a.kv_lease_s),
+                          enable_prefix_caching=not a.no_prefix_caching, kv_lease_s=a.kv_lease_s,
+                          gpu_memory_fraction=a.gpu_memory_fraction),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                                   policy=a.policy, enable_chunked_prefill=not a.no_chunked_prefill),
     )

@@ -12,7 +12,8 @@ _POLICIES = ("fcfs", "priority")
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    # Bytes for K and V of all layers. None: 512 MiB on CPU, gpu_memory_fraction of free memory on GPU.
+    # Bytes for K and V of all layers. None: 512 MiB on CPU; on CUDA, gpu_memory_fraction of the device's
+    # total memory minus the weights and the peak of a profiling forward (services/engine/memory.py).
     kv_cache_bytes: int | None = None
     gpu_memory_fraction: float = 0.85
     enable_prefix_caching: bool = True

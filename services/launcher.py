@@ -87,7 +87,9 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
     worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
     (e.g. --router, --redis-url); env adds environment variables. worker_cpus pins worker i to the
     cores worker_cpus[i] ("0,1"), with as many torch threads. devices spreads workers over
-    accelerators: worker i gets --device devices[i % len(devices)] (e.g. one GPU per worker).
+    accelerators: worker i gets devices[i % len(devices)] (e.g. one GPU per worker; see spawn_worker).
+    Workers that share a GPU start one after another, each once the one before is healthy: each sizes
+    its KV cache from what it measures on the device while it starts.
     """
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
@@ -105,8 +107,10 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
         for i, (name, mode) in enumerate(modes):
             pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
             n = len(worker_cpus[i].split(",")) if worker_cpus else threads
+            device = device_for(i, devices) if devices else ""
+            wait_for_gpu_peer(children[1:], device, timeout_s)
             children.append(spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host,
-                                         n, env, device_for(i, devices) if devices else ""))
+                                         n, env, device))
         for child in children[1:]:
             wait_healthy(child.address, timeout_s, child.proc)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
@@ -114,6 +118,13 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
         stop_cluster(children)
         raise
     return children
+
+
+def wait_for_gpu_peer(started: list[Child], device: str, timeout_s: float) -> None:
+    """Before starting a worker on GPU device: wait until the last one started there is healthy."""
+    peers = [c for c in started if c.device == device and device.startswith("cuda")]
+    if peers:
+        wait_healthy(peers[-1].address, timeout_s, peers[-1].proc)
 
 
 def threads_per_worker(num_workers: int) -> int:
@@ -141,12 +152,32 @@ def parse_devices(text: str | None) -> list[str] | None:
 
 def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str = "127.0.0.1",
                  threads: int = 0, env: dict[str, str] | None = None, device: str = "") -> Child:
+    """Start one worker process. device (e.g. "cuda:3"; "" keeps argv's --device) binds it for life:
+    see child_device."""
     port, metrics = free_port(host), free_port(host)
+    device_arg, env = child_device(device, env or dict(os.environ, PYTHONUNBUFFERED="1"))
     full = ["worker", "--mode", mode, "--host", host, "--port", str(port), "--metrics-port", str(metrics),
-            "--gateway", gateway, "--num-threads", str(threads), *argv, *(["--device", device] if device else [])]
+            "--gateway", gateway, "--num-threads", str(threads), *argv,
+            *(["--device", device_arg] if device_arg else [])]
     log: deque[str] = deque(maxlen=500)
-    proc = _spawn(name, full, env or dict(os.environ, PYTHONUNBUFFERED="1"), log)
+    proc = _spawn(name, full, env, log)
     return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log, device)
+
+
+def child_device(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(--device, environment) of a child given device. A child on "cuda:N" sees only that GPU
+    (CUDA_VISIBLE_DEVICES, mapped through the parent's own list if it has one) and gets --device cuda:
+    nothing it runs, in any thread, can touch another GPU. Other devices pass through unchanged."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return device, env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return "cuda", dict(env, CUDA_VISIBLE_DEVICES=index)
+    gpu_ids = [d.strip() for d in visible.split(",")]  # the parent's cuda:i is gpu_ids[i]
+    if int(index) >= len(gpu_ids):
+        raise ValueError(f"device {device}: CUDA_VISIBLE_DEVICES={visible} lists only {len(gpu_ids)} GPUs")
+    return "cuda", dict(env, CUDA_VISIBLE_DEVICES=gpu_ids[int(index)])
 
 
 def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:

@@ -28,6 +28,7 @@ class EngineSnapshot:
     num_held_blocks: int = 0  # prefill tier: blocks kept for finished prompts until sent
     num_lease_expiries: int = 0  # prefill tier: held blocks released because nobody claimed them
     num_failed_requests: int = 0  # requests a failed engine step stopped (the worker went on)
+    num_kv_blocks: int = 0  # KV blocks this worker sized its cache to
 
 
 class _EngineCollector:
@@ -44,6 +45,8 @@ class _EngineCollector:
             ("num_requests_awaiting_kv", "Decode tier: requests whose KV is in flight.", s.num_awaiting_kv,
              GaugeMetricFamily),
             ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage, GaugeMetricFamily),
+            ("num_kv_blocks", "KV blocks in this worker's cache (chosen at start).", s.num_kv_blocks,
+             GaugeMetricFamily),
             ("num_held_kv_blocks", "Prefill tier: KV blocks held for finished prompts until sent.",
              s.num_held_blocks, GaugeMetricFamily),
             ("kv_lease_expiries", "Prefill tier: held prompts released because no sender claimed them in time.",

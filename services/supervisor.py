@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
-from splitserve.services.launcher import Child, spawn_worker, threads_per_worker, wait_healthy
+from splitserve.services.launcher import Child, spawn_worker, threads_per_worker, wait_for_gpu_peer, wait_healthy
 
 MODES = ("unified", "prefill", "decode")
 RESTART_BACKOFF_S = 10.0  # a worker that crashes again this soon after a restart waits this long
@@ -65,6 +65,7 @@ class Supervisor:
         new = []
         for _ in range(n):
             device = self._least_used_device() if self.devices else ""
+            wait_for_gpu_peer(new, device, self.start_timeout_s)  # one at a time per GPU
             new.append(spawn_worker(f"{mode}-{next(self._ids[mode])}", mode, self.children[0].address,
                                     self.engine_argv, self.host, threads, device=device))
             self.children.append(new[-1])

@@ -12,6 +12,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -199,3 +200,41 @@ def test_grafana_provisioning(configs: dict[str, dict]) -> None:
         mounts = dict(v.split(":")[:2][::-1] for v in config["services"]["grafana"]["volumes"])
         assert Path(mounts["/etc/grafana/provisioning"]) == PROVISIONING
         assert Path(mounts[f"{dashboards_dir}/{DASHBOARD.name}"]) == DASHBOARD
+
+
+def worker_stage() -> str:
+    return (REPO / "Dockerfile").read_text().split(" AS worker\n", 1)[1]
+
+
+def test_cuda_worker_image_can_run_the_triton_kernels(configs: dict[str, dict]) -> None:
+    """A `-devel` base (compiled Triton builds its launchers with a C compiler) whose torch ships
+    triton >= 3.4 (the kernels read triton.knobs) and is at least what pyproject.toml asks for; the
+    compose files build with the same base by default."""
+    (image,) = re.findall(r"^ARG TORCH_IMAGE=(\S+)$", (REPO / "Dockerfile").read_text(), re.M)
+    for config in configs.values():
+        for name, service in config["services"].items():
+            if service.get("build", {}).get("target") == "worker":
+                assert service["build"]["args"]["TORCH_IMAGE"] == image, name
+    match = re.fullmatch(r"pytorch/pytorch:(\d+)\.(\d+)\.\d+-cuda[\d.]+-cudnn\d+-devel", image)
+    assert match, f"TORCH_IMAGE {image} is not a pytorch/pytorch -devel image"
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_dep,) = [d for d in deps if re.match(r"torch\b", d)]
+    minimum = tuple(map(int, re.fullmatch(r"torch>=(\d+)\.(\d+)", torch_dep).groups()))
+    assert (2, 8) <= minimum <= (int(match[1]), int(match[2]))
+    assert "command -v gcc" in worker_stage()  # a compiler even if TORCH_IMAGE lacks one
+
+
+def test_cuda_worker_image_smoke_test_runs_a_kernel() -> None:
+    """The image's smoke test imports splitserve.kernels and runs one kernel under the interpreter, then
+    makes the checks the worker makes before choosing the triton backend; run here as written."""
+    commands = re.findall(r'python -c "([^"]+)"', worker_stage())
+    kernel = [c for c in commands if "splitserve.kernels" in c and "rms_norm(" in c]
+    backend = [c for c in commands if "TritonAttention.check_supported(torch.device('cuda'))" in c]
+    assert len(kernel) == 1 and len(backend) == 1
+    assert re.search(r'TRITON_INTERPRET=1 python -c "[^"]*splitserve\.kernels', worker_stage())
+    pytest.importorskip("triton")
+    for command, interpret in ((kernel[0], "1"), (backend[0], None)):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env |= {"TRITON_INTERPRET": interpret} if interpret else {}
+        done = subprocess.run([sys.executable, "-c", command], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr

@@ -1,7 +1,8 @@
 """asyncio front of the engine: one async generator per request; cancelling it aborts the request.
 
 Only the background loop touches the Engine: callers validate in their own task (pure), then hand
-adds and aborts to the loop, which applies them between steps and runs each step in a thread.
+adds and aborts to the loop, which applies them between steps and runs each step on one thread
+(bound to the engine's device).
 
 A request the step failed for ends its stream with RequestFailed; the loop goes on. If the loop
 itself dies (the engine's state can no longer be trusted), every stream gets the error, new
@@ -14,10 +15,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from splitserve.services.config import EngineConfig
 from splitserve.services.engine.engine import Engine, PromptInput, RequestOutput, merge_outputs
+from splitserve.services.engine.model_runner import bind_thread
 from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampling_params import SamplingParams
 
@@ -44,6 +47,10 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         self._error: EngineDead | None = None
         self.died = asyncio.Event()  # the loop raised: this engine serves nothing more
+        # Every step runs on this one thread, bound to the engine's device for its life: Triton launches
+        # on the calling thread's current CUDA device, and pool threads start on device 0.
+        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step", initializer=bind_thread,
+                                               initargs=(engine.runner.device,))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -135,7 +142,7 @@ class AsyncEngine:
                 if not engine.has_work():
                     await self._idle()
                     continue
-                outputs = await asyncio.to_thread(engine.step)
+                outputs = await asyncio.get_running_loop().run_in_executor(self._step_thread, engine.step)
                 for out in outputs:
                     queue = self._streams.get(out.request_id)
                     if queue is not None:
@@ -182,3 +189,4 @@ class AsyncEngine:
                 await self._loop_task
             except (asyncio.CancelledError, Exception):
                 pass
+        self._step_thread.shutdown(wait=False)  # a step still running finishes, then the thread ends

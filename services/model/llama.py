@@ -42,14 +42,14 @@ class RotaryEmbedding(nn.Module):
         self.reset_table()
 
     def reset_table(self) -> None:
-        """(Re)compute the table; needed after building the model on the meta device."""
+        """(Re)compute the float32 table on the buffers' device; needed after building the model on
+        the meta device, and it undoes a cast of the model to another dtype (the table stays float32)."""
         if self.cos.is_meta:
             return
         inv_freq = rope_inv_freq(self.config)
         freqs = torch.arange(self.max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1).to(self.cos.device)  # [max_len, head_dim]
-        self.cos.copy_(emb.cos())
-        self.sin.copy_(emb.sin())
+        emb = torch.cat((freqs, freqs), dim=-1).to(self.cos.device)  # [max_len, head_dim] float32
+        self.cos, self.sin = emb.cos(), emb.sin()  # replaces the buffers
 
 
 class Attention(nn.Module):

@@ -72,15 +72,15 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,
                 dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    """Build on the meta device, cast there (free), allocate in the target dtype, then copy each
+    checkpoint tensor in: peak memory ~ the weights in dtype plus one checkpoint tensor, never a
+    float32 copy of the model (on a GPU its freed memory would stay in torch's cache)."""
     with torch.device("meta"):
         model = LlamaForCausalLM(source.arch, backend, max_len)
-    model = model.to_empty(device=device).requires_grad_(False)
+    model = model.to(dtype).to_empty(device=device).requires_grad_(False).eval()
     model.tie_weights()
-    model.rotary.reset_table()  # float32 table, not in checkpoints
+    model.rotary.reset_table()  # float32 table, not in checkpoints; cast per use
     load_weights(model, source.tensors(), source.arch)
-    rotary_tables = (model.rotary.cos, model.rotary.sin)
-    model = model.to(dtype).eval()
-    model.rotary.cos, model.rotary.sin = rotary_tables  # keep float32; cast per use
     return model
 
 
@@ -100,7 +100,7 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
             raise ModelLoadError(f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
                                  f"config expects {tuple(dest.shape)}")
         with torch.no_grad():
-            dest.copy_(tensor)
+            dest.copy_(tensor.to(dest.dtype))  # cast on the host: no float32 copy on the device
         loaded.add(hf_name)
     expected = _expected_names(arch)
     missing = sorted(expected - loaded)

@@ -36,7 +36,7 @@ def engine_snapshot(engine: AsyncEngine) -> EngineSnapshot:
                           num_preemptions=s.stats.num_preemptions, prefix_cache_queries=s.stats.prefix_cache_queries,
                           prefix_cache_hits=s.stats.prefix_cache_hits, num_awaiting_kv=len(s.awaiting_kv),
                           num_held_blocks=e.num_held_blocks(), num_lease_expiries=e.leases.num_expired,
-                          num_failed_requests=e.stats.num_failed_requests)
+                          num_failed_requests=e.stats.num_failed_requests, num_kv_blocks=e.runner.num_blocks)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):

@@ -11,12 +11,15 @@ The first num_decodes sequences have exactly one query token each (decodes come 
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
+
+log = logging.getLogger("splitserve.model")
 
 
 @dataclass(slots=True)
@@ -101,7 +104,7 @@ class AttentionBackend(ABC):
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
-        """Raise RuntimeError with a clear message if this backend cannot run on device."""
+        """Raise RuntimeError saying why, if this backend cannot run on device."""
 
     @abstractmethod
     def forward(
@@ -128,20 +131,27 @@ def available_backends() -> list[str]:
 
 
 def default_backend_name(device: torch.device) -> str:
-    """triton on CUDA when it can run there (the triton package is importable), else torch."""
+    """triton on CUDA when it can run there (see TritonAttention.check_supported), else torch; a
+    fallback on CUDA is logged with its reason (e.g. the Triton version)."""
     if device.type == "cuda" and "triton" in _REGISTRY:
         try:
             _REGISTRY["triton"].check_supported(device)
             return "triton"
-        except RuntimeError:
-            pass
+        except RuntimeError as e:
+            log.warning("attention backend: torch, not triton: %s", e)
     return "torch"
 
 
 def get_backend(name: str | None, device: torch.device) -> type[AttentionBackend]:
-    name = name or default_backend_name(device)
+    """The named backend, which must run on device (RuntimeError otherwise); None: the default."""
+    if name is None:
+        return _REGISTRY[default_backend_name(device)]
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {available_backends()}")
     cls = _REGISTRY[name]
-    cls.check_supported(device)
+    try:
+        cls.check_supported(device)
+    except RuntimeError as e:
+        raise RuntimeError(f"--attention-backend {name} cannot run: {e}. Pass --attention-backend torch, "
+                           "or leave it unset to use the device's default backend") from e
     return cls

@@ -2,9 +2,10 @@
 and the model's RMSNorm (residual add fused), RoPE and SiLU-and-mul as kernels too (TritonOps).
 
 Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests only: the interpreter is slow). Triton and
-splitserve.kernels are imported when the backend is built, not when this module is: Triton fixes at
-import whether kernels are compiled or interpreted, and a missing triton package must only make this
-backend unavailable.
+splitserve.kernels are imported when the backend is checked (check_supported) or built, not when this
+module is: Triton fixes at import whether kernels are compiled or interpreted, and a missing, too old
+(< MIN_TRITON) or compiler-less Triton must only make this backend unavailable (the CUDA default then
+falls back to torch and logs why).
 
 No host syncs in forward: grid sizes and the split-K count come from the host copies in the metadata
 (seq_lens_cpu, query_lens_cpu). For CUDA-graph capture of decode steps the split count must stay fixed
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 
 import torch
 
@@ -25,9 +27,39 @@ from splitserve.services.model.attention.backend import (
     register_backend,
 )
 
+MIN_TRITON = "3.4"  # splitserve.kernels read triton.knobs, new in Triton 3.4 (torch 2.8 ships it)
+
 
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
+
+
+def _check_triton_version() -> str:
+    """Import triton; raise RuntimeError unless it is one the kernels support. Returns its version."""
+    try:
+        import triton
+    except ImportError as e:
+        raise RuntimeError(f"triton is installed but does not import ({e})") from e
+    version = getattr(triton, "__version__", "unknown")
+    if not hasattr(triton, "knobs"):  # the API the kernels need, whatever the version string says
+        raise RuntimeError(f"triton {version} is too old: splitserve.kernels need triton >= {MIN_TRITON} "
+                           "(triton.knobs; torch >= 2.8 ships it)")
+    return version
+
+
+def _check_compiler(version: str) -> None:
+    """Compiled Triton builds a small C launcher per kernel: it needs a C compiler, as Triton looks
+    for one ($CC, gcc or clang). CUDA `-runtime` images lack one."""
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        raise RuntimeError(f"triton {version} needs a C compiler to build its kernel launchers and none was "
+                           "found (set CC, or install gcc)")
+
+
+def _import_kernels(version: str) -> None:
+    try:
+        import splitserve.kernels  # noqa: F401
+    except (ImportError, AttributeError) as e:  # a Triton API the kernels use is missing
+        raise RuntimeError(f"splitserve.kernels do not import with triton {version} ({e})") from e
 
 
 class TritonOps(ModelOps):
@@ -62,17 +94,19 @@ class TritonAttention(AttentionBackend):
 
     @classmethod
     def check_supported(cls, device: torch.device) -> None:
+        """Triton importable, new enough, a C compiler on CUDA, and splitserve.kernels importable."""
         if not triton_installed():
-            raise RuntimeError("the 'triton' attention backend needs the triton package (pip install triton); "
-                               "or pass --attention-backend torch")
-        if device.type == "cuda":
-            return
-        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-            import splitserve.kernels  # noqa: F401  raises if triton was imported before the variable was set
-            return
-        raise RuntimeError(f"the 'triton' attention backend runs on CUDA, or on CPU only under the Triton "
-                           f"interpreter (TRITON_INTERPRET=1, slow, for tests); device is {device}. "
-                           "Pass --attention-backend torch")
+            raise RuntimeError(f"the 'triton' attention backend needs the triton package "
+                               f"(pip install 'triton>={MIN_TRITON}')")
+        interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not interpreted:
+            raise RuntimeError(f"the 'triton' attention backend runs on CUDA, or on CPU only under the Triton "
+                               f"interpreter (TRITON_INTERPRET=1, slow, for tests); device is {device}")
+        version = _check_triton_version()
+        if not interpreted:
+            _check_compiler(version)
+        # Raises RuntimeError if triton was imported before TRITON_INTERPRET was set.
+        _import_kernels(version)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)

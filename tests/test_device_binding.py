@@ -1,0 +1,138 @@
+"""Every worker is bound to its GPU for its whole life: the launcher gives a child on cuda:N only that
+GPU (CUDA_VISIBLE_DEVICES=N, --device cuda), workers sharing a GPU start one after another, and the
+engine runs every step on one thread bound to its device. On CPU: children are not really spawned
+(their argv and environment are captured) and torch.cuda.set_device is mocked."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from splitserve.services import launcher, supervisor
+from splitserve.services.config import CacheConfig, EngineConfig
+from splitserve.services.engine import async_engine, model_runner
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.services.launcher import Child, child_device, spawn_worker, start_cluster
+from splitserve.services.supervisor import Supervisor
+
+
+class FakeProc:
+    returncode = None
+
+    def poll(self):
+        return None
+
+
+@pytest.fixture
+def spawned(monkeypatch) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, argv, env) of every child the launcher starts; nothing really starts."""
+    calls = []
+
+    def fake_spawn(name, argv, env, log=None):
+        calls.append((name, argv, env))
+        return FakeProc()
+    monkeypatch.setattr(launcher, "_spawn", fake_spawn)
+    return calls
+
+
+def test_child_device_gives_one_gpu():
+    env = {"PATH": "/bin"}
+    assert child_device("cuda:3", env) == ("cuda", {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "3"})
+    # The parent's cuda:1 is the second GPU of its own list.
+    assert child_device("cuda:1", {"CUDA_VISIBLE_DEVICES": "4, 5,6"}) == ("cuda", {"CUDA_VISIBLE_DEVICES": "5"})
+    with pytest.raises(ValueError, match="lists only 2 GPUs"):
+        child_device("cuda:2", {"CUDA_VISIBLE_DEVICES": "0,1"})
+    for device in ("cpu", "cuda", ""):
+        assert child_device(device, env) == (device, env)
+
+
+def test_spawned_worker_sees_only_its_gpu(spawned):
+    child = spawn_worker("decode-0", "decode", "127.0.0.1:1", ["--model", "m", "--device", "auto"],
+                         env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}, device="cuda:3")
+    (_, argv, env), = spawned
+    assert env["CUDA_VISIBLE_DEVICES"] == "3"
+    assert argv[-2:] == ["--device", "cuda"]  # the last --device wins over the one in argv
+    assert child.device == "cuda:3"  # what the supervisor counts and restarts with
+    spawn_worker("worker-0", "unified", "127.0.0.1:1", [], env={"X": "1"})
+    _, argv, env = spawned[-1]
+    assert "--device" not in argv and env == {"X": "1"}
+
+
+def test_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
+    events = []
+    monkeypatch.setattr(launcher, "wait_healthy",
+                        lambda address, timeout_s, proc=None: events.append(f"wait {address}"))
+    monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
+    original = launcher.spawn_worker
+
+    def spawn(name, *args, **kwargs):
+        events.append(f"spawn {name}")
+        return original(name, *args, **kwargs)
+    monkeypatch.setattr(launcher, "spawn_worker", spawn)
+    children = start_cluster(3, ["--model", "m"], devices=["cuda:0", "cuda:1"])
+    w0, w1, w2 = children[1:]
+    assert [c.device for c in (w0, w1, w2)] == ["cuda:0", "cuda:1", "cuda:0"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, _, env in spawned[1:]] == ["0", "1", "0"]
+    # worker-1 (another GPU) starts at once; worker-2 waits until worker-0, on its GPU, is healthy.
+    start = events.index("spawn worker-0")
+    assert events[start:start + 4] == ["spawn worker-0", "spawn worker-1", f"wait {w0.address}", "spawn worker-2"]
+
+
+def test_scaled_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
+    waited = []
+    monkeypatch.setattr(supervisor, "wait_healthy", lambda address, timeout_s, proc=None: waited.append(address))
+    monkeypatch.setattr(launcher, "wait_healthy",
+                        lambda address, timeout_s, proc=None: waited.append(f"before next: {address}"))
+    monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
+    gateway = Child("gateway", "127.0.0.1:1", "127.0.0.1:2", FakeProc())
+    sup = Supervisor([gateway], ["--model", "m"], "127.0.0.1", devices=["cuda:0"])
+    first, second = sup._start("decode", 2)
+    assert waited == [f"before next: {first.address}", first.address, second.address]
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, _, env in spawned] == ["0", "0"]
+
+
+def test_resolve_device_pins_the_cuda_index(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert model_runner.resolve_device("cuda") == torch.device("cuda", 0)
+    assert model_runner.resolve_device("cuda:2") == torch.device("cuda", 2)
+    assert model_runner.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_bind_thread_sets_the_cuda_device(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    model_runner.bind_thread(torch.device("cpu"))
+    assert calls == []
+    model_runner.bind_thread(torch.device("cuda", 3))
+    assert calls == [torch.device("cuda", 3)]
+
+
+def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
+    engine = Engine(EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, kv_cache_bytes=2**21)))
+    bound, step_threads = [], set()
+    monkeypatch.setattr(async_engine, "bind_thread", lambda device: bound.append((threading.current_thread(), device)))
+    real_step = engine.step
+
+    def step():
+        step_threads.add(threading.current_thread())
+        return real_step()
+    monkeypatch.setattr(engine, "step", step)
+
+    async def main():
+        aengine = AsyncEngine(engine)
+
+        async def one(prompt):
+            return [o async for o in aengine.generate(prompt, SamplingParams(temperature=0, max_tokens=6))]
+        await asyncio.gather(one([1, 2, 3]), one([4, 5]), one([6]))
+        await aengine.shutdown()
+    asyncio.run(main())
+    (thread, device), = bound
+    assert device == engine.runner.device and step_threads == {thread} and thread is not threading.main_thread()
+    thread.join(timeout=5)  # shutdown ends it
+    assert not thread.is_alive()
