@@ -110,7 +110,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             raise
         except _Abort as e:
             code = e.code
-            await context.abort(e.code, e.message)
+            if not context.done():  # past its deadline the client already has DEADLINE_EXCEEDED
+                await context.abort(e.code, e.message)
         finally:
             self.num_pending -= 1
             self.metrics.pending.dec()

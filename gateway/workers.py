@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.services.wire import PEER_CHANNEL_OPTIONS
 
 log = logging.getLogger("splitserve.gateway")
 
@@ -53,7 +54,7 @@ class WorkerSet:
         old = self._workers.pop(r.address, None)
         if old is not None:  # a restarted worker on the same address
             asyncio.ensure_future(old.channel.close())
-        channel = grpc.aio.insecure_channel(r.address)
+        channel = grpc.aio.insecure_channel(r.address, options=PEER_CHANNEL_OPTIONS)
         handle = WorkerHandle(f"w{next(self._ids)}", r.address, r.role or pb.WORKER_ROLE_UNIFIED, r.model,
                               r.max_model_len, r.metrics_address, r.block_size, channel, pb_grpc.WorkerStub(channel),
                               vocab_size=r.vocab_size)

@@ -11,6 +11,12 @@ from splitserve.services.kv_cache.events import AllBlocksCleared, BlockRemoved, 
 # Trailing metadata a decode worker sets on UNAVAILABLE: the prefill worker the gateway should avoid.
 FAILED_PEER_KEY = "splitserve-failed-peer"
 
+# Channels to other workers: a peer restarted on the same address is reachable again within about a
+# second (gRPC's default reconnect backoff grows to 120 s, so a cached channel stayed refused for
+# seconds after the peer came back).
+PEER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                        ("grpc.max_reconnect_backoff_ms", 1000))
+
 FINISH_REASONS = {
     "stop": gen_pb.FINISH_REASON_STOP,
     "length": gen_pb.FINISH_REASON_LENGTH,

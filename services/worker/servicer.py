@@ -19,6 +19,7 @@ from splitserve.services.transfer.base import ChannelSpec, KVSender, TransferErr
 from splitserve.services.wire import (
     FAILED_PEER_KEY,
     FINISH_REASONS,
+    PEER_CHANNEL_OPTIONS,
     logprobs_from_proto,
     logprobs_to_proto,
     sampling_params_from_proto,
@@ -185,7 +186,7 @@ class GrpcPrefillClient(PrefillClient):
 
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
         return pb_grpc.WorkerStub(self._channels[address])
 
     async def prefill(self, peer: str, request: Request, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
