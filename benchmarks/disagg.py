@@ -28,10 +28,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-
-from splitserve.services.transfer.base import ChannelSpec, checksum, gather_blocks, scatter_blocks
-from splitserve.services.transfer.staging import StagingPool
-from splitserve.services.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.disagg.transfer.base import ChannelSpec
+from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
+from splitserve.engine.kv_cache.staging import StagingPool
 
 SMOLLM2_KV = (30, 2, 600, 16, 3, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 SIZES = (1, 16, 256)
@@ -101,7 +101,7 @@ async def _send_all(conn, repeats: int) -> None:
                 elif kind == "transport":
                     await sender.send(channel, tag, prepared)
                 else:
-                    staging = pool.acquire(n)  # as services/worker/prefill.py does
+                    staging = pool.acquire(n)  # as disagg/prefill.py does
                     blocks = gather_blocks(cache, _ids(n, r), out=staging.tensor)
                     sending = asyncio.ensure_future(sender.send(channel, tag, blocks))
                     crc = await asyncio.to_thread(checksum, blocks)
@@ -133,10 +133,9 @@ def transfer(repeats: int) -> None:
 
 def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
     import grpc
-
+    from splitserve.launch.launcher import start_cluster, stop_cluster
     from splitserve.protos.v1 import generation_pb2 as pb
     from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
-    from splitserve.services.launcher import start_cluster, stop_cluster
 
     rng = random.Random(0)
     prompts = [[rng.randrange(20, 49152) for _ in range(prompt_len)] for _ in range(num_requests + 2)]

@@ -65,7 +65,7 @@ def bench_ms(fn) -> float:
 def paged_batch(shape, seq_lens: list[int], query_lens: list[int]):
     """Random K/V for every context token in shuffled blocks, queries, and the metadata of one step
     (its new tokens already in the cache: their slots are rewritten with the same values)."""
-    from splitserve.services.model.attention import AttentionMetadata
+    from splitserve.model.attention import AttentionMetadata
 
     num_heads, num_kv_heads, head_dim = shape
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
@@ -101,7 +101,7 @@ def kv_gib(shape, batch: int, context: int) -> float:
 
 def torch_baseline(shape, q, k, v, kv_cache, meta, triton_out, limit_gib: float) -> dict:
     """The torch backend's forward on the same step: ms, and its largest difference from triton_out."""
-    from splitserve.services.model.attention.torch_backend import TorchAttention
+    from splitserve.model.attention.torch_backend import TorchAttention
 
     if 2 * kv_cache.numel() * DTYPE.itemsize / 1024**3 > limit_gib:  # the gather copies the context
         return {"torch_ms": None, "max_abs_diff": None}
@@ -201,9 +201,8 @@ def ops_table(shape, intermediate: int) -> list[dict]:
 def e2e_table(args) -> list[dict]:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from offline import Settings, splitserve_decode_ms
-
-    from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.services.engine.llm import LLM
+    from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.engine.llm import LLM
 
     settings = Settings(0, (1, 1), (1, 1), BATCHES, decode_context=args.e2e_context, decode_steps=20)
     rows = []

@@ -28,11 +28,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-
-from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.model.files import default_model_path
+from splitserve.common.model_files import default_model_path
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.llm import LLM
 
 MIN_TOKEN_ID = 20  # below this SmolLM2 keeps its special tokens
 HF_PAGE_SIZE = 256  # transformers' default page size, tokens per KV block

@@ -25,10 +25,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-
+from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
-from splitserve.services.launcher import start_cluster, stop_cluster
 
 ROUTERS = (("kv-aware", "kv-aware"), ("round-robin", "round-robin"), ("oracle", "prefix-affinity"))
 

@@ -11,14 +11,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-
 from offline import FULL, QUICK, make_workload  # same folder
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.llm import LLM
+from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
-from splitserve.services.config import CacheConfig, EngineConfig
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.launcher import start_cluster, stop_cluster
 
 KV_CACHE_BYTES = 3 * 1024**3
 VOCAB_SIZE = 49152

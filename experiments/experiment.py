@@ -31,7 +31,7 @@ from pathlib import Path
 from splitserve.experiments.bench import measure
 from splitserve.experiments.stats import SLO, summarize
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
-from splitserve.services.launcher import start_cluster, stop_cluster
+from splitserve.launch.launcher import start_cluster, stop_cluster
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-
 from splitserve.experiments.stats import RequestRecord
 from splitserve.experiments.workload import RequestSpec, WorkloadConfig, arrival_offsets, make_requests
 from splitserve.protos.v1 import generation_pb2 as pb

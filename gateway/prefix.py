@@ -21,11 +21,10 @@ import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
+from splitserve.common.block_hash import BlockHash
+from splitserve.common.wire import kv_events_from_proto
 from splitserve.gateway.kv_index import ApplyResult, EventBatch, IndexUnavailable, KVIndex, make_index
 from splitserve.protos.v1 import worker_pb2 as pb
-from splitserve.services.kv_cache.block_hash import BlockHash
-from splitserve.services.wire import kv_events_from_proto
 
 log = logging.getLogger("splitserve.gateway")
 RETRY_AFTER_S = 2.0

@@ -24,8 +24,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from splitserve.common.block_hash import BlockHash
 from splitserve.gateway.workers import WorkerHandle
-from splitserve.services.kv_cache.block_hash import BlockHash
 
 PREFILL_LOAD_WEIGHT = 0.1
 SPREAD_MARGIN = 6

@@ -25,7 +25,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge
-
+from splitserve.common.block_hash import hash_block_tokens
+from splitserve.common.model_files import model_name
+from splitserve.common.serving import start_metrics_server
+from splitserve.common.tokenizer import Tokenizer, TooManyTokens, load_tokenizer
+from splitserve.common.wire import FAILED_PEER_KEY, sampling_params_from_proto
 from splitserve.gateway.prefix import PrefixIndex, PrefixIndexMetrics
 from splitserve.gateway.router import Decision, RouteInput, Router, make_router
 from splitserve.gateway.validation import (
@@ -42,11 +46,6 @@ from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import generation_pb2_grpc as gen_grpc
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.kv_cache.block_hash import hash_block_tokens
-from splitserve.services.model.files import model_name
-from splitserve.services.model.tokenizer import Tokenizer, TooManyTokens, load_tokenizer
-from splitserve.services.serving import start_metrics_server
-from splitserve.services.wire import FAILED_PEER_KEY, sampling_params_from_proto
 
 log = logging.getLogger("splitserve.gateway")
 # Prompts up to this size (characters of text, bytes of chat messages) are tokenized on the event loop,

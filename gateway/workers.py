@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from splitserve.common.wire import PEER_CHANNEL_OPTIONS
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.wire import PEER_CHANNEL_OPTIONS
 
 log = logging.getLogger("splitserve.gateway")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from splitserve.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_tensor, mma
 
 

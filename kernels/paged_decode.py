@@ -14,7 +14,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
 from splitserve.kernels._common import check_device, check_shape, dot_dtype
 from splitserve.kernels._paged import attend_range, attention_ref, check_paged_inputs, gather_context
 

@@ -1,6 +1,6 @@
 """rms_norm: y = weight * normalise(x), float32 statistics, with an optional fused residual add.
 
-Rounding follows transformers (and the torch path in services/model/llama.py): the normalised row is
+Rounding follows transformers (and the torch path in model/llama.py): the normalised row is
 rounded to x's dtype before the weight multiply, and the fused sum is rounded before it is normalised.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from splitserve.kernels._common import FLOAT_DTYPES, check_device, check_same_dtype, check_shape, check_tensor
 
 

@@ -11,9 +11,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from splitserve.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check_device, check_same_dtype, check_shape,
-                                        check_tensor)
+from splitserve.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
 
 
 @triton.jit

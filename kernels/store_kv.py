@@ -1,6 +1,6 @@
 """store_kv: write the step's new K and V into their paged cache slots.
 
-Cache layout (see services/model/attention/backend.py): [2, num_blocks, block_size, num_kv_heads,
+Cache layout (see model/attention/backend.py): [2, num_blocks, block_size, num_kv_heads,
 head_dim]; a token's flat slot is block_id * block_size + offset.
 """
 
@@ -9,9 +9,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from splitserve.kernels._common import (FLOAT_DTYPES, INDEX_DTYPES, check_device, check_same_dtype, check_shape,
-                                        check_tensor)
+from splitserve.kernels._common import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_device,
+    check_same_dtype,
+    check_shape,
+    check_tensor,
+)
 
 
 @triton.jit

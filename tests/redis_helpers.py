@@ -10,8 +10,7 @@ import time
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-
-from splitserve.services.serving import free_port
+from splitserve.common.serving import free_port
 
 
 class RedisServer:

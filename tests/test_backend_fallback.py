@@ -13,9 +13,8 @@ import types
 
 import pytest
 import torch
-
-from splitserve.services.model.attention import default_backend_name, get_backend, triton_backend
-from splitserve.services.model.attention.torch_backend import TorchAttention
+from splitserve.model.attention import default_backend_name, get_backend, triton_backend
+from splitserve.model.attention.torch_backend import TorchAttention
 
 CUDA = torch.device("cuda", 0)
 

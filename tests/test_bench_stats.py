@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from splitserve.experiments.stats import SLO, RequestRecord, percentile, summarize
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, arrival_offsets, make_requests
 

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from splitserve.services.kv_cache.block_hash import (
+from splitserve.common.block_hash import (
     HASH_NUM_BYTES,
     HASH_VERSION,
     ROOT_PARENT_HASH,
@@ -56,7 +55,7 @@ def test_explicit_root_parent_equals_none_parent():
 def test_hash_is_the_same_in_a_fresh_process():
     # A fresh interpreter gets a different PYTHONHASHSEED; the block hash must not depend on it.
     code = (
-        "from splitserve.services.kv_cache.block_hash import hash_block, hash_block_tokens\n"
+        "from splitserve.common.block_hash import hash_block, hash_block_tokens\n"
         "first = hash_block(None, [1, 2, 3, 4])\n"
         "print(first.hex())\n"
         "print(hash_block(first, [5, 6, 7, 8]).hex())\n"

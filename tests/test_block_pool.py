@@ -7,11 +7,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-
-from splitserve.services.kv_cache.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
-from splitserve.services.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
-from splitserve.services.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
-from splitserve.services.kv_cache.manager import KVCacheManager
+from splitserve.common.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
+from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from splitserve.engine.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
+from splitserve.engine.kv_cache.manager import KVCacheManager
 
 BS = 4
 

@@ -7,9 +7,8 @@ import re
 from pathlib import Path
 
 from prometheus_client import generate_latest
-
 from splitserve.gateway.server import GatewayMetrics
-from splitserve.services.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "splitserve-dashboard.json"
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml  # PyYAML: installed with gguf, a core dependency
-
-from splitserve.services.cli import build_parser
+from splitserve.launch.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

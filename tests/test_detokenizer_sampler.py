@@ -6,11 +6,10 @@ import math
 
 import pytest
 import torch
-
-from splitserve.services.engine.detokenizer import IncrementalDetokenizer
-from splitserve.services.engine.request import Request, RequestId
-from splitserve.services.engine.sampler import Sampler, _apply_penalties
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.request import Request, RequestId
+from splitserve.engine.sampler import Sampler, _apply_penalties
 
 MULTI_BYTE_TEXTS = [
     "Hello 👋 world 🌍! 👩‍👩‍👧 done",
@@ -22,7 +21,7 @@ MULTI_BYTE_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from splitserve.services.model.loader import open_model
+    from splitserve.model.loader import open_model
 
     return open_model(None).tokenizer
 
@@ -368,7 +367,7 @@ def test_logprobs_zero_gives_only_the_sampled_token():
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     import torch
-    from splitserve.services.engine.sampler import _filtered_probs
+    from splitserve.engine.sampler import _filtered_probs
 
     probs = _filtered_probs(torch.log(torch.tensor([0.5, 0.25, 0.25])), None, 0.5, 0.0)
     assert probs.tolist() == [0.5, 0.0, 0.0]

@@ -10,15 +10,14 @@ import threading
 
 import pytest
 import torch
-
-from splitserve.services import launcher, supervisor
-from splitserve.services.config import CacheConfig, EngineConfig
-from splitserve.services.engine import async_engine, model_runner
-from splitserve.services.engine.async_engine import AsyncEngine
-from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.launcher import Child, child_device, spawn_worker, start_cluster
-from splitserve.services.supervisor import Supervisor
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine import async_engine, model_runner
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.launch import launcher, supervisor
+from splitserve.launch.launcher import Child, child_device, spawn_worker, start_cluster
+from splitserve.launch.supervisor import Supervisor
 
 
 class FakeProc:

@@ -4,14 +4,12 @@ gloo pair groups. Output equals the unified engine's; faults end as documented, 
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from cluster_helpers import (
-    collect,
     engine_argv,
     greedy_request,
     load,
@@ -20,15 +18,13 @@ from cluster_helpers import (
     tokens,
     wait_all_free,
 )
-
-from splitserve.protos.v1 import generation_pb2 as pb
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.llm import LLM
+from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
-from splitserve.services.config import CacheConfig, EngineConfig
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.launcher import start_cluster, stop_cluster
-from splitserve.services.worker.server import SEND_DELAY_ENV
+from splitserve.worker.server import SEND_DELAY_ENV
 
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(4 + 13 * i)] for i in range(6)]  # 4..69 tokens
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234)

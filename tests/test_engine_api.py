@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from splitserve.services.config import CacheConfig, EngineConfig
-from splitserve.services.engine.async_engine import AsyncEngine
-from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.llm import LLM
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,11 @@ import random
 
 import pytest
 import torch
-
-from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
-
 from conftest import VOCAB_SIZE
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.llm import LLM
 
 MAX_NEW = 24
 

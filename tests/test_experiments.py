@@ -7,10 +7,9 @@ import json
 
 import pytest
 from cluster_helpers import engine_argv
-
 from splitserve.experiments.experiment import load_config, run_experiment
-from splitserve.services.cli import main
-from splitserve.services.launcher import start_cluster, stop_cluster
+from splitserve.launch.cli import main
+from splitserve.launch.launcher import start_cluster, stop_cluster
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,9 @@ import pytest
 from cluster_helpers import engine_argv, greedy_request, stub, tokens
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-from test_gateway_limits import VOCAB_SIZE, write_chat_model
-
+from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
-from splitserve.services.launcher import start_cluster, stop_cluster
+from test_gateway_limits import VOCAB_SIZE, write_chat_model
 
 MODEL = "tiny-llama-chat"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

@@ -9,18 +9,17 @@ from collections.abc import AsyncIterator
 
 import pytest
 import torch
-
-from splitserve.services.config import CacheConfig, EngineConfig
-from splitserve.services.engine.async_engine import AsyncEngine
-from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.request import Request
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.transfer.base import checksum
-from splitserve.services.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
-from splitserve.services.worker.decode import DecodeHandoff, PrefillClient
-from splitserve.services.worker.handoff import HandoffError, HandoffEvent, HandoffJob
-from splitserve.services.worker.prefill import prefill_and_send
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.disagg.decode import DecodeHandoff, PrefillClient
+from splitserve.disagg.handoff import HandoffError, HandoffEvent, HandoffJob
+from splitserve.disagg.prefill import prefill_and_send
+from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.kv_cache.block_io import checksum
+from splitserve.engine.llm import LLM
+from splitserve.engine.request import Request
 
 KV_BYTES = 2 * 1024**2
 

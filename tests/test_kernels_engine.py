@@ -9,14 +9,11 @@ import random
 
 import pytest
 import torch
-
-from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.model.attention import default_backend_name, get_backend
-from splitserve.services.model.attention import triton_backend
-
 from conftest import VOCAB_SIZE
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.llm import LLM
+from splitserve.model.attention import default_backend_name, get_backend, triton_backend
 
 pytestmark = pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")
 

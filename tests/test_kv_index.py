@@ -11,12 +11,11 @@ from dataclasses import dataclass, field
 
 import pytest
 from redis_helpers import RedisServer
-
+from splitserve.common.block_hash import BlockHash, hash_block_tokens
+from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from splitserve.engine.kv_cache.block_pool import BlockPool, KVBlock
 from splitserve.gateway.kv_index import ApplyResult, EventBatch, IndexUnavailable, KVIndex, make_index
 from splitserve.gateway.kv_index.redis_index import RedisIndex
-from splitserve.services.kv_cache.block_hash import BlockHash, hash_block_tokens
-from splitserve.services.kv_cache.block_pool import BlockPool, KVBlock
-from splitserve.services.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 APPLIED, RESYNC = ApplyResult.APPLIED, ApplyResult.RESYNC
 BLOCK_SIZE = 4

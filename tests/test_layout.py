@@ -7,22 +7,32 @@ import sys
 
 
 def test_gateway_and_kv_bookkeeping_do_not_import_torch():
-    code = ("import sys, splitserve.gateway, splitserve.services.kv_cache.block_hash, "
-            "splitserve.services.kv_cache.manager, splitserve.services.engine.request, "
-            "splitserve.services.engine.scheduler, splitserve.gateway.server; "
+    code = ("import sys, splitserve.gateway, splitserve.common.block_hash, "
+            "splitserve.engine.kv_cache.manager, splitserve.engine.request, "
+            "splitserve.engine.scheduler, splitserve.gateway.server; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_subpackages_live_under_one_root():
-    import splitserve.gateway
-    import splitserve.kernels
-    import splitserve.protos
-    import splitserve.services
+    import importlib
 
-    for mod in (splitserve.services, splitserve.gateway, splitserve.kernels, splitserve.protos):
-        assert mod.__name__.startswith("splitserve.")
+    for name in ("common", "engine", "model", "disagg", "worker", "launch", "gateway", "experiments", "kernels",
+                 "protos"):
+        assert importlib.import_module(f"splitserve.{name}").__name__ == f"splitserve.{name}"
+
+
+def test_the_gateway_imports_only_the_common_layer_and_protos():
+    """The torch-free layer is common/: the gateway reaches nothing else of the workers' code."""
+    import re
+    from pathlib import Path
+
+    import splitserve.gateway
+
+    for path in Path(splitserve.gateway.__file__).parent.rglob("*.py"):
+        for module in re.findall(r"^\s*(?:from|import) (splitserve\.\w+)", path.read_text(), re.M):
+            assert module in ("splitserve.gateway", "splitserve.common", "splitserve.protos"), (path.name, module)
 
 
 def test_generated_proto_code_is_current():

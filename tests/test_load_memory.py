@@ -11,12 +11,11 @@ from __future__ import annotations
 import weakref
 
 import torch
+from splitserve.model.arch import ModelArchConfig
+from splitserve.model.attention.torch_backend import TorchAttention
+from splitserve.model.loader import ModelSource, build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-from splitserve.services.model.arch import ModelArchConfig
-from splitserve.services.model.attention.torch_backend import TorchAttention
-from splitserve.services.model.loader import ModelSource, build_model
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS = 256, 1024, 8, 1024, 4, 2
 ARCH = ModelArchConfig.from_hf_config(dict(

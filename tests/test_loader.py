@@ -7,10 +7,9 @@ import shutil
 
 import pytest
 import torch
-
-from splitserve.services.model.files import ModelLoadError
-from splitserve.services.model.gguf_loader import _unpermute
-from splitserve.services.model.loader import open_model
+from splitserve.common.model_files import ModelLoadError
+from splitserve.model.gguf_loader import _unpermute
+from splitserve.model.loader import open_model
 
 
 def _copy(src, tmp_path):
@@ -47,8 +46,8 @@ def test_missing_weights(tiny_llama_dir, tmp_path):
 
 
 def test_shape_mismatch_names_the_tensor(tiny_llama_dir, tmp_path):
-    from splitserve.services.engine.engine import Engine
-    from splitserve.services.config import EngineConfig
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.engine import Engine
 
     folder = _copy(tiny_llama_dir, tmp_path)
     cfg = json.loads((folder / "config.json").read_text())

@@ -8,11 +8,10 @@ import logging
 
 import pytest
 import torch
-
-from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.memory import MemorySnapshot, profile_memory
-from splitserve.services.engine.model_runner import _profile_seq_lens, kv_block_bytes
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.engine import Engine
+from splitserve.engine.memory import MemorySnapshot, profile_memory
+from splitserve.engine.model_runner import _profile_seq_lens, kv_block_bytes
 
 GIB = 1024**3
 DEVICE = torch.device("cuda", 0)

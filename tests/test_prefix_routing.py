@@ -8,8 +8,7 @@ import time
 
 import pytest
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
-
-from splitserve.services.launcher import start_cluster, stop_cluster
+from splitserve.launch.launcher import start_cluster, stop_cluster
 
 BASE = [(13 * j) % 290 + 5 for j in range(64)]  # 8 full blocks of 8
 

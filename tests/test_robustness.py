@@ -9,18 +9,16 @@ import asyncio
 import math
 
 import pytest
-import torch
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tokenizer import Tokenizer
+from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.engine import Engine
+from splitserve.engine.llm import LLM
+from splitserve.engine.request import Request
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
-
-from splitserve.services.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
-from splitserve.services.engine.detokenizer import IncrementalDetokenizer
-from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.request import Request
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.model.tokenizer import Tokenizer
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 19]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from splitserve.services.engine.sampling_params import SamplingParams
+from splitserve.common.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

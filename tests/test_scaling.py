@@ -12,12 +12,11 @@ import time
 
 import grpc
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
-
+from splitserve.common.serving import free_port
+from splitserve.launch.launcher import start_cluster, stop_cluster, wait_healthy
+from splitserve.launch.supervisor import Supervisor
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
-from splitserve.services.launcher import start_cluster, stop_cluster, wait_healthy
-from splitserve.services.serving import free_port
-from splitserve.services.supervisor import Supervisor
 
 DRAINED = re.compile(r"drained: free_blocks=(\d+) total_blocks=(\d+) running=0 waiting=0 awaiting_kv=0 held=0")
 
@@ -94,10 +93,10 @@ def test_add_workers_then_drain_the_originals_under_load(tiny_llama_dir):
 
 def test_up_scale_and_workers_commands(tiny_llama_dir):
     port, admin = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "splitserve.services.cli", "up", "--workers", "1", "--port", str(port),
+    up = subprocess.Popen([sys.executable, "-m", "splitserve.launch.cli", "up", "--workers", "1", "--port", str(port),
                            "--admin-port", str(admin), *engine_argv(tiny_llama_dir)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    cli = [sys.executable, "-m", "splitserve.services.cli"]
+    cli = [sys.executable, "-m", "splitserve.launch.cli"]
     try:
         wait_healthy(f"127.0.0.1:{port}", 120, up)
         deadline = time.monotonic() + 120
@@ -125,7 +124,7 @@ def test_up_scale_and_workers_commands(tiny_llama_dir):
 
 
 def test_workers_are_spread_over_devices(tiny_llama_dir):
-    from splitserve.services.launcher import device_for, parse_devices
+    from splitserve.launch.launcher import device_for, parse_devices
 
     assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"] and parse_devices(None) is None
     assert [device_for(i, ["cuda:0", "cuda:1"]) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]

@@ -17,13 +17,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import RuntimeInfo, SchedulerConfig
+from splitserve.engine.kv_cache.manager import KVCacheManager
+from splitserve.engine.request import Request, RequestId, RequestStatus
+from splitserve.engine.scheduler import Scheduler
 from test_scheduler import check_output
-
-from splitserve.services.config import RuntimeInfo, SchedulerConfig
-from splitserve.services.engine.request import Request, RequestId, RequestStatus
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.engine.scheduler import Scheduler
-from splitserve.services.kv_cache.manager import KVCacheManager
 
 EOS = 99
 VOCAB = range(1, 6)  # a small vocabulary, so prompts share prefixes and hit the prefix cache

@@ -13,13 +13,12 @@ import grpc
 import pytest
 from cluster_helpers import all_blocks_free, collect, engine_argv, greedy_request, stub, tokens
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.serving import free_port
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.llm import LLM
+from splitserve.launch.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
 from splitserve.protos.v1 import generation_pb2 as pb
-from splitserve.services.config import CacheConfig, EngineConfig
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
-from splitserve.services.serving import free_port
 
 KV_BYTES = 4 * 1024**2
 _engine_argv = engine_argv

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.sampling_params import SamplingParams
-from splitserve.services.model.files import default_model_path
+from splitserve.common.model_files import default_model_path
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.llm import LLM
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

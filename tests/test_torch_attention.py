@@ -6,9 +6,8 @@ import random
 
 import torch
 import torch.nn.functional as F
-
-from splitserve.services.model.attention.backend import AttentionMetadata
-from splitserve.services.model.attention.torch_backend import TorchAttention, length_groups
+from splitserve.model.attention.backend import AttentionMetadata
+from splitserve.model.attention.torch_backend import TorchAttention, length_groups
 
 
 def _dense_reference(q, k_all, v_all, query_len):

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 import torch
-
-from splitserve.services.transfer.base import TransferError, checksum, gather_blocks, scatter_blocks
-from splitserve.services.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.disagg.transfer.base import TransferError
+from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
 
 SHAPE = (2, 2, 5, 8, 2, 16)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 
@@ -69,7 +69,7 @@ def test_gather_scatter_round_trip_through_scattered_block_ids():
 
 
 def test_staging_pool_reuses_buffers_by_power_of_two_class():
-    from splitserve.services.transfer.staging import StagingPool
+    from splitserve.engine.kv_cache.staging import StagingPool
 
     pool = StagingPool((3, 2, 4, 2, 8), torch.float32, max_cached_bytes=10 * 3 * 2 * 4 * 2 * 8 * 4)
     a = pool.acquire(3)

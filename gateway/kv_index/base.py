@@ -22,8 +22,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from splitserve.services.kv_cache.block_hash import BlockHash
-from splitserve.services.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.common.block_hash import BlockHash
+from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence, Set
 
+from splitserve.common.block_hash import BlockHash
 from splitserve.gateway.kv_index.base import (
     ApplyResult,
     EventBatch,
@@ -19,7 +20,6 @@ from splitserve.gateway.kv_index.base import (
     net_change,
     register_index,
 )
-from splitserve.services.kv_cache.block_hash import BlockHash
 
 
 @register_index

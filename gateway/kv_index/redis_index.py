@@ -29,7 +29,7 @@ import redis.asyncio
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-
+from splitserve.common.block_hash import BlockHash
 from splitserve.gateway.kv_index.base import (
     ApplyResult,
     BlockChange,
@@ -42,7 +42,6 @@ from splitserve.gateway.kv_index.base import (
     net_change,
     register_index,
 )
-from splitserve.services.kv_cache.block_hash import BlockHash
 
 _SOCKET_TIMEOUT_S = 0.5  # a dead or stuck Redis must not hold up routing for long
 # The builtin ConnectionError and TimeoutError are OSErrors; asyncio's TimeoutError is not before 3.11.

@@ -1,0 +1,101 @@
+"""Conversions between the splitserve.v1 protos and engine types (torch-free: the gateway uses it)."""
+
+from __future__ import annotations
+
+from splitserve.common.block_hash import BlockHash
+from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.protos.v1 import generation_pb2 as gen_pb
+from splitserve.protos.v1 import worker_pb2 as wpb
+
+# Trailing metadata a decode worker sets on UNAVAILABLE: the prefill worker the gateway should avoid.
+FAILED_PEER_KEY = "splitserve-failed-peer"
+
+# Channels to other workers: a peer restarted on the same address is reachable again within about a
+# second (gRPC's default reconnect backoff grows to 120 s, so a cached channel stayed refused for
+# seconds after the peer came back).
+PEER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                        ("grpc.max_reconnect_backoff_ms", 1000))
+
+FINISH_REASONS = {
+    "stop": gen_pb.FINISH_REASON_STOP,
+    "length": gen_pb.FINISH_REASON_LENGTH,
+    "abort": gen_pb.FINISH_REASON_ABORT,
+}
+
+
+def sampling_params_from_proto(sampling: gen_pb.SamplingParameters, stopping: gen_pb.StoppingCriteria,
+                               logprobs: int | None) -> SamplingParams:
+    """Build (and so validate) SamplingParams; raises ValueError with a readable message."""
+    return SamplingParams(
+        temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
+        top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+        top_k=sampling.top_k or None,
+        min_p=sampling.min_p,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        max_tokens=stopping.max_tokens if stopping.HasField("max_tokens") else None,
+        min_tokens=stopping.min_tokens,
+        stop=tuple(stopping.stop),
+        stop_token_ids=tuple(stopping.stop_token_ids),
+        ignore_eos=stopping.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def logprobs_to_proto(entries) -> list[gen_pb.TokenLogprob]:
+    return [gen_pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
+            for e in entries or ()]
+
+
+def sampling_params_to_proto(p: SamplingParams) -> tuple[gen_pb.SamplingParameters, gen_pb.StoppingCriteria]:
+    """Inverse of sampling_params_from_proto (a decode worker forwards requests this way)."""
+    sampling = gen_pb.SamplingParameters(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0,
+                                         min_p=p.min_p, repetition_penalty=p.repetition_penalty,
+                                         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
+    if p.seed is not None:
+        sampling.seed = p.seed
+    stopping = gen_pb.StoppingCriteria(min_tokens=p.min_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                                       ignore_eos=p.ignore_eos)
+    if p.max_tokens is not None:
+        stopping.max_tokens = p.max_tokens
+    return sampling, stopping
+
+
+def logprobs_from_proto(entries) -> list:
+    """TokenLogprob protos back to the engine's TokenLogprobs."""
+    from splitserve.engine.sampler import TokenLogprobs  # torch: only workers call this
+
+    return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
+
+
+def kv_events_to_proto(events) -> list[wpb.KVCacheEvent]:
+    out = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            out.append(wpb.KVCacheEvent(stored=wpb.BlockStoredEvent(
+                block_hashes=list(e.block_hashes), parent_hash=e.parent_hash or b"", token_ids=list(e.token_ids),
+                block_size=e.block_size)))
+        elif isinstance(e, BlockRemoved):
+            out.append(wpb.KVCacheEvent(removed=wpb.BlockRemovedEvent(block_hashes=list(e.block_hashes))))
+        else:
+            out.append(wpb.KVCacheEvent(cleared=wpb.AllBlocksClearedEvent()))
+    return out
+
+
+def kv_events_from_proto(messages) -> tuple[KVCacheEvent, ...]:
+    out: list[KVCacheEvent] = []
+    for m in messages:
+        kind = m.WhichOneof("event")
+        if kind == "stored":
+            s = m.stored
+            out.append(BlockStored(tuple(BlockHash(h) for h in s.block_hashes), BlockHash(s.parent_hash) or None,
+                                   tuple(s.token_ids), s.block_size))
+        elif kind == "removed":
+            out.append(BlockRemoved(tuple(BlockHash(h) for h in m.removed.block_hashes)))
+        elif kind == "cleared":
+            out.append(AllBlocksCleared())
+    return tuple(out)

@@ -1,0 +1,192 @@
+"""Decode tier: continue requests whose prompt KV comes from a prefill worker.
+
+Lifecycle of a request here: awaiting_kv -> waiting -> running -> finished.
+
+    1. reserve   blocks for the whole prompt before any byte moves (prefix hits count as held);
+                 no room within reserve_timeout_s -> RESOURCE_EXHAUSTED.
+    2. ask       the prefill worker (Prefill RPC) with the channel, a tag and how many leading
+                 blocks to skip; the channel's process group is built in the background.
+    3. first     token arrives -> it goes to the client at once (sampler state carried over).
+                 Any failure before this point: reservation freed, UNAVAILABLE naming the prefill
+                 worker, and the gateway retries the request once on another pair.
+    4. land      receive the blocks into a host buffer, check the CRC, then (between engine
+                 steps) copy them into the reserved blocks and admit the request:
+                 num_computed_tokens jumps to the prompt length and it joins the waiting queue.
+                 Any failure here (prefill worker died, timeout, checksum): the reservation is
+                 freed and the prompt is recomputed here; the client sees no error.
+    5. decode    in the continuous batch like every other request.
+
+Landing runs in its own task: once the prefill worker has announced the blocks, the receive is
+always posted, so the sender never waits on a receive that will not come; a request cancelled
+meanwhile simply discards what lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+
+from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, TransferDone
+from splitserve.disagg.transfer.base import KVReceiver, TransferError
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.engine import RequestOutput
+from splitserve.engine.kv_cache.block_io import checksum
+from splitserve.engine.request import Request
+from splitserve.worker.metrics import WorkerMetrics
+
+log = logging.getLogger("splitserve.decode")
+
+
+class PrefillClient(ABC):
+    """How a decode worker reaches prefill workers (gRPC in production, direct calls in tests)."""
+
+    @abstractmethod
+    def prefill(self, peer: str, request: Request, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+        """Stream FirstToken then TransferDone from the prefill worker at peer."""
+
+
+class DecodeHandoff:
+    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, client: PrefillClient,
+                 metrics: WorkerMetrics | None = None, reserve_timeout_s: float = 10.0,
+                 transfer_timeout_s: float = 30.0) -> None:
+        self.engine, self.receiver, self.client, self.metrics = engine, receiver, client, metrics
+        self.reserve_timeout_s = reserve_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.landings: set[asyncio.Task] = set()  # transfers in flight (drain waits for them)
+
+    async def generate(self, request: Request, peer: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; raises HandoffError if it cannot start."""
+        rid, engine = request.request_id, self.engine
+        engine.open_stream(rid)
+        finished = streaming = False
+        try:
+            num_held = await self._reserve(request)
+            ask = asyncio.create_task(self._ask(request, peer, num_held))
+            try:
+                first, job, events = await asyncio.shield(ask)
+            except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
+                ask.add_done_callback(lambda task: self._land_if_asked(request, task))
+                raise
+            landing = self._start_landing(request, first, job, events)
+            out = await engine.call(engine.engine.accept_first_token, rid, first.token_id, first.logprobs,
+                                    first.sampler_state)
+            if out is None:  # aborted meanwhile
+                return
+            finished = out.finished
+            yield out
+            if finished:
+                return
+            await asyncio.shield(landing)
+            streaming = True
+            async for out in engine.stream(rid):
+                yield out
+        finally:
+            if not streaming:
+                engine.close_stream(rid, finished)
+
+    def _land_if_asked(self, request: Request, ask: asyncio.Task) -> None:
+        """The caller left while asking; if the blocks were announced anyway, receive and discard them."""
+        if not ask.cancelled() and ask.exception() is None:
+            self._start_landing(request, *ask.result())
+
+    def _start_landing(self, request: Request, first: FirstToken, job: HandoffJob, events) -> asyncio.Task:
+        landing = asyncio.create_task(self._land(request, job, first, events))
+        self.landings.add(landing)
+        landing.add_done_callback(self.landings.discard)
+        return landing
+
+    async def _reserve(self, request: Request) -> int:
+        core = self.engine.engine
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reserve_timeout_s
+        while True:
+            num_held = await self.engine.call(core.reserve_for_transfer, request)
+            if num_held is not None:
+                if self.metrics is not None and num_held:
+                    self.metrics.observe_blocks_skipped(num_held)
+                return num_held
+            if loop.time() > deadline:
+                raise HandoffError("RESOURCE_EXHAUSTED", f"this decode worker's KV cache had no room for the "
+                                   f"{request.num_prompt_tokens}-token prompt for {self.reserve_timeout_s:.0f} s; "
+                                   "retry later or add decode workers")
+            await asyncio.sleep(0.02)
+
+    async def _ask(self, request: Request, peer: str, num_held: int):
+        channel = self.receiver.channel_for(peer)
+        job = HandoffJob(channel, self.receiver.next_tag(channel), num_held, self.engine.engine.runner.kv_layout)
+        events = aiter(self.client.prefill(peer, request, job))
+        try:
+            first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
+            if not isinstance(first, FirstToken):
+                raise RuntimeError(f"expected the first token, got {type(first).__name__}")
+        except HandoffError:
+            self.receiver.drop(channel)
+            raise
+        except Exception as e:
+            self.receiver.drop(channel)
+            if self.metrics is not None:
+                self.metrics.observe_transfer_failure("prefill_failed")
+            raise HandoffError("UNAVAILABLE", f"prefill worker {peer} failed before the first token "
+                               f"({_describe(e)}); retry the request", failed_peer=peer) from None
+        return first, job, events
+
+    async def _land(self, request: Request, job: HandoffJob, first: FirstToken, events) -> None:
+        """Receive the blocks and admit the request, or fall back to recomputing the prompt here."""
+        core = self.engine.engine
+        rid = request.request_id
+        staging = core.runner.staging.acquire(first.num_blocks)
+        buffer = staging.tensor
+        try:
+            done, seconds = await self._receive(job, buffer, events)
+            if done.checksum != checksum(buffer):
+                raise TransferError("checksum", f"KV checksum mismatch on transfer {job.tag}")
+            admitted = await self.engine.call(core.admit_transferred, rid, job.num_skip_blocks, buffer)
+            core.runner.staging.release(staging)  # copied into the cache (or discarded): reusable
+            if self.metrics is not None:
+                self.metrics.observe_transfer("received", done.num_blocks, done.num_bytes, seconds)
+            log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)
+        except Exception as e:
+            reason = e.reason if isinstance(e, TransferError) else "prefill_failed"
+            if reason in ("peer_lost", "timeout", "connect", "closed", "prefill_failed"):
+                self.receiver.drop(job.channel)
+            if self.metrics is not None:
+                self.metrics.observe_transfer_failure(reason)
+            if await self.engine.call(core.recompute_locally, rid):
+                log.warning("request %s: KV transfer failed (%s); recomputing the prompt here", rid, _describe(e))
+                if self.metrics is not None:
+                    self.metrics.observe_recompute_fallback()
+
+    async def _receive(self, job: HandoffJob, buffer, events) -> tuple[TransferDone, float]:
+        """Post the receive and read the sender's report together; the first failure wins."""
+        if buffer.shape[2] == 0:
+            return await anext(events), 0.0
+        recv = asyncio.ensure_future(self.receiver.recv(job.channel, job.tag, buffer))
+        report = asyncio.ensure_future(asyncio.wait_for(anext(events), self.transfer_timeout_s * 2))
+        try:
+            await asyncio.wait({recv, report}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in (recv, report):
+                if task.done() and task.exception() is not None:
+                    raise task.exception()
+            done = report.result()
+            if not isinstance(done, TransferDone):
+                raise RuntimeError(f"expected the transfer report, got {type(done).__name__}")
+            return done, recv.result()
+        finally:
+            for task in (recv, report):
+                if not task.done():
+                    task.cancel()
+                task.add_done_callback(_consume_error)
+
+
+def _consume_error(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _describe(e: BaseException) -> str:
+    details = getattr(e, "details", None)
+    if callable(details):  # grpc.aio.AioRpcError
+        return f"{e.code().name}: {details()}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -1,0 +1,75 @@
+"""The KV transfer contract, split by role.
+
+A transfer moves one contiguous tensor of blocks ([num_layers, 2, num_blocks, block_size,
+num_kv_heads, head_dim], as ModelRunner.read_blocks makes it) from the prefill worker to a
+preallocated buffer of the same shape and dtype on the decode worker. Transfers ride a channel
+between one decode worker and one prefill worker; the receiver names the channel (ChannelSpec,
+sent to the sender inside the handoff RPC) and a tag that tells concurrent transfers apart.
+
+Failure contract: every operation is bounded by the transport's timeout and raises TransferError
+with a reason. A channel that failed with "peer_lost" or "timeout" is dead on both sides; the
+receiver drops it and the next channel_for() builds a new one.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+FAILURE_REASONS = ("connect", "peer_lost", "timeout", "checksum", "closed")
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelSpec:
+    """A receiver's channel to one sender, as the sender needs it to join."""
+
+    address: str  # where to rendezvous: torch_dist: the receiver's TCPStore host:port
+    key: str  # unique per channel incarnation; a dropped channel is never reused
+
+
+class TransferError(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        assert reason in FAILURE_REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+
+
+class KVReceiver(ABC):
+    """Decode side: owns its channels and the transfers arriving on them."""
+
+    @abstractmethod
+    def channel_for(self, peer: str) -> ChannelSpec:
+        """The live channel to peer (a prefill worker's address); a new one starts connecting in
+        the background and is ready once the sender joins it."""
+
+    @abstractmethod
+    def next_tag(self, channel: ChannelSpec) -> int:
+        """A tag not used before on this channel."""
+
+    @abstractmethod
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
+        """Fill buffer (contiguous) with the transfer sent under tag; returns the seconds it took."""
+
+    @abstractmethod
+    def drop(self, channel: ChannelSpec) -> None:
+        """Forget a failed channel (no-op if already replaced)."""
+
+    def close(self) -> None:
+        """Release every channel."""
+
+
+class KVSender(ABC):
+    """Prefill side: joins the channels receivers name and sends on them."""
+
+    @abstractmethod
+    def connect(self, channel: ChannelSpec) -> None:
+        """Start joining channel if new (non-blocking; call early so both sides meet sooner)."""
+
+    @abstractmethod
+    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
+        """Send blocks (contiguous) under tag; returns when the receiver has them, with the seconds."""
+
+    def close(self) -> None:
+        """Release every channel."""

@@ -1,0 +1,77 @@
+"""In-process transport for unit tests: sender and receiver share a Hub in one event loop.
+
+Same contract as torch_dist (tags, timeouts, dropped channels), with tensors copied in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import torch
+from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError
+
+
+class Hub:
+    """The 'wire': transfers posted by senders, keyed by (channel key, tag)."""
+
+    def __init__(self, timeout_s: float = 5.0) -> None:
+        self.timeout_s = timeout_s
+        self.slots: dict[tuple[str, int], asyncio.Future[torch.Tensor]] = {}
+        self.dead: set[str] = set()
+
+    def slot(self, key: str, tag: int) -> asyncio.Future[torch.Tensor]:
+        if key in self.dead:
+            raise TransferError("closed", f"channel {key} was closed after a failure")
+        return self.slots.setdefault((key, tag), asyncio.get_running_loop().create_future())
+
+
+class InProcessReceiver(KVReceiver):
+    def __init__(self, hub: Hub, name: str = "decode") -> None:
+        self.hub, self.name = hub, name
+        self._channels: dict[str, ChannelSpec] = {}
+        self._ids = itertools.count()
+        self._tags = itertools.count(1)
+
+    def channel_for(self, peer: str) -> ChannelSpec:
+        if peer not in self._channels:
+            self._channels[peer] = ChannelSpec("inprocess", f"{self.name}->{peer}#{next(self._ids)}")
+        return self._channels[peer]
+
+    def next_tag(self, channel: ChannelSpec) -> int:
+        return next(self._tags)
+
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
+        start = time.monotonic()
+        slot = self.hub.slot(channel.key, tag)
+        try:
+            data = await asyncio.wait_for(asyncio.shield(slot), self.hub.timeout_s)
+        except TimeoutError:
+            self.hub.dead.add(channel.key)
+            raise TransferError("timeout", f"no transfer {tag} on {channel.key} within {self.hub.timeout_s} s") from None
+        finally:
+            self.hub.slots.pop((channel.key, tag), None)
+        buffer.copy_(data)
+        return time.monotonic() - start
+
+    def drop(self, channel: ChannelSpec) -> None:
+        for peer, spec in list(self._channels.items()):
+            if spec == channel:
+                del self._channels[peer]
+        self.hub.dead.add(channel.key)
+
+
+class InProcessSender(KVSender):
+    def __init__(self, hub: Hub) -> None:
+        self.hub = hub
+
+    def connect(self, channel: ChannelSpec) -> None:
+        pass
+
+    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
+        start = time.monotonic()
+        slot = self.hub.slot(channel.key, tag)
+        if not slot.done():
+            slot.set_result(blocks.clone())
+        return time.monotonic() - start

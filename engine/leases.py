@@ -1,0 +1,44 @@
+"""Leases on the blocks a prefill-tier request keeps for its decode worker.
+
+A finished prefill-tier request keeps its prompt blocks (scheduler.held) until they are sent. The
+lease bounds that wait: the sender claims the blocks when it starts reading them (from then on
+only the sender releases them, after the send); blocks nobody claims within `lease_s` go back to
+the pool. An abort before the claim releases them at once. So neither a cancelled Prefill RPC
+nor a decode worker that never asks can pin blocks for longer than the lease (llm-d keeps
+prefill-side KV under the same kind of lease).
+"""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.engine.request import RequestId
+
+
+class HeldLeases:
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s = lease_s
+        self._deadlines: dict[RequestId, float] = {}  # unclaimed held requests -> monotonic deadline
+        self.num_expired = 0  # cumulative, for metrics
+
+    def start(self, request_id: RequestId, now: float | None = None) -> None:
+        self._deadlines[request_id] = (time.monotonic() if now is None else now) + self.lease_s
+
+    def claim(self, request_id: RequestId) -> bool:
+        """The sender takes the blocks; False if the lease is gone (expired, aborted or never started)."""
+        return self._deadlines.pop(request_id, None) is not None
+
+    def expire(self, now: float | None = None) -> list[RequestId]:
+        """Unclaimed leases past their deadline, removed (their blocks are the caller's to free)."""
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
+        for rid in expired:
+            del self._deadlines[rid]
+        self.num_expired += len(expired)
+        return expired
+
+    def next_deadline(self) -> float | None:
+        return min(self._deadlines.values(), default=None)
+
+    def __len__(self) -> int:
+        return len(self._deadlines)

@@ -1,0 +1,60 @@
+"""Offline batch generation: LLM(...).generate(prompts, SamplingParams)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine, PromptInput
+from splitserve.engine.request import FinishReason
+from splitserve.engine.sampler import TokenLogprobs
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        self.engine = Engine(config or EngineConfig(**overrides))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+        """Run all prompts to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list)]  # validate all first
+        outputs = {r.request_id: CompletionOutput(r.request_id, list(r.all_token_ids)) for r in requests}
+        for request in requests:
+            self.engine.add_request(request)
+        while self.engine.has_unfinished_requests():
+            for step_out in self.engine.step():
+                _merge(outputs[step_out.request_id], step_out)
+        return list(outputs.values())
+
+    def chat(self, messages_list: Sequence[list[dict]], params: SamplingParams | None = None) -> list[CompletionOutput]:
+        prompts = [self.tokenizer.encode_chat(m) for m in messages_list]
+        return self.generate(prompts, params)
+
+
+def _merge(out: CompletionOutput, step) -> None:
+    out.token_ids.extend(step.new_token_ids)
+    out.text += step.new_text
+    if step.new_logprobs is not None:
+        out.logprobs = (out.logprobs or []) + step.new_logprobs
+    out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
+    out.num_cached_tokens = step.num_cached_tokens

@@ -1,0 +1,213 @@
+"""Owns the model weights and the paged KV cache tensors; runs one packed forward per step."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
+from splitserve.engine.kv_cache.staging import StagingPool
+from splitserve.engine.memory import MemorySnapshot, profile_memory
+from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.model.arch import ModelArchConfig
+from splitserve.model.attention import AttentionMetadata, get_backend
+from splitserve.model.loader import ModelSource, build_model
+
+_DEFAULT_CPU_KV_BYTES = 512 * 1024**2
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger("splitserve.engine")
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device to run on; a CUDA device always with its index (threads are bound to it)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
+        raise RuntimeError("device cuda was asked for but torch sees no CUDA device")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make device the calling thread's current CUDA device, where Triton launches its kernels (torch
+    ops follow their tensors); nothing to do elsewhere. Call it in every thread that runs steps."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across all layers, K and V."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """Host-built inputs of one step."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampling_seqs]: index of each sampling sequence's last token
+    sampling: list[ScheduledRequest]  # the scheduled requests that sample, in sample_rows order
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
+        self.device = resolve_device(config.device)
+        bind_thread(self.device)  # this thread loads and profiles (and steps, under LLM / a bare Engine)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.arch = source.arch
+        self.block_size = config.cache.block_size
+        backend_cls = get_backend(config.attention_backend, self.device)
+        self.backend = backend_cls(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.block_size)
+        before_load = MemorySnapshot.take(self.device) if self.device.type == "cuda" else None
+        self.model = build_model(source, self.backend, max_model_len, self.dtype, self.device)
+        self.num_blocks = self._num_kv_blocks(config, max_model_len, before_load)
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; see attention/backend.py
+        self.kv_cache = torch.zeros(
+            self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
+            self.arch.head_dim, dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = list(self.kv_cache.unbind(0))
+        self._staging: StagingPool | None = None
+
+    @property
+    def kv_layout(self) -> str:
+        """What must match between two workers for KV blocks to move between them."""
+        _, _, _, bs, kvh, d = self.kv_cache.shape
+        return f"{str(self.dtype).removeprefix('torch.')}/layers={self.arch.num_layers}/block={bs}/kv_heads={kvh}/head_dim={d}"
+
+    @property
+    def staging(self) -> StagingPool:
+        """Reused host buffers for KV transfers (made on first use)."""
+        if self._staging is None:
+            _, two, _, bs, kvh, d = self.kv_cache.shape
+            self._staging = StagingPool((self.arch.num_layers, two, bs, kvh, d), self.dtype)
+        return self._staging
+
+    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kvh, head_dim]
+        (into out when given, e.g. a host staging buffer)."""
+        if out is not None and out.device != self.kv_cache.device:
+            return out.copy_(gather_blocks(self.kv_cache, block_ids))
+        return gather_blocks(self.kv_cache, block_ids, out)
+
+    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+        """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i]."""
+        scatter_blocks(self.kv_cache, block_ids, blocks)
+
+    def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, before_load: MemorySnapshot | None) -> int:
+        budget, source = self._kv_cache_bytes(config, max_model_len, before_load)
+        per_block = kv_block_bytes(self.arch, self.block_size, self.dtype)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes ({source}) is below one KV block "
+                             f"({per_block} bytes)")
+        log.info("KV cache: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, self.block_size,
+                 num_blocks * per_block / 1024**3, source)
+        return num_blocks
+
+    def _kv_cache_bytes(self, config: EngineConfig, max_model_len: int,
+                        before_load: MemorySnapshot | None) -> tuple[int, str]:
+        """(KV cache budget in bytes, where it comes from)."""
+        cache = config.cache
+        if cache.kv_cache_bytes is not None:
+            return cache.kv_cache_bytes, "--kv-cache-bytes"
+        if before_load is None:
+            return _DEFAULT_CPU_KV_BYTES, "the CPU default"
+        sched = config.scheduler
+        profile = profile_memory(self.device, before_load, lambda: self.profile_forward(
+            sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len))
+        return profile.kv_cache_bytes(cache.gpu_memory_fraction), profile.describe(cache.gpu_memory_fraction)
+
+    def prepare(self, out: SchedulerOutput) -> ForwardBatch:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        sample_rows: list[int] = []
+        for s in out.scheduled:
+            start, n = s.request.num_computed_tokens, s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            seq_lens.append(start + n)
+            query_lens.append(n)
+            if s.samples:
+                sampling.append(s)
+                sample_rows.append(len(input_ids) - 1)
+        return self._pack(input_ids, positions, seq_lens, query_lens, [s.block_ids for s in out.scheduled],
+                          sample_rows, sampling)
+
+    def _pack(self, input_ids: list[int], positions: list[int], seq_lens: list[int], query_lens: list[int],
+              block_ids: list[list[int]], sample_rows: list[int], sampling: list[ScheduledRequest]) -> ForwardBatch:
+        max_blocks = max(len(ids) for ids in block_ids)
+        table = [ids + [0] * (max_blocks - len(ids)) for ids in block_ids]
+        dev = self.device
+        pos = torch.tensor(positions, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+        block_tables = torch.tensor(table, dtype=torch.int64)
+        slots = block_tables[seq_index, pos // self.block_size] * self.block_size + pos % self.block_size
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor(query_lens).cumsum(0)
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev), block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), query_start_loc=qsl.to(dev),
+            num_decodes=_num_leading_ones(query_lens),
+            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_lens_cpu=query_lens,
+        )
+        return ForwardBatch(torch.tensor(input_ids, device=dev), pos.to(dev), meta,
+                            torch.tensor(sample_rows, dtype=torch.int64, device=dev), sampling)
+
+    @torch.inference_mode()
+    def profile_forward(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
+        """One forward as large as a step can be: num_tokens tokens over as many sequences as may run,
+        every one sampling, on a scratch KV cache just big enough (counted as activations: a slight
+        overestimate, on the safe side). What the memory budget measures."""
+        lens = _profile_seq_lens(num_tokens, max_num_seqs, max_model_len)
+        bs, block_ids, next_block = self.block_size, [], 0
+        for n in lens:
+            block_ids.append(list(range(next_block, next_block + -(-n // bs))))
+            next_block += len(block_ids[-1])
+        positions = [p for n in lens for p in range(n)]
+        ends = torch.tensor(lens).cumsum(0) - 1
+        batch = self._pack([0] * num_tokens, positions, lens, lens, block_ids, ends.tolist(), [])
+        scratch = torch.zeros(self.arch.num_layers, 2, next_block, bs, self.arch.num_kv_heads, self.arch.head_dim,
+                              dtype=self.dtype, device=self.device)
+        hidden = self.model(batch.input_ids, batch.positions, list(scratch.unbind(0)), batch.meta)
+        self.model.compute_logits(hidden[batch.sample_rows])
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the step; returns float32 logits [num_sampling_seqs, vocab]."""
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.sampling:
+            return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.sample_rows])
+
+
+def _profile_seq_lens(num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """Sequence lengths of the profiling step: max_num_seqs - 1 one-token sequences (decodes, each
+    sampling a row of logits) and the rest of the tokens in as few prompts as max_model_len allows
+    (the longest attention)."""
+    num_single = min(max_num_seqs, num_tokens) - 1
+    rest = num_tokens - num_single
+    return [1] * num_single + [min(max_model_len, rest - i) for i in range(0, rest, max_model_len)]
+
+
+def _num_leading_ones(query_lens: list[int]) -> int:
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n

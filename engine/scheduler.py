@@ -1,0 +1,327 @@
+"""Continuous (iteration-level) batching over the paged KV cache.
+
+Request lifecycle: waiting -> running -> finished, with running -> waiting on preemption
+(recompute: the request's blocks are freed and its KV recomputed later, cheaply when its blocks
+are still in the prefix cache). The decode tier adds awaiting_kv -> waiting in front (blocks
+reserved while the KV is in flight); the prefill tier adds finished -> held (blocks kept until
+they are sent).
+
+Each step: running requests first (decodes and unfinished chunked prefills), preempting the
+running request last in service order (see `service_key`) when blocks run out; then, if nothing
+was preempted, waiting requests join while the token budget, max_num_seqs and free blocks allow:
+requests whose KV landed from a prefill worker first, then the rest, each in service order. Once one
+cannot join, later ones wait behind it, except landed ones: they already hold their prompt's
+blocks, which only running them gives back (see `_schedule_waiting`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from splitserve.engine.config import RuntimeInfo, SchedulerConfig
+from splitserve.engine.kv_cache.block_pool import BlockId
+from splitserve.engine.kv_cache.manager import KVCacheManager, PrefixHit
+from splitserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    block_ids: list[BlockId]
+    # Whether this step catches the request up, so a token is sampled for it. Fixed at schedule
+    # time so it stays right after update_after_step moves num_computed_tokens.
+    samples: bool = False
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters for metrics."""
+
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found
+
+
+def service_key(r: Request, use_priority: bool) -> tuple:
+    """Service order: min() is served first, max() is the preemption victim.
+
+    "priority": lowest priority value first, then arrival. "fcfs": arrival alone (the client's
+    priority is ignored, for preemption too).
+    """
+    return (r.priority, r.arrival_seq) if use_priority else (r.arrival_seq,)
+
+
+class WaitingQueue:
+    """Waiting requests: landed ones (holding their prompt's blocks) first, each in service order.
+
+    Landed requests go first whatever their priority: their blocks are taken already, they need at
+    most one more, and the blocks come back only once they run. A request's landed flag cannot
+    change while it waits: it leaves the queue to gain or lose blocks.
+    """
+
+    def __init__(self, use_priority: bool) -> None:
+        self._use_priority = use_priority
+        self._keys: list[tuple] = []
+        self._requests: list[Request] = []
+
+    def add(self, request: Request, landed: bool = False) -> None:
+        key = (not landed, *service_key(request, self._use_priority))
+        i = bisect.bisect(self._keys, key)
+        self._keys.insert(i, key)
+        self._requests.insert(i, request)
+
+    def remove(self, request: Request) -> None:
+        i = self._requests.index(request)
+        del self._keys[i], self._requests[i]
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __iter__(self):
+        return iter(self._requests)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, runtime: RuntimeInfo, kv: KVCacheManager) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.kv = kv
+        self._use_priority = config.policy == "priority"
+        self.waiting = WaitingQueue(self._use_priority)
+        self.running: list[Request] = []
+        self.awaiting_kv: dict[str, Request] = {}  # decode tier: KV in flight from a prefill worker
+        self.held: dict[str, Request] = {}  # prefill tier: finished, blocks kept until sent
+        self.requests: dict[str, Request] = {}  # every unfinished request (awaiting_kv included)
+        self.stats = SchedulerStats()
+
+    # -- queue changes ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus, keep_blocks: bool = False) -> Request | None:
+        """Finish (or abort) a request now and free its blocks at once (or hold them: prefill tier)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.AWAITING_KV:
+            del self.awaiting_kv[request_id]
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        if keep_blocks:
+            self.held[request_id] = request
+        else:
+            self.kv.free(request)
+        return request
+
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill-tier request kept for its KV transfer."""
+        request = self.held.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        return request is not None
+
+    # -- decode tier: KV arriving from a prefill worker ---------------------------------------
+    def reserve_for_transfer(self, request: Request) -> int | None:
+        """Reserve blocks for the whole prompt before any KV moves; park the request in awaiting_kv.
+
+        Returns how many leading prompt blocks are already here (prefix hits: not transferred),
+        or None, changing nothing, when the pool cannot hold the prompt now with headroom to spare.
+
+        Headroom: afterwards one block must stay free per request holding blocks, this one
+        included: the next block a running decode grows into, or the one an admitted request's
+        first token may need. Reserved and landed requests cannot be preempted, so without it
+        reservations could fill the pool with requests that can never take their next block.
+        With it, blocks not held by waiting or awaiting requests always number at least those
+        requests, so when nothing runs one of them can (see _schedule_waiting): no deadlock.
+        """
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        hit = self.kv.find_prefix_hit(request)
+        num_keep_free = self._num_holding_blocks() + 1
+        if not self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit, num_keep_free):
+            return None
+        request.num_cached_tokens = hit.num_tokens
+        self.stats.prefix_cache_queries += request.num_tokens
+        self.stats.prefix_cache_hits += hit.num_tokens
+        request.status = RequestStatus.AWAITING_KV
+        self.requests[request.request_id] = request
+        self.awaiting_kv[request.request_id] = request
+        return len(hit.blocks)
+
+    def admit_transferred(self, request_id: str) -> None:
+        """The prompt's KV landed in the reserved blocks: the prompt counts as computed."""
+        request = self.awaiting_kv.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_blocks(request)
+        self._requeue(request)
+
+    def recompute_locally(self, request_id: str) -> None:
+        """The transfer failed after the first token went out: drop the reservation, prefill here."""
+        request = self.awaiting_kv.pop(request_id)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        self._requeue(request)
+
+    def _num_holding_blocks(self) -> int:
+        """Unfinished requests holding blocks: running, awaiting KV, or landed and waiting."""
+        return sum(1 for request_id in self.requests if self.kv.holds(request_id))
+
+    def _requeue(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request, landed=self.kv.holds(request.request_id))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def has_work(self) -> bool:
+        """Whether a step could schedule anything (requests awaiting KV cannot run yet)."""
+        return bool(self.running) or bool(self.waiting)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        for s in out.scheduled:
+            s.block_ids = self.kv.block_ids(s.request.request_id)
+            s.samples = s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
+        # Decodes (one new token) first, then prefills: the runner relies on this order.
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.kv.allocate_slots(request, num_new):
+                out.scheduled.append(ScheduledRequest(request, num_new, []))
+                budget -= num_new
+                i += 1
+                continue
+            victim = max(self.running, key=lambda r: service_key(r, self._use_priority))
+            victim_index = self.running.index(victim)
+            budget += self._preempt(victim, out)
+            if victim_index < i:
+                i -= 1
+            # else: the victim is this request or one not visited yet; index i is still right
+        return budget
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Move victim back to waiting, freeing its blocks; returns the budget it gives back."""
+        refund = 0
+        for s in out.scheduled:
+            if s.request is victim:
+                out.scheduled.remove(s)
+                refund = s.num_new_tokens
+                break
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.add(victim)
+        out.preempted.append(victim)
+        return refund
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests in queue order; after one that cannot join, only landed ones.
+
+        A landed request (its KV came from a prefill worker) holds its prompt's blocks and needs at
+        most one more, for its first token; those blocks come back only by running it, and the
+        request that cannot join may be waiting for exactly them. Fresh and preempted requests
+        never pass one that cannot join, so a large prompt is not starved by small ones.
+        Liveness: when nothing runs, the headroom kept by reserve_for_transfer leaves a free block
+        per landed request, so the first one joins.
+        """
+        blocked = False
+        for request in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if blocked and not self.kv.holds(request.request_id):
+                return  # only landed requests pass one that cannot join, and they are queued first
+            num_new = self._try_admit(request, budget)
+            if num_new is None:
+                blocked = True
+                continue
+            out.scheduled.append(ScheduledRequest(request, num_new, []))
+            budget -= num_new
+
+    def _try_admit(self, request: Request, budget: int) -> int | None:
+        """Move request from waiting to running with its blocks; returns its tokens this step.
+
+        None, changing nothing, when the budget (without chunked prefill) or the pool has no room.
+        """
+        holds = self.kv.holds(request.request_id)  # landed after a KV transfer
+        hit = PrefixHit([], self.kv.block_size) if holds else self.kv.find_prefix_hit(request)
+        num_new = request.num_tokens - request.num_computed_tokens - hit.num_tokens
+        if num_new > budget and not self.config.enable_chunked_prefill:
+            return None
+        num_new = min(num_new, budget)
+        if not self.kv.allocate_slots(request, num_new, hit):
+            return None
+        self.waiting.remove(request)
+        if request.num_preemptions == 0 and request.num_output_tokens == 0:
+            request.num_cached_tokens = hit.num_tokens
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += hit.num_tokens
+        request.num_computed_tokens += hit.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new
+
+    # -- after the forward ----------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+
+        Returns the requests that got a new token this step (finished ones included).
+        """
+        advanced: list[Request] = []
+        for s in out.scheduled:
+            request = s.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.append_output_token(token)
+            self.kv.cache_blocks(request)
+            if token is None:
+                continue
+            advanced.append(request)
+            status = request.check_stop(self.runtime.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status, keep_blocks=request.stop_after_prefill)
+        return advanced

@@ -1,0 +1,1 @@
+"""Starting processes: the `splitserve` command, the local launcher and the supervisor of `splitserve up`."""

@@ -1,0 +1,355 @@
+"""`splitserve` command line: generate, up, gateway, worker."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument("--attention-backend", default=None, help="attention backend name (default: per device)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
+    g.add_argument("--gpu-memory-fraction", type=float, default=0.85,
+                   help="CUDA: share of the device's total memory this worker may use (weights, activations, KV)")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-chunked-prefill", action="store_true",
+                   help="run each prompt in one step (requests over --max-num-batched-tokens are refused)")
+    g.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="prefill tier: release a finished prompt's KV blocks if no send claims them in this time")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model, dtype=a.dtype, device=a.device, attention_backend=a.attention_backend,
+        max_model_len=a.max_model_len, seed=a.seed,
+        cache=CacheConfig(block_size=a.block_size, kv_cache_bytes=a.kv_cache_bytes,
+                          enable_prefix_caching=not a.no_prefix_caching, kv_lease_s=a.kv_lease_s,
+                          gpu_memory_fraction=a.gpu_memory_fraction),
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                                  policy=a.policy, enable_chunked_prefill=not a.no_chunked_prefill),
+    )
+
+
+def _generate(a: argparse.Namespace) -> int:
+    if a.url:
+        return _generate_remote(a)
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.engine.engine import Engine
+
+    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+                            seed=a.sampling_seed, stop=a.stop or ())
+    engine = Engine(engine_config_from_args(a))
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+    start = time.monotonic()
+    engine.add_request(prompt, params)
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            last = out
+    elapsed = time.monotonic() - start
+    if last is not None:
+        print(f"\n[{last.num_output_tokens} tokens, {last.num_output_tokens / elapsed:.1f} tok/s, "
+              f"TTFT {last.timings.get('ttft_ms', 0):.0f} ms, finish: {last.finish_reason.value}]", file=sys.stderr)
+    return 0
+
+
+def _generate_remote(a: argparse.Namespace) -> int:
+    import grpc
+    from splitserve.protos.v1 import generation_pb2 as pb
+    from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParameters(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
+                                       seed=a.sampling_seed),
+        stopping=pb.StoppingCriteria(max_tokens=a.max_tokens, stop=a.stop or []))
+    if a.chat:
+        request.chat.messages.add(role="user", content=a.prompt)
+    else:
+        request.text = a.prompt
+    with grpc.insecure_channel(a.url) as channel:
+        try:
+            for chunk in pb_grpc.GenerationStub(channel).Generate(request):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    print(f"\n[{chunk.usage.completion_tokens} tokens, TTFT {chunk.timings.ttft_ms:.0f} ms, "
+                          f"E2E {chunk.timings.e2e_ms:.0f} ms, finish: {pb.FinishReason.Name(chunk.finish_reason)}]",
+                          file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _worker(a: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+    import os
+
+    import torch
+    from splitserve.worker.server import EngineDied, WorkerConfig, serve_worker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.cpus:
+        cores = {int(c) for c in a.cpus.split(",")}
+        os.sched_setaffinity(0, cores)  # this worker's cores only (fair colocated vs disaggregated runs)
+        torch.set_num_threads(a.num_threads or len(cores))
+    elif a.num_threads:
+        torch.set_num_threads(a.num_threads)
+    config = WorkerConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
+                          metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode,
+                          advertise_host=a.advertise_host,
+                          kv_transfer_timeout_s=a.kv_transfer_timeout)
+    try:
+        asyncio.run(serve_worker(config))
+    except EngineDied as e:
+        print(f"worker: {e}", file=sys.stderr, flush=True)
+        return 3  # non-zero: `splitserve up` or the container's restart policy starts a new one
+    return 0
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from splitserve.gateway.server import GatewayConfig, serve_gateway
+    from splitserve.gateway.validation import RequestLimits
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    limits = RequestLimits(max_prompt_bytes=a.max_prompt_bytes, max_stop_bytes=a.max_stop_bytes,
+                           max_stop_total_bytes=a.max_stop_total_bytes, max_stops=a.max_stops)
+    config = GatewayConfig(model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port,
+                           workers=tuple(a.worker or ()), max_pending=a.max_pending, router=a.router,
+                           redis_url=a.redis_url, limits=limits)
+    asyncio.run(serve_gateway(config))
+    return 0
+
+
+def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
+    from splitserve.launch.launcher import run_up
+
+    workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
+    gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
+    gateway_argv += [arg for flag in _LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
+    from splitserve.launch.launcher import parse_devices
+
+    return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv,
+                  a.admin_port or a.port + 1, parse_devices(a.devices))
+
+
+def _health(a: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(a.address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=a.timeout)
+        except grpc.RpcError as e:
+            print(f"{a.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    print(f"{a.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    return 0 if serving else 1
+
+
+def _workers(a: argparse.Namespace) -> int:
+    import grpc
+    from splitserve.protos.v1 import worker_pb2 as pb
+    from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(a.url) as channel:
+        reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    print(f"{'id':<5}{'role':<9}{'address':<22}{'healthy':<9}{'in flight':>10}{'running':>9}{'waiting':>9}"
+          f"{'KV used':>9}")
+    for w in reply.workers:
+        total = w.load.num_total_blocks
+        used = f"{1 - w.load.num_free_blocks / total:.0%}" if total else "-"
+        role = pb.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower()
+        print(f"{w.worker_id:<5}{role:<9}{w.address:<22}{str(w.healthy).lower():<9}{w.outstanding:>10}"
+              f"{w.load.num_running:>9}{w.load.num_waiting:>9}{used:>9}")
+    return 0
+
+
+def _scale(a: argparse.Namespace) -> int:
+    import grpc
+    from splitserve.protos.v1 import launcher_pb2 as pb
+    from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
+
+    request = pb.ScaleRequest()
+    for mode, value in (("unified", a.workers), ("prefill", a.prefill), ("decode", a.decode)):
+        if value is not None:
+            setattr(request, f"num_{mode}", value)
+    with grpc.insecure_channel(a.url) as channel:
+        try:
+            reply = pb_grpc.LauncherStub(channel).Scale(request, timeout=600)
+        except grpc.RpcError as e:
+            print(f"splitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    for line in reply.started:
+        print(f"started {line}")
+    for line in reply.drained:
+        print(f"drained {line}")
+    print(f"now: {reply.shape}")
+    return 0
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from splitserve.experiments.bench import run_bench
+
+    return run_bench(a)
+
+
+def _experiment(a: argparse.Namespace) -> int:
+    from splitserve.experiments.experiment import run_experiment_file
+
+    return run_experiment_file(a.config, a.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text in process and stream it to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--url", default=None, help="stream from a gateway at HOST:PORT instead of in process")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    worker = sub.add_parser("worker", help="run one worker (an engine behind the Worker gRPC API)")
+    _add_server_args(worker)
+    worker.add_argument("--gateway", default=None, help="gateway HOST:PORT to register with")
+    worker.add_argument("--advertise-host", default=None,
+                        help="host the gateway and peers reach this worker at (default: --host, or this "
+                             "machine's IP when --host is 0.0.0.0)")
+    worker.add_argument("--mode", default="unified", choices=["unified", "prefill", "decode"],
+                        help="unified: whole requests; prefill: prompts only, sends KV; decode: continues "
+                             "requests whose KV a prefill worker sends")
+    worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
+                        help="seconds any KV transfer step may take before it counts as failed")
+    worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
+    add_engine_args(worker)
+    worker.set_defaults(func=_worker)
+
+    gateway = sub.add_parser("gateway", help="run the gateway (public Generation API)")
+    _add_server_args(gateway)
+    gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
+    gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
+    gateway.add_argument("--max-pending", type=int, default=256)
+    gateway.add_argument("--router", default="kv-aware",
+                         help="kv-aware (prefix index + load), least-outstanding, round-robin, prefix-affinity")
+    gateway.add_argument("--redis-url", default=None,
+                         help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory")
+    _add_limit_args(gateway)
+    gateway.set_defaults(func=_gateway)
+
+    bench = sub.add_parser("bench", help="send a workload to a gateway; report latency, throughput, goodput")
+    bench.add_argument("--url", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    bench.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50 (goodput counts requests meeting both)")
+    bench.add_argument("--json", default=None, help="write the report (summary + every request) here")
+    bench.add_argument("--no-progress", action="store_true")
+    from splitserve.experiments.bench import add_workload_args
+
+    add_workload_args(bench)
+    bench.set_defaults(func=_bench)
+
+    health = sub.add_parser("health", help="exit 0 iff the gRPC server at ADDRESS reports SERVING")
+    health.add_argument("address")
+    health.add_argument("--timeout", type=float, default=2.0)
+    health.set_defaults(func=_health)
+
+    workers = sub.add_parser("workers", help="list a gateway's workers: role, address, load, KV usage")
+    workers.add_argument("--url", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    workers.set_defaults(func=_workers)
+
+    scale = sub.add_parser("scale", help="change the number of workers per tier of a running `splitserve up`")
+    scale.add_argument("--url", default="127.0.0.1:50052", help="the launcher control address `up` printed")
+    scale.add_argument("--workers", type=int, default=None, help="unified workers")
+    scale.add_argument("--prefill", type=int, default=None)
+    scale.add_argument("--decode", type=int, default=None)
+    scale.set_defaults(func=_scale)
+
+    experiment = sub.add_parser("experiment", help="run deployments x request rates from a TOML config")
+    experiment.add_argument("config", help="TOML file (see deploy/experiments/)")
+    experiment.add_argument("--out", default=None, help="report folder (default: runs/<config name>-<time>)")
+    experiment.set_defaults(func=_experiment)
+
+    up = sub.add_parser("up", help="start a gateway and its workers as local processes")
+    up.add_argument("--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)")
+    up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
+    up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
+    up.add_argument("--devices", default=None,
+                    help="spread workers over devices round robin: 'cuda' (every visible GPU, one worker each "
+                         "in turn) or a list like cuda:0,cuda:1; default: every worker uses --device")
+    up.add_argument("--admin-port", type=int, default=0,
+                    help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)")
+    up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")
+    up.add_argument("--redis-url", default=None, help="prefix index in Redis; default: in gateway memory")
+    _add_limit_args(up)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    up.set_defaults(func=None)
+    return parser
+
+
+_LIMIT_FLAGS = ("--max-prompt-bytes", "--max-stop-bytes", "--max-stop-total-bytes", "--max-stops")
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's request limits (checked before tokenizing; over one: INVALID_ARGUMENT)."""
+    from splitserve.gateway.validation import RequestLimits
+
+    d = RequestLimits()
+    g = p.add_argument_group("request limits (gateway)")
+    g.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
+                   help="largest prompt text, or chat messages, in bytes (also raises gRPC's 4 MiB message limit)")
+    g.add_argument("--max-stop-bytes", type=int, default=d.max_stop_bytes, help="largest stop string in bytes")
+    g.add_argument("--max-stop-total-bytes", type=int, default=d.max_stop_total_bytes,
+                   help="all stop strings of a request together, in bytes")
+    g.add_argument("--max-stops", type=int, default=d.max_stops,
+                   help="most stop strings, and most stop token ids, per request")
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: a free one)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = build_parser().parse_known_args(argv)
+    try:
+        if args.command == "up":  # the rest of the arguments go to every worker
+            return _up(args, extra)
+        if extra:
+            raise SystemExit(f"splitserve: error: unrecognized arguments: {' '.join(extra)}")
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"splitserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""`splitserve up`: a gateway plus N unified workers, or P prefill and D decode workers (xPyD), as
+local processes on free ports.
+
+Each child's output is echoed with a [name] prefix (and its last lines kept on Child.log);
+Ctrl-C / SIGTERM stops workers first (they drain), then the gateway. While it runs, `up` serves the
+Launcher gRPC service on --admin-port, so `splitserve scale` can change the shape of the system
+(launch/supervisor.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from splitserve.common.serving import free_port
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    metrics: str
+    proc: subprocess.Popen = field(repr=False)
+    mode: str = "gateway"
+    log: deque[str] = field(default_factory=lambda: deque(maxlen=500), repr=False)  # last output lines
+    device: str = ""  # the --device it was given, if any
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.launch.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+
+    def echo() -> None:
+        for line in proc.stdout:
+            if log is not None:
+                log.append(line.rstrip("\n"))
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+
+    threading.Thread(target=echo, daemon=True).start()
+    return proc
+
+
+def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} was not healthy within {timeout_s:.0f} s")
+
+
+def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0) -> list[tuple[str, str]]:
+    """(name, mode) of each worker to start."""
+    if (num_prefill > 0) != (num_decode > 0):
+        raise ValueError("a disaggregated system needs both tiers: give --prefill and --decode (each >= 1)")
+    if num_workers < 0 or num_prefill < 0 or num_decode < 0:
+        raise ValueError("worker counts must be >= 0")
+    return ([(f"worker-{i}", "unified") for i in range(num_workers)]
+            + [(f"prefill-{i}", "prefill") for i in range(num_prefill)]
+            + [(f"decode-{i}", "decode") for i in range(num_decode)])
+
+
+def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0.1", gateway_port: int = 0,
+                  timeout_s: float = 180.0, num_prefill: int = 0, num_decode: int = 0,
+                  worker_argv: list[str] | None = None, env: dict[str, str] | None = None,
+                  gateway_argv: list[str] | None = None, worker_cpus: list[str] | None = None,
+                  devices: list[str] | None = None) -> list[Child]:
+    """Start gateway + workers and wait until all are healthy; the gateway is children[0].
+
+    worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
+    (e.g. --router, --redis-url); env adds environment variables. worker_cpus pins worker i to the
+    cores worker_cpus[i] ("0,1"), with as many torch threads. devices spreads workers over
+    accelerators: worker i gets devices[i % len(devices)] (e.g. one GPU per worker; see spawn_worker).
+    Workers that share a GPU start one after another, each once the one before is healthy: each sizes
+    its KV cache from what it measures on the device while it starts.
+    """
+    modes = worker_modes(num_workers, num_prefill, num_decode)
+    if not modes:
+        raise ValueError("start at least one worker (--workers N, or --prefill P --decode D)")
+    threads = threads_per_worker(len(modes))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    model = _model_argv(engine_argv)
+    gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
+    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}",
+                    _spawn("gateway", ["gateway", "--host", host, "--port", str(gw_port),
+                                       "--metrics-port", str(gw_metrics), *model, *(gateway_argv or [])], env))
+    children = [gateway]
+    try:
+        wait_healthy(gateway.address, timeout_s, gateway.proc)
+        for i, (name, mode) in enumerate(modes):
+            pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
+            n = len(worker_cpus[i].split(",")) if worker_cpus else threads
+            device = device_for(i, devices) if devices else ""
+            wait_for_gpu_peer(children[1:], device, timeout_s)
+            children.append(spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host,
+                                         n, env, device))
+        for child in children[1:]:
+            wait_healthy(child.address, timeout_s, child.proc)
+        time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
+    except BaseException:
+        stop_cluster(children)
+        raise
+    return children
+
+
+def wait_for_gpu_peer(started: list[Child], device: str, timeout_s: float) -> None:
+    """Before starting a worker on GPU device: wait until the last one started there is healthy."""
+    peers = [c for c in started if c.device == device and device.startswith("cuda")]
+    if peers:
+        wait_healthy(peers[-1].address, timeout_s, peers[-1].proc)
+
+
+def threads_per_worker(num_workers: int) -> int:
+    """Torch threads each of num_workers local workers gets: an equal share of the cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, num_workers))
+
+
+def device_for(index: int, devices: list[str]) -> str:
+    """Worker index's device when workers are spread over devices round robin."""
+    return devices[index % len(devices)]
+
+
+def parse_devices(text: str | None) -> list[str] | None:
+    """"cuda:0,cuda:1" -> the list; "cuda" -> every visible GPU (needs torch); None/"" -> None."""
+    if not text:
+        return None
+    if text == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--devices cuda: torch sees no CUDA device")
+        return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return [d.strip() for d in text.split(",") if d.strip()]
+
+
+def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str = "127.0.0.1",
+                 threads: int = 0, env: dict[str, str] | None = None, device: str = "") -> Child:
+    """Start one worker process. device (e.g. "cuda:3"; "" keeps argv's --device) binds it for life:
+    see child_device."""
+    port, metrics = free_port(host), free_port(host)
+    device_arg, env = child_device(device, env or dict(os.environ, PYTHONUNBUFFERED="1"))
+    full = ["worker", "--mode", mode, "--host", host, "--port", str(port), "--metrics-port", str(metrics),
+            "--gateway", gateway, "--num-threads", str(threads), *argv,
+            *(["--device", device_arg] if device_arg else [])]
+    log: deque[str] = deque(maxlen=500)
+    proc = _spawn(name, full, env, log)
+    return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log, device)
+
+
+def child_device(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """(--device, environment) of a child given device. A child on "cuda:N" sees only that GPU
+    (CUDA_VISIBLE_DEVICES, mapped through the parent's own list if it has one) and gets --device cuda:
+    nothing it runs, in any thread, can touch another GPU. Other devices pass through unchanged."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index:
+        return device, env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if not visible:
+        return "cuda", dict(env, CUDA_VISIBLE_DEVICES=index)
+    gpu_ids = [d.strip() for d in visible.split(",")]  # the parent's cuda:i is gpu_ids[i]
+    if int(index) >= len(gpu_ids):
+        raise ValueError(f"device {device}: CUDA_VISIBLE_DEVICES={visible} lists only {len(gpu_ids)} GPUs")
+    return "cuda", dict(env, CUDA_VISIBLE_DEVICES=gpu_ids[int(index)])
+
+
+def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:
+    """Workers first (they drain and deregister), then the gateway."""
+    for group in (children[1:], children[:1]):
+        for child in group:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in group:
+            try:
+                child.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+
+
+def _model_argv(engine_argv: list[str]) -> list[str]:
+    if "--model" in engine_argv:
+        i = engine_argv.index("--model")
+        return engine_argv[i : i + 2]
+    return []
+
+
+def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_prefill: int = 0,
+           num_decode: int = 0, gateway_argv: list[str] | None = None, admin_port: int = 0,
+           devices: list[str] | None = None) -> int:
+    from splitserve.launch.supervisor import Supervisor, serve_launcher
+
+    children = start_cluster(num_workers, engine_argv, host, port, num_prefill=num_prefill, num_decode=num_decode,
+                             gateway_argv=gateway_argv, devices=devices)
+    supervisor = Supervisor(children, engine_argv, host, devices=devices)
+    admin = serve_launcher(supervisor, host, admin_port or free_port(host))
+    print(f"\nsplitserve is up: gateway grpc {children[0].address} "
+          f"(metrics http://{children[0].metrics}/metrics); launcher control {supervisor.admin_address}", flush=True)
+    for child in children[1:]:
+        print(f"  {child.name}: grpc {child.address} metrics http://{child.metrics}/metrics", flush=True)
+    print(f"try: splitserve generate --url {children[0].address} --chat \"Hello!\"\n"
+          f"     splitserve workers --url {children[0].address}\n"
+          f"     splitserve scale --url {supervisor.admin_address} --prefill 1 --decode 2\nCtrl-C stops everything.",
+          flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.is_set():
+        if children[0].proc.poll() is not None:
+            print("gateway exited; stopping workers", flush=True)
+            break
+        supervisor.restart_crashed()
+        stop.wait(0.5)
+    admin.stop(grace=1.0)
+    stop_cluster(supervisor.children)
+    return 0

@@ -1,0 +1,137 @@
+"""The control side of `splitserve up`: the Launcher gRPC service that scales each tier of a
+running local system. Starting a worker = spawn, wait until healthy and registered (the gateway
+routes to it from its next health check). Removing one = SIGTERM, i.e. the worker's drain: it stops
+taking requests, deregisters, finishes (decode, unified) or sends (prefill) what it holds, exits.
+The newest workers of a tier are removed first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from splitserve.launch.launcher import Child, spawn_worker, threads_per_worker, wait_for_gpu_peer, wait_healthy
+from splitserve.protos.v1 import launcher_pb2 as pb
+from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
+
+MODES = ("unified", "prefill", "decode")
+RESTART_BACKOFF_S = 10.0  # a worker that crashes again this soon after a restart waits this long
+
+
+class Supervisor:
+    """Owns the children of `splitserve up` after start; children[0] is the gateway."""
+
+    def __init__(self, children: list[Child], engine_argv: list[str], host: str, drain_timeout_s: float = 90.0,
+                 start_timeout_s: float = 180.0, devices: list[str] | None = None) -> None:
+        self.children = children
+        self.devices = devices  # new workers take the device the fewest live workers use
+        self.engine_argv, self.host = engine_argv, host
+        self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
+        self.admin_address = ""
+        self._lock = threading.Lock()
+        self._ids = {mode: itertools.count(sum(c.mode == mode for c in children)) for mode in MODES}
+        self._restarted_at: dict[str, float] = {}  # worker name -> when it was last restarted
+
+    def workers(self, mode: str) -> list[Child]:
+        return [c for c in self.children[1:] if c.mode == mode and c.proc.poll() is None]
+
+    def shape(self) -> str:
+        return ", ".join(f"{len(self.workers(m))} {m}" for m in MODES)
+
+    def scale(self, wanted: dict[str, int]) -> tuple[list[Child], list[Child]]:
+        """Start or drain workers until each tier in wanted has that many; returns (started, drained)."""
+        with self._lock:
+            if wanted.get("prefill", len(self.workers("prefill"))) and not wanted.get("decode", len(self.workers("decode"))):
+                raise ValueError("prefill workers need at least one decode worker")
+            started, drained = [], []
+            for mode, count in wanted.items():
+                alive = self.workers(mode)
+                if count > len(alive):
+                    started += self._start(mode, count - len(alive))
+                elif count < len(alive):
+                    drained += self._drain(alive[count:])
+            self.children[:] = [self.children[0]] + [c for c in self.children[1:] if c.proc.poll() is None]
+            return started, drained
+
+    def _start(self, mode: str, n: int) -> list[Child]:
+        threads = threads_per_worker(len(self.children) - 1 + n)
+        new = []
+        for _ in range(n):
+            device = self._least_used_device() if self.devices else ""
+            wait_for_gpu_peer(new, device, self.start_timeout_s)  # one at a time per GPU
+            new.append(spawn_worker(f"{mode}-{next(self._ids[mode])}", mode, self.children[0].address,
+                                    self.engine_argv, self.host, threads, device=device))
+            self.children.append(new[-1])
+        for child in new:
+            wait_healthy(child.address, self.start_timeout_s, child.proc)
+        time.sleep(1.5)  # one gateway health-check round: they take traffic now
+        return new
+
+    def restart_crashed(self) -> list[Child]:
+        """Start again, same name, mode and device, every worker that exited on its own with an error
+        (killed, or its engine loop died: exit 3). Drained workers exit 0 and are not restarted."""
+        with self._lock:
+            now, restarted = time.monotonic(), []
+            for i, child in enumerate(self.children[1:], start=1):
+                code = child.proc.poll()
+                if code in (None, 0) or now - self._restarted_at.get(child.name, -RESTART_BACKOFF_S) < RESTART_BACKOFF_S:
+                    continue
+                print(f"{child.name} exited with code {code}; starting it again", flush=True)
+                self.children[i] = spawn_worker(child.name, child.mode, self.children[0].address, self.engine_argv,
+                                                self.host, threads_per_worker(len(self.children) - 1),
+                                                device=child.device)
+                self._restarted_at[child.name] = now
+                restarted.append(self.children[i])
+            return restarted
+
+    def _least_used_device(self) -> str:
+        used = {d: 0 for d in self.devices}
+        for child in self.children[1:]:
+            if child.proc.poll() is None and child.device in used:
+                used[child.device] += 1
+        return min(self.devices, key=lambda d: used[d])
+
+    def _drain(self, victims: list[Child]) -> list[Child]:
+        for child in victims:
+            child.proc.send_signal(signal.SIGTERM)
+        for child in victims:
+            try:
+                child.proc.wait(timeout=self.drain_timeout_s)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        return victims
+
+
+class LauncherServicer(pb_grpc.LauncherServicer):
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
+        wanted = {mode: getattr(request, f"num_{mode}") for mode in MODES if request.HasField(f"num_{mode}")}
+        try:
+            started, drained = self.supervisor.scale(wanted)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (RuntimeError, TimeoutError) as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"a new worker did not come up: {e}")
+        return pb.ScaleResponse(started=[f"{c.name} {c.address}" for c in started],
+                                drained=[f"{c.name} {c.address}" for c in drained], shape=self.supervisor.shape())
+
+
+def serve_launcher(supervisor: Supervisor, host: str, port: int) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_LauncherServicer_to_server(LauncherServicer(supervisor), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    supervisor.admin_address = f"{host}:{bound}"
+    return server

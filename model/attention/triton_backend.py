@@ -1,0 +1,129 @@
+"""Triton paged attention: store_kv, then the paged decode and prefill kernels of splitserve.kernels;
+and the model's RMSNorm (residual add fused), RoPE and SiLU-and-mul as kernels too (TritonOps).
+
+Runs on CUDA, or on CPU under TRITON_INTERPRET=1 (tests only: the interpreter is slow). Triton and
+splitserve.kernels are imported when the backend is checked (check_supported) or built, not when this
+module is: Triton fixes at import whether kernels are compiled or interpreted, and a missing, too old
+(< MIN_TRITON) or compiler-less Triton must only make this backend unavailable (the CUDA default then
+falls back to torch and logs why).
+
+No host syncs in forward: grid sizes and the split-K count come from the host copies in the metadata
+(seq_lens_cpu, query_lens_cpu). For CUDA-graph capture of decode steps the split count must stay fixed
+per captured batch size; today it follows max(seq_lens_cpu).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+
+import torch
+from splitserve.model.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    ModelOps,
+    register_backend,
+)
+
+MIN_TRITON = "3.4"  # splitserve.kernels read triton.knobs, new in Triton 3.4 (torch 2.8 ships it)
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _check_triton_version() -> str:
+    """Import triton; raise RuntimeError unless it is one the kernels support. Returns its version."""
+    try:
+        import triton
+    except ImportError as e:
+        raise RuntimeError(f"triton is installed but does not import ({e})") from e
+    version = getattr(triton, "__version__", "unknown")
+    if not hasattr(triton, "knobs"):  # the API the kernels need, whatever the version string says
+        raise RuntimeError(f"triton {version} is too old: splitserve.kernels need triton >= {MIN_TRITON} "
+                           "(triton.knobs; torch >= 2.8 ships it)")
+    return version
+
+
+def _check_compiler(version: str) -> None:
+    """Compiled Triton builds a small C launcher per kernel: it needs a C compiler, as Triton looks
+    for one ($CC, gcc or clang). CUDA `-runtime` images lack one."""
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        raise RuntimeError(f"triton {version} needs a C compiler to build its kernel launchers and none was "
+                           "found (set CC, or install gcc)")
+
+
+def _import_kernels(version: str) -> None:
+    try:
+        import splitserve.kernels  # noqa: F401
+    except (ImportError, AttributeError) as e:  # a Triton API the kernels use is missing
+        raise RuntimeError(f"splitserve.kernels do not import with triton {version} ({e})") from e
+
+
+class TritonOps(ModelOps):
+    """ModelOps on splitserve.kernels, rounding as the torch versions do (see the kernels' docstrings)."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def rms_norm(self, x, weight, eps):
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        return self.kernels.rms_norm(x, weight, eps, residual=residual), residual  # residual += x in place
+
+    def rope_lookup(self, cos, sin, positions, dtype):
+        # The kernel reads float32 [max_len, head_dim // 2] rows (strided views) by position itself.
+        half = cos.shape[1] // 2
+        return positions, cos[:, :half], sin[:, :half]
+
+    def rotate(self, q, k, rope):
+        positions, cos, sin = rope
+        self.kernels.rotary_embedding(positions, q, k, cos, sin)  # in place
+        return q, k
+
+    def silu_and_mul(self, gate_up):
+        return self.kernels.silu_and_mul(gate_up)
+
+
+@register_backend
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    @classmethod
+    def check_supported(cls, device: torch.device) -> None:
+        """Triton importable, new enough, a C compiler on CUDA, and splitserve.kernels importable."""
+        if not triton_installed():
+            raise RuntimeError(f"the 'triton' attention backend needs the triton package "
+                               f"(pip install 'triton>={MIN_TRITON}')")
+        interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+        if device.type != "cuda" and not interpreted:
+            raise RuntimeError(f"the 'triton' attention backend runs on CUDA, or on CPU only under the Triton "
+                               f"interpreter (TRITON_INTERPRET=1, slow, for tests); device is {device}")
+        version = _check_triton_version()
+        if not interpreted:
+            _check_compiler(version)
+        # Raises RuntimeError if triton was imported before TRITON_INTERPRET was set.
+        _import_kernels(version)
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        from splitserve import kernels
+
+        self.kernels = kernels
+        self.ops = TritonOps(kernels)
+
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        kernels, nd = self.kernels, meta.num_decodes
+        kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view of qkv
+        if nd:  # decodes come first, one token each
+            kernels.paged_decode_attention(
+                q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
+                max_seq_len=max(meta.seq_lens_cpu[:nd]), out=out[:nd])
+        if nd < meta.num_seqs:
+            kernels.paged_prefill_attention(
+                q[nd:], kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:],
+                self.scale, max_query_len=max(meta.query_lens_cpu[nd:]), out=out[nd:])
+        return out

@@ -1,0 +1,79 @@
+"""Publishes this worker's block-pool events to the gateway's prefix index.
+
+Batches go out every interval_s when there are events, and at least every heartbeat_s (an empty
+batch is the heartbeat), each with the next sequence number under this process's instance id.
+The first batch, and the one after any refusal (the index saw a gap, a restart of either side, or
+lost its state) or failed call, is a snapshot of every cached block: taken between engine steps
+together with draining the pending events, so nothing is counted twice or lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+import grpc
+from splitserve.common.wire import kv_events_to_proto
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.protos.v1 import worker_pb2 as pb
+from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("splitserve.worker")
+
+
+class KVEventPublisher:
+    def __init__(self, engine: AsyncEngine, gateway: str, address: str, model: str,
+                 register: Callable[[], Awaitable[None]], interval_s: float = 0.1, heartbeat_s: float = 1.0) -> None:
+        self.engine, self.gateway, self.address, self.model = engine, gateway, address, model
+        self.register = register  # called when the gateway no longer knows this worker (it restarted)
+        self.interval_s, self.heartbeat_s = interval_s, heartbeat_s
+        self.instance_id = uuid.uuid4().hex
+        self.seq = 0
+        self.num_snapshots = 0
+        self._need_snapshot = True
+
+    async def run(self) -> None:
+        async with grpc.aio.insecure_channel(self.gateway) as channel:
+            stub = pb_grpc.RegistryStub(channel)
+            loop = asyncio.get_running_loop()
+            last_sent = 0.0
+            while True:
+                request = await self._next_batch(loop.time() - last_sent >= self.heartbeat_s)
+                if request is not None:
+                    last_sent = loop.time()
+                    await self._send(stub, request)
+                await asyncio.sleep(self.interval_s)
+
+    async def _next_batch(self, heartbeat_due: bool) -> pb.PublishKVEventsRequest | None:
+        pool = self.engine.engine.kv.pool
+        block_size = self.engine.engine.runtime.block_size
+        if self._need_snapshot:
+            hashes, _ = await self.engine.call(lambda: (pool.cached_hashes(), pool.drain_events()))
+            self._need_snapshot = False
+            self.num_snapshots += 1
+            return self._request(is_snapshot=True, snapshot_block_hashes=hashes, block_size=block_size)
+        events = await self.engine.call(pool.drain_events)
+        if not events and not heartbeat_due:
+            return None
+        return self._request(events=kv_events_to_proto(events), block_size=block_size)
+
+    def _request(self, **fields) -> pb.PublishKVEventsRequest:
+        self.seq += 1
+        return pb.PublishKVEventsRequest(address=self.address, instance_id=self.instance_id, seq=self.seq,
+                                         model=self.model, **fields)
+
+    async def _send(self, stub: pb_grpc.RegistryStub, request: pb.PublishKVEventsRequest) -> None:
+        try:
+            reply = await stub.PublishKVEvents(request, timeout=2.0)
+        except grpc.aio.AioRpcError as e:  # this batch is lost: the index must resync
+            log.debug("publishing KV events to %s failed: %s", self.gateway, e.code().name)
+            self._need_snapshot = True
+            return
+        if reply.resync:
+            log.info("prefix index asked for a snapshot (batch %d)", request.seq)
+            self._need_snapshot = True
+        if reply.register:
+            log.info("gateway %s does not know this worker (restarted?); registering again", self.gateway)
+            await self.register()

@@ -1,0 +1,192 @@
+"""Run a worker: load the engine, serve Worker + health + reflection, expose /metrics, register
+with the gateway, drain on SIGTERM.
+
+Modes: unified (whole requests), prefill (the Prefill RPC; sends KV), decode (whole requests, and
+requests whose prompt a prefill worker computes; hosts the TCPStore its KV channels meet through).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from splitserve.common.model_files import model_name
+from splitserve.common.serving import start_metrics_server
+from splitserve.disagg.decode import DecodeHandoff
+from splitserve.disagg.prefill_client import GrpcPrefillClient
+from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.engine import Engine
+from splitserve.protos.v1 import worker_pb2 as pb
+from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.worker.kv_events import KVEventPublisher
+from splitserve.worker.metrics import WorkerMetrics
+from splitserve.worker.servicer import WorkerServicer, engine_snapshot
+
+log = logging.getLogger("splitserve.worker")
+
+ROLES = {"unified": pb.WORKER_ROLE_UNIFIED, "prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
+# Test hook: the prefill side waits this long before sending KV (a slow or stuck sender).
+SEND_DELAY_ENV = "SPLITSERVE_FAULT_SEND_DELAY_S"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    metrics_port: int = 0
+    gateway: str | None = None  # host:port of the gateway's Registry
+    advertise_host: str | None = None  # the host others reach this worker at; None: host (or this
+    # machine's IP when host is 0.0.0.0, e.g. one replica of a scaled compose service)
+    mode: str = "unified"
+    drain_timeout_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
+    kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROLES:
+            raise ValueError(f"--mode must be one of {sorted(ROLES)}, got {self.mode!r}")
+        if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
+            raise ValueError("KV transfer and reserve timeouts must be > 0")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in ("0.0.0.0", "::", ""):
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
+
+
+def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics) -> WorkerServicer:
+    role = ROLES[config.mode]
+    if config.mode == "prefill":
+        sender = TorchDistSender(config.kv_transfer_timeout_s)
+        delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
+        return WorkerServicer(engine, metrics, role, sender=sender, send_delay_s=delay)
+    if config.mode == "decode":
+        receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
+        log.info("KV channels meet at TCPStore %s", receiver.address)
+        handoff = DecodeHandoff(engine, receiver, GrpcPrefillClient(), metrics, config.kv_reserve_timeout_s,
+                                config.kv_transfer_timeout_s)
+        return WorkerServicer(engine, metrics, role, handoff=handoff)
+    return WorkerServicer(engine, metrics, role)
+
+
+class EngineDied(RuntimeError):
+    """The engine loop raised; the worker left the cluster and must exit non-zero (to be restarted)."""
+
+
+async def serve_worker(config: WorkerConfig) -> None:
+    engine = AsyncEngine(Engine(config.engine))
+    name = model_name(config.engine.model)
+    metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(engine))
+    servicer = _make_servicer(config, engine, metrics)
+    server = grpc.aio.server()
+    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    services = (pb.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(services, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
+    address = f"{config.public_host}:{port}"
+    stop = asyncio.Event()
+    servicer.request_drain = stop.set  # the Drain RPC does what SIGTERM does
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    print(f"worker ready: grpc {address} metrics http://{config.public_host}:{metrics_port}/metrics", flush=True)
+    publisher = None
+    if config.gateway:
+        async def register() -> None:
+            await _register(config, address, f"{config.public_host}:{metrics_port}", name, engine.engine)
+
+        await register()
+        publisher = asyncio.create_task(KVEventPublisher(engine, config.gateway, address, name, register).run())
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    died = asyncio.ensure_future(engine.died.wait())
+    await asyncio.wait({died, asyncio.ensure_future(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if publisher is not None:  # before deregistering, or it would register this worker again
+        publisher.cancel()
+    if died.done():
+        await _leave_dead(config, health_servicer, server, address)
+        raise EngineDied("the engine loop died (see the traceback above); the worker left the gateway")
+    await _drain(config, servicer, health_servicer, engine, address)
+    log.info("drained: %s", _pool_report(engine))
+    await server.stop(grace=1.0)
+    await engine.shutdown()
+    for transport in (servicer.sender, servicer.handoff and servicer.handoff.receiver):
+        if transport is not None:
+            transport.close()
+
+
+async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, engine: Engine) -> None:
+    runtime = engine.runtime
+    request = pb.RegisterWorkerRequest(address=address, role=ROLES[config.mode], model=name,
+                                       max_model_len=runtime.max_model_len, metrics_address=metrics_address,
+                                       block_size=runtime.block_size, vocab_size=engine.vocab_size)
+    async with grpc.aio.insecure_channel(config.gateway) as channel:
+        stub = pb_grpc.RegistryStub(channel)
+        for attempt in range(60):
+            try:
+                reply = await stub.RegisterWorker(request, timeout=2.0)
+                log.info("registered with gateway %s as %s", config.gateway, reply.worker_id)
+                return
+            except grpc.aio.AioRpcError as e:
+                log.warning("gateway %s not reachable yet (%s); retrying", config.gateway, e.code().name)
+                await asyncio.sleep(min(0.2 * (attempt + 1), 2.0))
+    raise RuntimeError(f"could not register with the gateway at {config.gateway}")
+
+
+async def _leave_dead(config: WorkerConfig, health_servicer, server, address: str) -> None:
+    """Health NOT_SERVING, deregister, stop serving: nothing is routed to a worker that cannot step."""
+    log.error("the engine loop died; leaving the gateway and exiting")
+    await health_servicer.enter_graceful_shutdown()
+    await _deregister(config, address)
+    await server.stop(grace=0.5)
+
+
+async def _deregister(config: WorkerConfig, address: str) -> None:
+    if not config.gateway:
+        return
+    try:
+        async with grpc.aio.insecure_channel(config.gateway) as channel:
+            await pb_grpc.RegistryStub(channel).DeregisterWorker(
+                pb.DeregisterWorkerRequest(address=address), timeout=2.0)
+    except grpc.aio.AioRpcError:
+        pass  # the gateway's health checks drop us anyway
+
+
+async def _drain(config, servicer, health_servicer, engine: AsyncEngine, address: str) -> None:
+    """Stop taking requests, leave the gateway, let running requests finish (bounded)."""
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    await _deregister(config, address)
+    deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
+    while _busy(servicer) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def _pool_report(engine: AsyncEngine) -> str:
+    """One line the launcher's tests read: the KV pool must be empty when a drained worker exits."""
+    e, s = engine.engine, engine.engine.scheduler
+    return (f"free_blocks={e.kv.num_free_blocks} total_blocks={e.runner.num_blocks} running={s.num_running} "
+            f"waiting={s.num_waiting} awaiting_kv={len(s.awaiting_kv)} held={len(s.held)} "
+            f"held_blocks={e.num_held_blocks()} lease_expiries={e.leases.num_expired}")
+
+
+def _busy(servicer: WorkerServicer) -> bool:
+    """Requests streaming, KV still to send (prefill) or still landing (decode)."""
+    landing = servicer.handoff is not None and bool(servicer.handoff.landings)
+    return bool(servicer.engine.num_requests() or servicer.engine.engine.scheduler.held or landing)

@@ -1,0 +1,148 @@
+"""The Worker gRPC service: streams an AsyncEngine's outputs, aborts on cancel, reports load, and
+(by role) serves the Prefill RPC or continues requests prefilled elsewhere."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
+from splitserve.disagg.decode import DecodeHandoff
+from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffJob
+from splitserve.disagg.prefill import prefill_and_send
+from splitserve.disagg.prefill_client import event_to_proto
+from splitserve.disagg.transfer.base import ChannelSpec, KVSender, TransferError
+from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
+from splitserve.engine.engine import RequestOutput
+from splitserve.protos.v1 import generation_pb2 as gen_pb
+from splitserve.protos.v1 import worker_pb2 as pb
+from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+
+
+def engine_snapshot(engine: AsyncEngine) -> EngineSnapshot:
+    e = engine.engine
+    s = e.scheduler
+    return EngineSnapshot(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=e.kv_usage(),
+                          num_preemptions=s.stats.num_preemptions, prefix_cache_queries=s.stats.prefix_cache_queries,
+                          prefix_cache_hits=s.stats.prefix_cache_hits, num_awaiting_kv=len(s.awaiting_kv),
+                          num_held_blocks=e.num_held_blocks(), num_lease_expiries=e.leases.num_expired,
+                          num_failed_requests=e.stats.num_failed_requests, num_kv_blocks=e.runner.num_blocks)
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, role: int = pb.WORKER_ROLE_UNIFIED,
+                 sender: KVSender | None = None, handoff: DecodeHandoff | None = None,
+                 send_delay_s: float = 0.0) -> None:
+        self.engine, self.metrics, self.role = engine, metrics, role
+        self.sender, self.handoff = sender, handoff
+        self.send_delay_s = send_delay_s  # fault injection for tests: a slow prefill-side send
+        self.draining = False
+        self.request_drain: Callable[[], None] | None = None  # set by the server: starts the drain
+
+    async def Generate(self, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down; retry on another")
+        timing = RequestTiming(arrival=time.monotonic())
+        try:
+            async for out in self._outputs(request, context):
+                yield self._response(out, timing)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except EngineDead as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except HandoffError as e:
+            if e.failed_peer:
+                context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
+            await context.abort(grpc.StatusCode[e.code], e.message)
+
+    async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
+        params = sampling_params_from_proto(request.sampling, request.stopping,
+                                            request.logprobs if request.HasField("logprobs") else None)
+        # The client's id is a label only: the engine names the request itself, so a reused id can
+        # never reach another request's blocks.
+        prompt, label = list(request.prompt_token_ids), request.request_id
+        if request.prefill_address:
+            if self.handoff is None:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is not a decode worker; "
+                                    "send requests with a prefill_address to one started with --mode decode")
+            engine_request = self.engine.engine.make_request(prompt, params, priority=request.priority, label=label)
+            stream = self.handoff.generate(engine_request, request.prefill_address)
+        elif self.role == pb.WORKER_ROLE_PREFILL:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker runs prompts only (the "
+                                "Prefill RPC); send whole requests to a unified or decode worker")
+        else:
+            stream = self.engine.generate(prompt, params, priority=request.priority, label=label)
+        async for out in stream:
+            yield out
+
+    def _response(self, out: RequestOutput, timing: RequestTiming) -> pb.WorkerGenerateResponse:
+        now = time.monotonic()
+        if timing.first_token is None:
+            timing.first_token = now
+        elif timing.last_token is not None:
+            self.metrics.observe_token_gap(now - timing.last_token)
+        timing.last_token = now
+        msg = pb.WorkerGenerateResponse(text=out.new_text, token_ids=out.new_token_ids,
+                                        logprobs=logprobs_to_proto(out.new_logprobs))
+        if out.finished:
+            timing.finished, timing.queue_s = now, out.timings.get("queue_ms", 0.0) / 1e3
+            reason = out.finish_reason.value if out.finish_reason else "abort"
+            self.metrics.observe_finished(timing, out.num_prompt_tokens, out.num_output_tokens, reason)
+            msg.finish_reason = FINISH_REASONS[reason]
+            msg.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
+            msg.usage.CopyFrom(gen_pb.Usage(prompt_tokens=out.num_prompt_tokens,
+                                            completion_tokens=out.num_output_tokens,
+                                            cached_prompt_tokens=out.num_cached_tokens))
+            msg.queue_ms = out.timings.get("queue_ms", 0.0)
+        return msg
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        if self.role != pb.WORKER_ROLE_PREFILL or self.sender is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
+        r = request.request
+        job = HandoffJob(ChannelSpec(request.channel.store_address, request.channel.key), request.transfer_tag,
+                         request.num_skip_blocks, request.kv_layout)
+        timing = RequestTiming(arrival=time.monotonic())
+        try:
+            params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
+            engine_request = self.engine.engine.make_request(list(r.prompt_token_ids), params, priority=r.priority,
+                                                             stop_after_prefill=True, label=r.request_id)
+            async for event in prefill_and_send(self.engine, engine_request, self.sender, job, self.metrics,
+                                                self.send_delay_s):
+                if isinstance(event, FirstToken):
+                    timing.first_token = timing.finished = time.monotonic()
+                    timing.queue_s = event.queue_ms / 1e3
+                    self.metrics.observe_finished(timing, engine_request.num_prompt_tokens, 1, "length")
+                yield event_to_proto(event)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:
+            await context.abort(grpc.StatusCode.INTERNAL, str(e))
+        except EngineDead as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason}): {e}")
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        if self.request_drain is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker cannot be drained over RPC")
+        self.request_drain()
+        return pb.DrainResponse(draining=True)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Aborts every request the client sent with this id (ids are labels, so there may be several)."""
+        return pb.AbortResponse(aborted=self.engine.abort_label(request.request_id) > 0)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.LoadReport:
+        e = self.engine.engine
+        return pb.LoadReport(num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
+                             num_free_blocks=e.kv.num_free_blocks, num_total_blocks=e.runner.num_blocks,
+                             block_size=e.runtime.block_size, num_awaiting_kv=len(e.scheduler.awaiting_kv),
+                             role=self.role, num_held_blocks=e.num_held_blocks(),
+                             num_held_requests=len(e.scheduler.held))
