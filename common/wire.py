@@ -51,20 +51,6 @@ def logprobs_to_proto(entries) -> list[gen_pb.TokenLogprob]:
             for e in entries or ()]
 
 
-def sampling_params_to_proto(p: SamplingParams) -> tuple[gen_pb.SamplingParameters, gen_pb.StoppingCriteria]:
-    """Inverse of sampling_params_from_proto (a decode worker forwards requests this way)."""
-    sampling = gen_pb.SamplingParameters(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or 0,
-                                         min_p=p.min_p, repetition_penalty=p.repetition_penalty,
-                                         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty)
-    if p.seed is not None:
-        sampling.seed = p.seed
-    stopping = gen_pb.StoppingCriteria(min_tokens=p.min_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-                                       ignore_eos=p.ignore_eos)
-    if p.max_tokens is not None:
-        stopping.max_tokens = p.max_tokens
-    return sampling, stopping
-
-
 def logprobs_from_proto(entries) -> list:
     """TokenLogprob protos back to the engine's TokenLogprobs."""
     from splitserve.engine.sampler import TokenLogprobs  # torch: only workers call this

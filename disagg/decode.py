@@ -28,23 +28,40 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
-from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, TransferDone
-from splitserve.disagg.transfer.base import KVReceiver, TransferError
+import grpc
+from splitserve.disagg.handoff import (
+    FirstToken,
+    HandoffError,
+    HandoffEvent,
+    HandoffJob,
+    HandoffProtocolError,
+    TransferDone,
+)
+from splitserve.disagg.transfer.base import KVReceiver, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
+from splitserve.engine.handoff_port import HandoffPort, Reservation
 from splitserve.engine.kv_cache.block_io import checksum
 from splitserve.engine.request import Request
+from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("splitserve.decode")
+
+# What a prefill worker's failure looks like from here: its RPC failed, it timed out, its stream
+# ended early, its events broke the protocol, or the transport failed. Anything else is a bug.
+PREFILL_FAILURES = (grpc.aio.AioRpcError, TimeoutError, StopAsyncIteration, ConnectionError, HandoffProtocolError,
+                    TransferError)
 
 
 class PrefillClient(ABC):
     """How a decode worker reaches prefill workers (gRPC in production, direct calls in tests)."""
 
     @abstractmethod
-    def prefill(self, peer: str, request: Request, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
-        """Stream FirstToken then TransferDone from the prefill worker at peer."""
+    def prefill(self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None,
+                job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+        """Stream FirstToken then TransferDone from the prefill worker at peer. wire is the request
+        as this worker received it (forwarded as is), when it came over gRPC."""
 
 
 class DecodeHandoff:
@@ -52,26 +69,27 @@ class DecodeHandoff:
                  metrics: WorkerMetrics | None = None, reserve_timeout_s: float = 10.0,
                  transfer_timeout_s: float = 30.0) -> None:
         self.engine, self.receiver, self.client, self.metrics = engine, receiver, client, metrics
+        self.port = HandoffPort(engine)
         self.reserve_timeout_s = reserve_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.landings: set[asyncio.Task] = set()  # transfers in flight (drain waits for them)
 
-    async def generate(self, request: Request, peer: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: Request, peer: str,
+                       wire: pb.WorkerGenerateRequest | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs; raises HandoffError if it cannot start."""
         rid, engine = request.request_id, self.engine
-        engine.open_stream(rid)
+        engine.open_stream(rid, request.label)
         finished = streaming = False
         try:
-            num_held = await self._reserve(request)
-            ask = asyncio.create_task(self._ask(request, peer, num_held))
+            reservation = await self._reserve(request)
+            ask = asyncio.create_task(self._ask(reservation, peer, wire))
             try:
                 first, job, events = await asyncio.shield(ask)
             except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
-                ask.add_done_callback(lambda task: self._land_if_asked(request, task))
+                ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
                 raise
-            landing = self._start_landing(request, first, job, events)
-            out = await engine.call(engine.engine.accept_first_token, rid, first.token_id, first.logprobs,
-                                    first.sampler_state)
+            landing = self._start_landing(reservation, first, job, events)
+            out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
             if out is None:  # aborted meanwhile
                 return
             finished = out.finished
@@ -86,74 +104,75 @@ class DecodeHandoff:
             if not streaming:
                 engine.close_stream(rid, finished)
 
-    def _land_if_asked(self, request: Request, ask: asyncio.Task) -> None:
+    def _land_if_asked(self, reservation: Reservation, ask: asyncio.Task) -> None:
         """The caller left while asking; if the blocks were announced anyway, receive and discard them."""
         if not ask.cancelled() and ask.exception() is None:
-            self._start_landing(request, *ask.result())
+            self._start_landing(reservation, *ask.result())
 
-    def _start_landing(self, request: Request, first: FirstToken, job: HandoffJob, events) -> asyncio.Task:
-        landing = asyncio.create_task(self._land(request, job, first, events))
+    def _start_landing(self, reservation: Reservation, first: FirstToken, job: HandoffJob, events) -> asyncio.Task:
+        landing = asyncio.create_task(self._land(reservation, job, first, events))
         self.landings.add(landing)
         landing.add_done_callback(self.landings.discard)
         return landing
 
-    async def _reserve(self, request: Request) -> int:
-        core = self.engine.engine
+    async def _reserve(self, request: Request) -> Reservation:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.reserve_timeout_s
         while True:
-            num_held = await self.engine.call(core.reserve_for_transfer, request)
-            if num_held is not None:
-                if self.metrics is not None and num_held:
-                    self.metrics.observe_blocks_skipped(num_held)
-                return num_held
+            reservation = await self.port.reserve(request)
+            if reservation is not None:
+                if self.metrics is not None and reservation.num_held_blocks:
+                    self.metrics.observe_blocks_skipped(reservation.num_held_blocks)
+                return reservation
             if loop.time() > deadline:
-                raise HandoffError("RESOURCE_EXHAUSTED", f"this decode worker's KV cache had no room for the "
-                                   f"{request.num_prompt_tokens}-token prompt for {self.reserve_timeout_s:.0f} s; "
-                                   "retry later or add decode workers")
+                raise HandoffError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this decode worker's KV cache had no room "
+                                   f"for the {request.num_prompt_tokens}-token prompt for "
+                                   f"{self.reserve_timeout_s:.0f} s; retry later or add decode workers")
             await asyncio.sleep(0.02)
 
-    async def _ask(self, request: Request, peer: str, num_held: int):
+    async def _ask(self, reservation: Reservation, peer: str, wire: pb.WorkerGenerateRequest | None):
         channel = self.receiver.channel_for(peer)
-        job = HandoffJob(channel, self.receiver.next_tag(channel), num_held, self.engine.engine.runner.kv_layout)
-        events = aiter(self.client.prefill(peer, request, job))
+        job = HandoffJob(channel, self.receiver.next_tag(channel), reservation.num_held_blocks, self.port.kv_layout)
+        events = aiter(self.client.prefill(peer, reservation.request, wire, job))
         try:
             first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
             if not isinstance(first, FirstToken):
-                raise RuntimeError(f"expected the first token, got {type(first).__name__}")
+                raise HandoffProtocolError(f"expected the first token, got {type(first).__name__}")
         except HandoffError:
             self.receiver.drop(channel)
             raise
-        except Exception as e:
+        except PREFILL_FAILURES as e:
             self.receiver.drop(channel)
             if self.metrics is not None:
-                self.metrics.observe_transfer_failure("prefill_failed")
-            raise HandoffError("UNAVAILABLE", f"prefill worker {peer} failed before the first token "
-                               f"({_describe(e)}); retry the request", failed_peer=peer) from None
+                self.metrics.observe_transfer_failure(TransferFailure.PREFILL_FAILED)
+            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {peer} failed before the first "
+                               f"token ({_describe(e)}); retry the request", failed_peer=peer) from None
         return first, job, events
 
-    async def _land(self, request: Request, job: HandoffJob, first: FirstToken, events) -> None:
+    async def _land(self, reservation: Reservation, job: HandoffJob, first: FirstToken, events) -> None:
         """Receive the blocks and admit the request, or fall back to recomputing the prompt here."""
-        core = self.engine.engine
-        rid = request.request_id
-        staging = core.runner.staging.acquire(first.num_blocks)
+        rid = reservation.request.request_id
+        staging = self.port.acquire_staging(first.num_blocks)
         buffer = staging.tensor
         try:
+            if first.num_blocks != reservation.num_blocks_to_land:
+                raise HandoffProtocolError(f"the prefill worker announced {first.num_blocks} blocks, "
+                                           f"{reservation.num_blocks_to_land} were reserved")
             done, seconds = await self._receive(job, buffer, events)
             if done.checksum != checksum(buffer):
-                raise TransferError("checksum", f"KV checksum mismatch on transfer {job.tag}")
-            admitted = await self.engine.call(core.admit_transferred, rid, job.num_skip_blocks, buffer)
-            core.runner.staging.release(staging)  # copied into the cache (or discarded): reusable
+                raise TransferError(TransferFailure.CHECKSUM, f"KV checksum mismatch on transfer {job.tag}")
+            admitted = await self.port.land(reservation, buffer)
+            self.port.release_staging(staging)  # copied into the cache (or discarded): reusable
             if self.metrics is not None:
                 self.metrics.observe_transfer("received", done.num_blocks, done.num_bytes, seconds)
             log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)
-        except Exception as e:
-            reason = e.reason if isinstance(e, TransferError) else "prefill_failed"
-            if reason in ("peer_lost", "timeout", "connect", "closed", "prefill_failed"):
+        except PREFILL_FAILURES as e:
+            reason = e.reason if isinstance(e, TransferError) else TransferFailure.PREFILL_FAILED
+            if reason.drops_channel:
                 self.receiver.drop(job.channel)
             if self.metrics is not None:
                 self.metrics.observe_transfer_failure(reason)
-            if await self.engine.call(core.recompute_locally, rid):
+            if await self.port.recompute(reservation):
                 log.warning("request %s: KV transfer failed (%s); recomputing the prompt here", rid, _describe(e))
                 if self.metrics is not None:
                     self.metrics.observe_recompute_fallback()
@@ -171,7 +190,7 @@ class DecodeHandoff:
                     raise task.exception()
             done = report.result()
             if not isinstance(done, TransferDone):
-                raise RuntimeError(f"expected the transfer report, got {type(done).__name__}")
+                raise HandoffProtocolError(f"expected the transfer report, got {type(done).__name__}")
             return done, recv.result()
         finally:
             for task in (recv, report):

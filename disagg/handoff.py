@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import grpc
 from splitserve.disagg.transfer.base import ChannelSpec
 from splitserve.engine.sampler import TokenLogprobs
 
@@ -44,8 +45,12 @@ HandoffEvent = FirstToken | TransferDone
 
 
 class HandoffError(Exception):
-    """A handoff that cannot go on; code is a gRPC status name, failed_peer the worker to blame."""
+    """A handoff that cannot go on: the status the client gets, and the worker to blame, if any."""
 
-    def __init__(self, code: str, message: str, failed_peer: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, failed_peer: str | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.failed_peer = code, message, failed_peer
+
+
+class HandoffProtocolError(Exception):
+    """The prefill worker's events came in an order the handoff does not allow."""

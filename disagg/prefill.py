@@ -14,9 +14,10 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, TransferDone
-from splitserve.disagg.transfer.base import KVSender, TransferError
+from splitserve.disagg.transfer.base import KVSender, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
+from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.kv_cache.block_io import checksum
 from splitserve.engine.request import Request
 from splitserve.worker.metrics import WorkerMetrics
@@ -25,22 +26,23 @@ from splitserve.worker.metrics import WorkerMetrics
 async def prefill_and_send(engine: AsyncEngine, request: Request, sender: KVSender, job: HandoffJob,
                            metrics: WorkerMetrics | None = None,
                            send_delay_s: float = 0.0) -> AsyncIterator[HandoffEvent]:
-    """Yield FirstToken, then TransferDone. Raises ValueError for a bad job, TransferError if the
-    send fails. send_delay_s is a fault-injection hook for tests (a slow or stuck sender)."""
-    layout = engine.engine.runner.kv_layout
-    if job.kv_layout != layout:
+    """Yield FirstToken, then TransferDone. request comes from HandoffPort.make_prefill_request.
+    Raises ValueError for a bad job, TransferError if the send fails. send_delay_s is a
+    fault-injection hook for tests (a slow or stuck sender)."""
+    port = HandoffPort(engine)
+    if job.kv_layout != port.kv_layout:
         raise ValueError(f"KV layout mismatch: the decode worker has {job.kv_layout}, this prefill worker "
-                         f"has {layout}; run both tiers with the same model, dtype and --block-size")
+                         f"has {port.kv_layout}; run both tiers with the same model, dtype and --block-size")
     sender.connect(job.channel)  # build the pair's group while the prompt computes
     final = await _run_prompt(engine, request)
     if final.handoff is None:
         raise RuntimeError(f"request {request.request_id} ended without its KV ({final.finish_reason})")
     block_ids = final.handoff.block_ids[job.num_skip_blocks:]
-    send = asyncio.create_task(_send(engine, sender, job, request.request_id, block_ids, metrics, send_delay_s))
+    send = asyncio.create_task(_send(port, sender, job, request.request_id, block_ids, metrics, send_delay_s))
     send.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
     logprobs = final.new_logprobs[0] if final.new_logprobs else None
     yield FirstToken(final.new_token_ids[0], logprobs, final.handoff.sampler_state, len(block_ids),
-                     final.timings.get("queue_ms", 0.0))
+                     final.timings.queue_ms)
     yield await asyncio.shield(send)
 
 
@@ -61,19 +63,17 @@ async def _run_prompt(engine: AsyncEngine, request: Request) -> RequestOutput:
     return final
 
 
-async def _send(engine: AsyncEngine, sender: KVSender, job: HandoffJob, request_id: str, block_ids: list[int],
+async def _send(port: HandoffPort, sender: KVSender, job: HandoffJob, request_id: str, block_ids: list[int],
                 metrics: WorkerMetrics | None, send_delay_s: float) -> TransferDone:
-    core = engine.engine
-    if not await engine.call(core.claim_held, request_id):
-        raise TransferError("closed", f"the KV of request {request_id} was released before its send started "
-                            "(its lease expired or it was aborted)")
-    staging = core.runner.staging.acquire(len(block_ids))
+    if not await port.claim_held(request_id):
+        raise TransferError(TransferFailure.CLOSED, f"the KV of request {request_id} was released before its "
+                            "send started (its lease expired or it was aborted)")
+    staging = port.acquire_staging(len(block_ids))
     sent = False
     try:
         if send_delay_s:
             await asyncio.sleep(send_delay_s)
-        # Held blocks are never written by anyone else, so reading them beside a step is safe.
-        blocks = await asyncio.to_thread(core.runner.read_blocks, block_ids, staging.tensor)
+        blocks = await port.read_held(block_ids, staging.tensor)
         sending = asyncio.ensure_future(sender.send(job.channel, job.tag, blocks) if block_ids else _zero())
         crc = await asyncio.to_thread(checksum, blocks)  # overlaps the send (both only read blocks)
         seconds = await sending
@@ -83,9 +83,9 @@ async def _send(engine: AsyncEngine, sender: KVSender, job: HandoffJob, request_
             metrics.observe_transfer_failure(e.reason)
         raise
     finally:
-        await engine.call(core.release_held, request_id)
+        await port.release_held(request_id)
         if sent:  # after a failure gloo may still be reading it: leave it to the garbage collector
-            core.runner.staging.release(staging)
+            port.release_staging(staging)
     done = TransferDone(len(block_ids), blocks.numel() * blocks.element_size(), crc, seconds)
     if metrics is not None:
         metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, seconds)

@@ -10,7 +10,6 @@ from splitserve.common.wire import (
     PEER_CHANNEL_OPTIONS,
     logprobs_from_proto,
     logprobs_to_proto,
-    sampling_params_to_proto,
 )
 from splitserve.disagg.decode import PrefillClient
 from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, TransferDone
@@ -51,13 +50,12 @@ class GrpcPrefillClient(PrefillClient):
             self._channels[address] = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
         return pb_grpc.WorkerStub(self._channels[address])
 
-    async def prefill(self, peer: str, request: Request, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
-        params = request.sampling_params
-        sampling, stopping = sampling_params_to_proto(params)
-        inner = pb.WorkerGenerateRequest(request_id=request.request_id, prompt_token_ids=request.all_token_ids,
-                                         sampling=sampling, stopping=stopping, priority=request.priority,
-                                         logprobs=params.logprobs)
-        msg = pb.PrefillRequest(request=inner, transfer_tag=job.tag, num_skip_blocks=job.num_skip_blocks,
+    async def prefill(self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None,
+                      job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+        if wire is None:
+            raise ValueError("the gRPC prefill client forwards the request as this worker received it; got none")
+        # Forwarded as received (the prefill worker validates it again, as it would any request).
+        msg = pb.PrefillRequest(request=wire, transfer_tag=job.tag, num_skip_blocks=job.num_skip_blocks,
                                 kv_layout=job.kv_layout,
                                 channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key))
         call = self._stub(peer).Prefill(msg)

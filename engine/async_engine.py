@@ -64,6 +64,10 @@ class AsyncEngine:
         async for out in self.generate_request(request):
             yield out
 
+    def make_request(self, prompt: PromptInput, params: SamplingParams, priority: int = 0, label: str = "") -> Request:
+        """A validated request named by the engine (pure: safe from any task)."""
+        return self.engine.make_request(prompt, params, priority=priority, label=label)
+
     async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Add a validated request and stream its outputs."""
         self.open_stream(request.request_id, request.label)

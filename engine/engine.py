@@ -40,6 +40,14 @@ PromptInput = str | Sequence[int]
 log = logging.getLogger("splitserve.engine")
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """Engine-side times of one request, in ms from its arrival at this engine."""
+
+    queue_ms: float = 0.0  # until first scheduled
+    ttft_ms: float | None = None  # until its first token (None before it)
+
+
 @dataclass(slots=True)
 class RequestOutput:
     """What one step produced for one request: new tokens and text since the last output."""
@@ -54,7 +62,7 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: RequestTimings = field(default_factory=lambda: RequestTimings())
     handoff: PrefillHandoff | None = None  # prefill tier, on the finished output
     error: str | None = None  # the step failed for this request (finished, aborted, blocks freed)
 
@@ -319,7 +327,7 @@ class Engine:
         return RequestOutput(
             request_id=rid, new_token_ids=[], new_text="", finished=True, finish_reason=FinishReason.ABORT,
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-            timings=_timings(tracked) if tracked else {},
+            timings=_timings(tracked) if tracked else RequestTimings(),
             error=f"the engine failed on this request ({type(error).__name__}: {error}); it was stopped and "
                   "its KV blocks freed; the worker goes on")
 
@@ -366,8 +374,6 @@ class Engine:
         return self.kv.pool.usage()
 
 
-def _timings(t: _Tracked) -> dict[str, float]:
-    ms = {"queue_ms": ((t.first_scheduled or t.arrival) - t.arrival) * 1e3}
-    if t.first_token is not None:
-        ms["ttft_ms"] = (t.first_token - t.arrival) * 1e3
-    return ms
+def _timings(t: _Tracked) -> RequestTimings:
+    ttft = (t.first_token - t.arrival) * 1e3 if t.first_token is not None else None
+    return RequestTimings(queue_ms=((t.first_scheduled or t.arrival) - t.arrival) * 1e3, ttft_ms=ttft)

@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from splitserve.common.block_hash import hash_block_tokens
 from splitserve.common.model_files import model_name
+from splitserve.common.roles import Role
 from splitserve.common.serving import start_metrics_server
 from splitserve.common.tokenizer import Tokenizer, TooManyTokens, load_tokenizer
 from splitserve.common.wire import FAILED_PEER_KEY, sampling_params_from_proto
@@ -146,8 +147,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def _plan(self, prompt: Sequence[int], avoid: set[str]) -> tuple[Decision, Decision | None]:
         """(decision for the worker to stream from, decision for the prefill worker or None)."""
         healthy = [w for w in self.workers.healthy(self.model_name) if w.address not in avoid]
-        prefills = [w for w in healthy if w.role == pb.WORKER_ROLE_PREFILL]
-        decodes = [w for w in healthy if w.role == pb.WORKER_ROLE_DECODE]
+        prefills = [w for w in healthy if w.role is Role.PREFILL]
+        decodes = [w for w in healthy if w.role is Role.DECODE]
         route = await self._route_input(prompt, healthy)
         if prefills and decodes:
             prefill, decode = self.router.pick(prefills, route, "prefill"), self.router.pick(decodes, route, "decode")
@@ -155,7 +156,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             if route.matched is not None:  # the decode worker will hold the prompt's blocks too
                 self.prefix.note_routed(route.block_hashes, decode.worker.address)
             return decode, prefill
-        target = self.router.pick([w for w in healthy if w.role != pb.WORKER_ROLE_PREFILL], route, "prefill")
+        target = self.router.pick([w for w in healthy if w.role is not Role.PREFILL], route, "prefill")
         if target is None:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "no healthy worker can serve this model now; start one with "
                          "`splitserve worker --gateway HOST:PORT` (unified, or a prefill and a decode worker) "
@@ -329,7 +330,7 @@ class RegistryServicer(pb_grpc.RegistryServicer):
 
     async def ListWorkers(self, request, context) -> pb.ListWorkersResponse:
         return pb.ListWorkersResponse(workers=[
-            pb.WorkerInfo(worker_id=w.worker_id, address=w.address, role=w.role, model=w.model, healthy=w.healthy,
+            pb.WorkerInfo(worker_id=w.worker_id, address=w.address, role=w.role.proto, model=w.model, healthy=w.healthy,
                           outstanding=w.outstanding, load=w.load, metrics_address=w.metrics_address)
             for w in self.workers.all()])
 

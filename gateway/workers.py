@@ -9,20 +9,20 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from splitserve.common.roles import Role
 from splitserve.common.wire import PEER_CHANNEL_OPTIONS
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitserve.gateway")
 
-ROLE_NAMES = {pb.WORKER_ROLE_UNIFIED: "unified", pb.WORKER_ROLE_PREFILL: "prefill", pb.WORKER_ROLE_DECODE: "decode"}
 
 
 @dataclass(eq=False)
 class WorkerHandle:
     worker_id: str
     address: str
-    role: int
+    role: Role
     model: str
     max_model_len: int
     metrics_address: str
@@ -37,7 +37,7 @@ class WorkerHandle:
 
     @property
     def role_name(self) -> str:
-        return ROLE_NAMES.get(self.role, "unknown")
+        return self.role.value
 
 
 class WorkerSet:
@@ -54,7 +54,7 @@ class WorkerSet:
         if old is not None:  # a restarted worker on the same address
             asyncio.ensure_future(old.channel.close())
         channel = grpc.aio.insecure_channel(r.address, options=PEER_CHANNEL_OPTIONS)
-        handle = WorkerHandle(f"w{next(self._ids)}", r.address, r.role or pb.WORKER_ROLE_UNIFIED, r.model,
+        handle = WorkerHandle(f"w{next(self._ids)}", r.address, Role.from_proto(r.role) or Role.UNIFIED, r.model,
                               r.max_model_len, r.metrics_address, r.block_size, channel, pb_grpc.WorkerStub(channel),
                               vocab_size=r.vocab_size)
         self._workers[r.address] = handle

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from splitserve.common.roles import MODES, Role
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
@@ -64,7 +65,7 @@ def _generate(a: argparse.Namespace) -> int:
     elapsed = time.monotonic() - start
     if last is not None:
         print(f"\n[{last.num_output_tokens} tokens, {last.num_output_tokens / elapsed:.1f} tok/s, "
-              f"TTFT {last.timings.get('ttft_ms', 0):.0f} ms, finish: {last.finish_reason.value}]", file=sys.stderr)
+              f"TTFT {last.timings.ttft_ms or 0:.0f} ms, finish: {last.finish_reason.value}]", file=sys.stderr)
     return 0
 
 
@@ -179,7 +180,7 @@ def _workers(a: argparse.Namespace) -> int:
     for w in reply.workers:
         total = w.load.num_total_blocks
         used = f"{1 - w.load.num_free_blocks / total:.0%}" if total else "-"
-        role = pb.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower()
+        role = (Role.from_proto(w.role) or Role.UNIFIED).value
         print(f"{w.worker_id:<5}{role:<9}{w.address:<22}{str(w.healthy).lower():<9}{w.outstanding:>10}"
               f"{w.load.num_running:>9}{w.load.num_waiting:>9}{used:>9}")
     return 0
@@ -242,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--advertise-host", default=None,
                         help="host the gateway and peers reach this worker at (default: --host, or this "
                              "machine's IP when --host is 0.0.0.0)")
-    worker.add_argument("--mode", default="unified", choices=["unified", "prefill", "decode"],
+    worker.add_argument("--mode", default=Role.UNIFIED.value, choices=MODES,
                         help="unified: whole requests; prefill: prompts only, sends KV; decode: continues "
                              "requests whose KV a prefill worker sends")
     worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
@@ -291,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     scale.set_defaults(func=_scale)
 
     experiment = sub.add_parser("experiment", help="run deployments x request rates from a TOML config")
-    experiment.add_argument("config", help="TOML file (see deploy/experiments/)")
+    experiment.add_argument("config", help="TOML file (see experiments/configs/)")
     experiment.add_argument("--out", default=None, help="report folder (default: runs/<config name>-<time>)")
     experiment.set_defaults(func=_experiment)
 

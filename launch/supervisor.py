@@ -16,11 +16,11 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from splitserve.common.roles import MODES
 from splitserve.launch.launcher import Child, spawn_worker, threads_per_worker, wait_for_gpu_peer, wait_healthy
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
 
-MODES = ("unified", "prefill", "decode")
 RESTART_BACKOFF_S = 10.0  # a worker that crashes again this soon after a restart waits this long
 
 

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 from prometheus_client import generate_latest
+from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.gateway.server import GatewayMetrics
 from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
@@ -18,7 +19,7 @@ def _exported() -> set[str]:
     worker.observe_finished(RequestTiming(arrival=0.0, first_token=0.1, last_token=0.3, finished=0.3), 5, 3, "stop")
     worker.observe_token_gap(0.01)
     worker.observe_transfer("received", 2, 100, 0.01)
-    worker.observe_transfer_failure("timeout")
+    worker.observe_transfer_failure(TransferFailure.TIMEOUT)
     worker.observe_blocks_skipped(1)
     worker.observe_recompute_fallback()
     gateway = GatewayMetrics()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 import torch
 from splitserve.common.sampling_params import SamplingParams
@@ -17,6 +18,7 @@ from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProce
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.kv_cache.block_io import checksum
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import Request
@@ -36,13 +38,13 @@ class DirectClient(PrefillClient):
         self.jobs: list[HandoffJob] = []
         self.fail_before_first = False
 
-    async def prefill(self, peer: str, request: Request, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+    async def prefill(self, peer: str, request: Request, wire, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
         self.jobs.append(job)
         if self.fail_before_first:
             raise ConnectionError("prefill worker is gone")
         engine = self.prefills[peer]
-        copy = engine.engine.make_request(request.all_token_ids, request.sampling_params, request.request_id,
-                                          stop_after_prefill=True)
+        copy = HandoffPort(engine).make_prefill_request(request.all_token_ids, request.sampling_params,
+                                                        label=request.request_id)
         async for event in prefill_and_send(engine, copy, self.sender, job, send_delay_s=self.send_delay_s):
             yield event
 
@@ -145,7 +147,7 @@ def test_failure_before_first_token_is_unavailable_and_frees_the_reservation(eng
         return info.value, decode
 
     error, decode = asyncio.run(main())
-    assert error.code == "UNAVAILABLE" and error.failed_peer == "p0"
+    assert error.code == grpc.StatusCode.UNAVAILABLE and error.failed_peer == "p0"
     assert _all_free(decode.engine)
 
 

@@ -58,3 +58,22 @@ def test_protos_follow_the_house_rules():
         for enum_line in enums:
             first_value = lines[lines.index(enum_line) + 2].strip()
             assert "_UNSPECIFIED = 0;" in first_value, f"{proto.name}: {enum_line.strip()} must start at *_UNSPECIFIED"
+
+
+def test_disagg_and_worker_reach_the_engine_only_through_its_interfaces():
+    """disagg/ and worker/ use AsyncEngine (streams), HandoffPort (everything else of a handoff) and
+    plain data types; never the engine's scheduler, block pool, runner or leases."""
+    import re
+    from pathlib import Path
+
+    import splitserve.disagg
+    import splitserve.worker
+
+    inside = re.compile(r"\.engine\.engine\b|\.(runner|scheduler|kv|leases|sampler|runtime|_tracked)\.")
+    for package in (splitserve.disagg, splitserve.worker):
+        for path in Path(package.__file__).parent.rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if code.lstrip().startswith(("from ", "import ")):
+                    continue
+                assert not inside.search(code), f"{path.name}:{number} reaches into the engine: {line.strip()}"

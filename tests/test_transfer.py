@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from splitserve.disagg.transfer.base import TransferError
+from splitserve.disagg.transfer.base import TransferError, TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
 
@@ -43,7 +43,7 @@ def test_timed_out_receive_closes_the_channel_and_a_new_one_works():
         buffer = torch.empty(SHAPE)
         with pytest.raises(TransferError) as info:  # nobody sends tag 99
             await receiver.recv(channel, 99, buffer)
-        assert info.value.reason == "timeout"
+        assert info.value.reason is TransferFailure.TIMEOUT
         receiver.drop(channel)
         fresh = receiver.channel_for("prefill-b")
         assert fresh.key != channel.key

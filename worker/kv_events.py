@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 from splitserve.common.wire import kv_events_to_proto
-from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.handoff_port import HandoffPort
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
@@ -24,9 +24,9 @@ log = logging.getLogger("splitserve.worker")
 
 
 class KVEventPublisher:
-    def __init__(self, engine: AsyncEngine, gateway: str, address: str, model: str,
+    def __init__(self, port: HandoffPort, gateway: str, address: str, model: str,
                  register: Callable[[], Awaitable[None]], interval_s: float = 0.1, heartbeat_s: float = 1.0) -> None:
-        self.engine, self.gateway, self.address, self.model = engine, gateway, address, model
+        self.port, self.gateway, self.address, self.model = port, gateway, address, model
         self.register = register  # called when the gateway no longer knows this worker (it restarted)
         self.interval_s, self.heartbeat_s = interval_s, heartbeat_s
         self.instance_id = uuid.uuid4().hex
@@ -47,14 +47,13 @@ class KVEventPublisher:
                 await asyncio.sleep(self.interval_s)
 
     async def _next_batch(self, heartbeat_due: bool) -> pb.PublishKVEventsRequest | None:
-        pool = self.engine.engine.kv.pool
-        block_size = self.engine.engine.runtime.block_size
+        block_size = self.port.block_size
         if self._need_snapshot:
-            hashes, _ = await self.engine.call(lambda: (pool.cached_hashes(), pool.drain_events()))
+            hashes, _ = await self.port.kv_snapshot()
             self._need_snapshot = False
             self.num_snapshots += 1
             return self._request(is_snapshot=True, snapshot_block_hashes=hashes, block_size=block_size)
-        events = await self.engine.call(pool.drain_events)
+        events = await self.port.drain_kv_events()
         if not events and not heartbeat_due:
             return None
         return self._request(events=kv_events_to_proto(events), block_size=block_size)

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from splitserve.disagg.transfer.base import TransferFailure
 
 PREFIX = "splitserve:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -104,8 +108,8 @@ class WorkerMetrics:
         self.kv_blocks.labels(**self.labels, direction=direction).inc(num_blocks)
         self.kv_seconds.labels(**self.labels, direction=direction).observe(seconds)
 
-    def observe_transfer_failure(self, reason: str) -> None:
-        self.kv_failures.labels(**self.labels, reason=reason).inc()
+    def observe_transfer_failure(self, reason: TransferFailure) -> None:
+        self.kv_failures.labels(**self.labels, reason=reason.value).inc()
 
     def observe_blocks_skipped(self, num_blocks: int) -> None:
         self.kv_skipped.labels(**self.labels).inc(num_blocks)

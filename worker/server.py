@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from splitserve.common.model_files import model_name
+from splitserve.common.roles import MODES, Role
 from splitserve.common.serving import start_metrics_server
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
@@ -25,6 +26,7 @@ from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSe
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine
+from splitserve.engine.handoff_port import HandoffPort
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.worker.kv_events import KVEventPublisher
@@ -33,7 +35,6 @@ from splitserve.worker.servicer import WorkerServicer, engine_snapshot
 
 log = logging.getLogger("splitserve.worker")
 
-ROLES = {"unified": pb.WORKER_ROLE_UNIFIED, "prefill": pb.WORKER_ROLE_PREFILL, "decode": pb.WORKER_ROLE_DECODE}
 # Test hook: the prefill side waits this long before sending KV (a slow or stuck sender).
 SEND_DELAY_ENV = "SPLITSERVE_FAULT_SEND_DELAY_S"
 
@@ -53,10 +54,14 @@ class WorkerConfig:
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
 
     def __post_init__(self) -> None:
-        if self.mode not in ROLES:
-            raise ValueError(f"--mode must be one of {sorted(ROLES)}, got {self.mode!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
             raise ValueError("KV transfer and reserve timeouts must be > 0")
+
+    @property
+    def role(self) -> Role:
+        return Role(self.mode)
 
     @property
     def public_host(self) -> str:
@@ -68,12 +73,12 @@ class WorkerConfig:
 
 
 def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics) -> WorkerServicer:
-    role = ROLES[config.mode]
-    if config.mode == "prefill":
+    role = config.role
+    if role is Role.PREFILL:
         sender = TorchDistSender(config.kv_transfer_timeout_s)
         delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
         return WorkerServicer(engine, metrics, role, sender=sender, send_delay_s=delay)
-    if config.mode == "decode":
+    if role is Role.DECODE:
         receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
         log.info("KV channels meet at TCPStore %s", receiver.address)
         handoff = DecodeHandoff(engine, receiver, GrpcPrefillClient(), metrics, config.kv_reserve_timeout_s,
@@ -89,7 +94,8 @@ class EngineDied(RuntimeError):
 async def serve_worker(config: WorkerConfig) -> None:
     engine = AsyncEngine(Engine(config.engine))
     name = model_name(config.engine.model)
-    metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(engine))
+    port = HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
+    metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port))
     servicer = _make_servicer(config, engine, metrics)
     server = grpc.aio.server()
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -97,10 +103,10 @@ async def serve_worker(config: WorkerConfig) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     services = (pb.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(services, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    grpc_port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
-    address = f"{config.public_host}:{port}"
+    address = f"{config.public_host}:{grpc_port}"
     stop = asyncio.Event()
     servicer.request_drain = stop.set  # the Drain RPC does what SIGTERM does
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -108,10 +114,10 @@ async def serve_worker(config: WorkerConfig) -> None:
     publisher = None
     if config.gateway:
         async def register() -> None:
-            await _register(config, address, f"{config.public_host}:{metrics_port}", name, engine.engine)
+            await _register(config, address, f"{config.public_host}:{metrics_port}", name, port)
 
         await register()
-        publisher = asyncio.create_task(KVEventPublisher(engine, config.gateway, address, name, register).run())
+        publisher = asyncio.create_task(KVEventPublisher(port, config.gateway, address, name, register).run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -123,7 +129,7 @@ async def serve_worker(config: WorkerConfig) -> None:
         await _leave_dead(config, health_servicer, server, address)
         raise EngineDied("the engine loop died (see the traceback above); the worker left the gateway")
     await _drain(config, servicer, health_servicer, engine, address)
-    log.info("drained: %s", _pool_report(engine))
+    log.info("drained: %s", _pool_report(port))
     await server.stop(grace=1.0)
     await engine.shutdown()
     for transport in (servicer.sender, servicer.handoff and servicer.handoff.receiver):
@@ -131,11 +137,10 @@ async def serve_worker(config: WorkerConfig) -> None:
             transport.close()
 
 
-async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, engine: Engine) -> None:
-    runtime = engine.runtime
-    request = pb.RegisterWorkerRequest(address=address, role=ROLES[config.mode], model=name,
-                                       max_model_len=runtime.max_model_len, metrics_address=metrics_address,
-                                       block_size=runtime.block_size, vocab_size=engine.vocab_size)
+async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: HandoffPort) -> None:
+    request = pb.RegisterWorkerRequest(address=address, role=config.role.proto, model=name,
+                                       max_model_len=port.max_model_len, metrics_address=metrics_address,
+                                       block_size=port.block_size, vocab_size=port.vocab_size)
     async with grpc.aio.insecure_channel(config.gateway) as channel:
         stub = pb_grpc.RegistryStub(channel)
         for attempt in range(60):
@@ -178,15 +183,15 @@ async def _drain(config, servicer, health_servicer, engine: AsyncEngine, address
         await asyncio.sleep(0.05)
 
 
-def _pool_report(engine: AsyncEngine) -> str:
+def _pool_report(port: HandoffPort) -> str:
     """One line the launcher's tests read: the KV pool must be empty when a drained worker exits."""
-    e, s = engine.engine, engine.engine.scheduler
-    return (f"free_blocks={e.kv.num_free_blocks} total_blocks={e.runner.num_blocks} running={s.num_running} "
-            f"waiting={s.num_waiting} awaiting_kv={len(s.awaiting_kv)} held={len(s.held)} "
-            f"held_blocks={e.num_held_blocks()} lease_expiries={e.leases.num_expired}")
+    load = port.load()
+    return (f"free_blocks={load.num_free_blocks} total_blocks={load.num_total_blocks} running={load.num_running} "
+            f"waiting={load.num_waiting} awaiting_kv={load.num_awaiting_kv} held={load.num_held_requests} "
+            f"held_blocks={load.num_held_blocks} lease_expiries={load.num_lease_expiries}")
 
 
 def _busy(servicer: WorkerServicer) -> bool:
     """Requests streaming, KV still to send (prefill) or still landing (decode)."""
     landing = servicer.handoff is not None and bool(servicer.handoff.landings)
-    return bool(servicer.engine.num_requests() or servicer.engine.engine.scheduler.held or landing)
+    return bool(servicer.engine.num_requests() or servicer.port.load().num_held_requests or landing)

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from splitserve.common.roles import Role
 from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffJob
@@ -15,27 +16,28 @@ from splitserve.disagg.prefill_client import event_to_proto
 from splitserve.disagg.transfer.base import ChannelSpec, KVSender, TransferError
 from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from splitserve.engine.engine import RequestOutput
+from splitserve.engine.handoff_port import HandoffPort
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 
-def engine_snapshot(engine: AsyncEngine) -> EngineSnapshot:
-    e = engine.engine
-    s = e.scheduler
-    return EngineSnapshot(num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=e.kv_usage(),
-                          num_preemptions=s.stats.num_preemptions, prefix_cache_queries=s.stats.prefix_cache_queries,
-                          prefix_cache_hits=s.stats.prefix_cache_hits, num_awaiting_kv=len(s.awaiting_kv),
-                          num_held_blocks=e.num_held_blocks(), num_lease_expiries=e.leases.num_expired,
-                          num_failed_requests=e.stats.num_failed_requests, num_kv_blocks=e.runner.num_blocks)
+def engine_snapshot(port: HandoffPort) -> EngineSnapshot:
+    load = port.load()
+    return EngineSnapshot(num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_usage,
+                          num_preemptions=load.num_preemptions, prefix_cache_queries=load.prefix_cache_queries,
+                          prefix_cache_hits=load.prefix_cache_hits, num_awaiting_kv=load.num_awaiting_kv,
+                          num_held_blocks=load.num_held_blocks, num_lease_expiries=load.num_lease_expiries,
+                          num_failed_requests=load.num_failed_requests, num_kv_blocks=load.num_total_blocks)
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, role: int = pb.WORKER_ROLE_UNIFIED,
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, role: Role = Role.UNIFIED,
                  sender: KVSender | None = None, handoff: DecodeHandoff | None = None,
                  send_delay_s: float = 0.0) -> None:
         self.engine, self.metrics, self.role = engine, metrics, role
+        self.port = HandoffPort(engine)
         self.sender, self.handoff = sender, handoff
         self.send_delay_s = send_delay_s  # fault injection for tests: a slow prefill-side send
         self.draining = False
@@ -57,7 +59,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except HandoffError as e:
             if e.failed_peer:
                 context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
-            await context.abort(grpc.StatusCode[e.code], e.message)
+            await context.abort(e.code, e.message)
 
     async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
         params = sampling_params_from_proto(request.sampling, request.stopping,
@@ -69,9 +71,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if self.handoff is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is not a decode worker; "
                                     "send requests with a prefill_address to one started with --mode decode")
-            engine_request = self.engine.engine.make_request(prompt, params, priority=request.priority, label=label)
-            stream = self.handoff.generate(engine_request, request.prefill_address)
-        elif self.role == pb.WORKER_ROLE_PREFILL:
+            engine_request = self.engine.make_request(prompt, params, priority=request.priority, label=label)
+            stream = self.handoff.generate(engine_request, request.prefill_address, wire=request)
+        elif self.role is Role.PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker runs prompts only (the "
                                 "Prefill RPC); send whole requests to a unified or decode worker")
         else:
@@ -89,7 +91,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         msg = pb.WorkerGenerateResponse(text=out.new_text, token_ids=out.new_token_ids,
                                         logprobs=logprobs_to_proto(out.new_logprobs))
         if out.finished:
-            timing.finished, timing.queue_s = now, out.timings.get("queue_ms", 0.0) / 1e3
+            timing.finished, timing.queue_s = now, out.timings.queue_ms / 1e3
             reason = out.finish_reason.value if out.finish_reason else "abort"
             self.metrics.observe_finished(timing, out.num_prompt_tokens, out.num_output_tokens, reason)
             msg.finish_reason = FINISH_REASONS[reason]
@@ -97,11 +99,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             msg.usage.CopyFrom(gen_pb.Usage(prompt_tokens=out.num_prompt_tokens,
                                             completion_tokens=out.num_output_tokens,
                                             cached_prompt_tokens=out.num_cached_tokens))
-            msg.queue_ms = out.timings.get("queue_ms", 0.0)
+            msg.queue_ms = out.timings.queue_ms
         return msg
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
-        if self.role != pb.WORKER_ROLE_PREFILL or self.sender is None:
+        if self.role is not Role.PREFILL or self.sender is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
@@ -111,8 +113,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         timing = RequestTiming(arrival=time.monotonic())
         try:
             params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-            engine_request = self.engine.engine.make_request(list(r.prompt_token_ids), params, priority=r.priority,
-                                                             stop_after_prefill=True, label=r.request_id)
+            engine_request = self.port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
             async for event in prefill_and_send(self.engine, engine_request, self.sender, job, self.metrics,
                                                 self.send_delay_s):
                 if isinstance(event, FirstToken):
@@ -127,7 +128,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except EngineDead as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason}): {e}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         if self.request_drain is None:
@@ -140,9 +141,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(aborted=self.engine.abort_label(request.request_id) > 0)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.LoadReport:
-        e = self.engine.engine
-        return pb.LoadReport(num_running=e.scheduler.num_running, num_waiting=e.scheduler.num_waiting,
-                             num_free_blocks=e.kv.num_free_blocks, num_total_blocks=e.runner.num_blocks,
-                             block_size=e.runtime.block_size, num_awaiting_kv=len(e.scheduler.awaiting_kv),
-                             role=self.role, num_held_blocks=e.num_held_blocks(),
-                             num_held_requests=len(e.scheduler.held))
+        load = self.port.load()
+        return pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
+                             num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
+                             block_size=load.block_size, num_awaiting_kv=load.num_awaiting_kv, role=self.role.proto,
+                             num_held_blocks=load.num_held_blocks, num_held_requests=load.num_held_requests)

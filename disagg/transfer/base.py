@@ -13,12 +13,27 @@ receiver drops it and the next channel_for() builds a new one.
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
-FAILURE_REASONS = ("connect", "peer_lost", "timeout", "checksum", "closed")
+
+class TransferFailure(enum.Enum):
+    """Why a KV handoff failed; the values are the `reason` label of kv_transfer_failures_total."""
+
+    CONNECT = "connect"  # the pair's group could not be built
+    PEER_LOST = "peer_lost"  # the other side went away mid-transfer
+    TIMEOUT = "timeout"
+    CHECKSUM = "checksum"  # the bytes arrived but differ from what was sent
+    CLOSED = "closed"  # the channel was dropped earlier, or the held KV is gone
+    PREFILL_FAILED = "prefill_failed"  # the prefill worker's RPC failed or broke the protocol
+
+    @property
+    def drops_channel(self) -> bool:
+        """Whether the pair's channel is unusable afterwards (a checksum mismatch leaves it intact)."""
+        return self is not TransferFailure.CHECKSUM
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +45,7 @@ class ChannelSpec:
 
 
 class TransferError(Exception):
-    def __init__(self, reason: str, message: str) -> None:
-        assert reason in FAILURE_REASONS, reason
+    def __init__(self, reason: TransferFailure, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 

@@ -10,7 +10,7 @@ import itertools
 import time
 
 import torch
-from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError
+from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
 
 
 class Hub:
@@ -23,7 +23,7 @@ class Hub:
 
     def slot(self, key: str, tag: int) -> asyncio.Future[torch.Tensor]:
         if key in self.dead:
-            raise TransferError("closed", f"channel {key} was closed after a failure")
+            raise TransferError(TransferFailure.CLOSED, f"channel {key} was closed after a failure")
         return self.slots.setdefault((key, tag), asyncio.get_running_loop().create_future())
 
 
@@ -49,7 +49,7 @@ class InProcessReceiver(KVReceiver):
             data = await asyncio.wait_for(asyncio.shield(slot), self.hub.timeout_s)
         except TimeoutError:
             self.hub.dead.add(channel.key)
-            raise TransferError("timeout", f"no transfer {tag} on {channel.key} within {self.hub.timeout_s} s") from None
+            raise TransferError(TransferFailure.TIMEOUT, f"no transfer {tag} on {channel.key} within {self.hub.timeout_s} s") from None
         finally:
             self.hub.slots.pop((channel.key, tag), None)
         buffer.copy_(data)

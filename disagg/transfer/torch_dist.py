@@ -29,7 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError
+from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
 
 # Blocking gloo calls (group construction, work.wait) run here; one thread per transfer in flight.
 _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-transfer")
@@ -40,8 +40,10 @@ def _make_group(store: dist.Store, key: str, rank: int, timeout_s: float) -> dis
     return dist.ProcessGroupGloo(dist.PrefixStore(f"kv/{key}", store), rank, 2, timedelta(seconds=timeout_s))
 
 
-def _reason(error: Exception) -> str:
-    return "timeout" if "Timed out" in str(error) or "timeout" in str(error).lower() else "peer_lost"
+def _reason(error: Exception) -> TransferFailure:
+    # Gloo reports both as RuntimeError (DistBackendError); only its message tells them apart.
+    timed_out = "Timed out" in str(error) or "timeout" in str(error).lower()
+    return TransferFailure.TIMEOUT if timed_out else TransferFailure.PEER_LOST
 
 
 async def _wait(work) -> None:
@@ -81,7 +83,7 @@ class TorchDistReceiver(KVReceiver):
         for spec, future in self._channels.values():
             if spec == channel:
                 return future
-        raise TransferError("closed", f"channel {channel.key} was dropped after a failure")
+        raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was dropped after a failure")
 
     async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
         start = time.monotonic()
@@ -90,7 +92,7 @@ class TorchDistReceiver(KVReceiver):
         except TransferError:
             raise
         except Exception as e:
-            raise TransferError("connect", f"the prefill worker never joined channel {channel.key}: {e}") from None
+            raise TransferError(TransferFailure.CONNECT, f"the prefill worker never joined channel {channel.key}: {e}") from None
         staged = buffer if buffer.device.type == "cpu" else torch.empty_like(buffer, device="cpu")
         try:
             await _wait(group.recv([staged], SENDER_RANK, tag))
@@ -145,18 +147,18 @@ class TorchDistSender(KVSender):
     async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
         start = time.monotonic()
         if channel.key in self._dead:
-            raise TransferError("closed", f"channel {channel.key} was closed after a failure; reconnect")
+            raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was closed after a failure; reconnect")
         self.connect(channel)
         key, future = self._groups[channel.address]
         if key != channel.key:
-            raise TransferError("closed", f"channel {channel.key} was replaced by {key}")
+            raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was replaced by {key}")
         try:
             group = await _group(future)
         except Exception as e:
             self._fail(channel)
             with self._lock:  # the store may be gone with its decode worker: reconnect next time
                 self._stores.pop(channel.address, None)
-            raise TransferError("connect", f"could not join channel {channel.key} at {channel.address}: {e}") from None
+            raise TransferError(TransferFailure.CONNECT, f"could not join channel {channel.key} at {channel.address}: {e}") from None
         staged = blocks.contiguous() if blocks.device.type == "cpu" else blocks.cpu()
         try:
             await _wait(group.send([staged], RECEIVER_RANK, tag))

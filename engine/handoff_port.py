@@ -1,0 +1,172 @@
+"""The engine's side of a KV handoff between tiers: the one door through which disagg/ and worker/
+reach the engine's insides (tests/test_layout.py checks that they use nothing else of it).
+
+Split by role, as vLLM's KV connector is (scheduler side / worker side):
+
+Decode side:
+    reserve(request)            blocks for the whole prompt before any KV moves -> Reservation, or
+                                None while the pool cannot hold it; the reservation owns its
+                                blocks until it is landed, recomputed or the request ends
+    accept_first_token(...)     the prefill worker's first token (and sampler state)
+    land(reservation, blocks)   write the received blocks, admit the request to the batch
+    recompute(reservation)      drop the reservation, compute the prompt here instead
+
+Prefill side:
+    make_prefill_request(...)   a request that finishes at its first token and keeps its blocks
+                                (the prefill policy, here and nowhere else)
+    claim_held / read_held / release_held   the held blocks, under their lease (engine/leases.py)
+
+Both: staging buffers for the blocks in flight, load(), and the KV-event snapshot for the
+prefix index. Every mutation runs on the engine loop between steps (AsyncEngine.call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+
+import torch
+from splitserve.common.kv_events import KVCacheEvent
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.engine import RequestOutput
+from splitserve.engine.kv_cache.staging import Staging
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import TokenLogprobs
+
+
+class ReservationState(enum.Enum):
+    RESERVED = "reserved"  # blocks held, KV in flight
+    LANDED = "landed"  # KV written, the request is in the batch
+    RECOMPUTED = "recomputed"  # reservation dropped, the prompt is computed here
+    GONE = "gone"  # the request ended (aborted) before its KV landed
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Decode side: the prompt's blocks, reserved for an incoming transfer."""
+
+    request: Request
+    num_held_blocks: int  # leading prompt blocks already here (prefix hits): not transferred
+    num_blocks_to_land: int  # the prompt's other blocks: what the transfer must carry
+    state: ReservationState = ReservationState.RESERVED
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the worker reports (GetLoad, metrics, the drain log)."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_awaiting_kv: int
+    num_held_blocks: int
+    num_held_requests: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_lease_expiries: int
+    num_failed_requests: int
+
+    @property
+    def is_idle(self) -> bool:
+        return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_held_requests)
+
+
+class HandoffPort:
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._async = engine
+        self._engine = engine.engine
+
+    @property
+    def kv_layout(self) -> str:
+        """Blocks move only between workers whose layouts are equal (model, dtype, block size)."""
+        return self._engine.runner.kv_layout
+
+    @property
+    def block_size(self) -> int:
+        return self._engine.runtime.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.runtime.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    # -- decode side ----------------------------------------------------------------------------
+    async def reserve(self, request: Request) -> Reservation | None:
+        num_held = await self._async.call(self._engine.reserve_for_transfer, request)
+        if num_held is None:
+            return None
+        num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
+        return Reservation(request, num_held, num_prompt_blocks - num_held)
+
+    async def accept_first_token(self, reservation: Reservation, token_id: int, logprobs: TokenLogprobs | None,
+                                 sampler_state: bytes | None) -> RequestOutput | None:
+        """None if the request is gone (aborted meanwhile)."""
+        out = await self._async.call(self._engine.accept_first_token, reservation.request.request_id, token_id,
+                                     logprobs, sampler_state)
+        if out is None or out.finished:
+            reservation.state = ReservationState.GONE
+        return out
+
+    async def land(self, reservation: Reservation, blocks: torch.Tensor) -> bool:
+        """Write blocks ([layers, 2, n, ...], the prompt's blocks after the held ones) and admit the
+        request. False, writing nothing, if the request is gone."""
+        landed = await self._async.call(self._engine.admit_transferred, reservation.request.request_id,
+                                        reservation.num_held_blocks, blocks)
+        reservation.state = ReservationState.LANDED if landed else ReservationState.GONE
+        return landed
+
+    async def recompute(self, reservation: Reservation) -> bool:
+        """The transfer failed: free the reservation and prefill here. False if the request is gone."""
+        recomputed = await self._async.call(self._engine.recompute_locally, reservation.request.request_id)
+        reservation.state = ReservationState.RECOMPUTED if recomputed else ReservationState.GONE
+        return recomputed
+
+    # -- prefill side ---------------------------------------------------------------------------
+    def make_prefill_request(self, prompt: list[int], params: SamplingParams, priority: int = 0,
+                             label: str = "") -> Request:
+        """Validated; finishes at its first token and keeps its blocks for the decode worker."""
+        return self._engine.make_request(prompt, params, priority=priority, stop_after_prefill=True, label=label)
+
+    async def claim_held(self, request_id: str) -> bool:
+        return await self._async.call(self._engine.claim_held, request_id)
+
+    async def read_held(self, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:
+        """Copy held blocks into out (claimed blocks are written by nobody: safe beside a step)."""
+        return await asyncio.to_thread(self._engine.runner.read_blocks, block_ids, out)
+
+    async def release_held(self, request_id: str) -> bool:
+        return await self._async.call(self._engine.release_held, request_id)
+
+    # -- both -----------------------------------------------------------------------------------
+    def acquire_staging(self, num_blocks: int) -> Staging:
+        return self._engine.runner.staging.acquire(num_blocks)
+
+    def release_staging(self, staging: Staging) -> None:
+        self._engine.runner.staging.release(staging)
+
+    def load(self) -> EngineLoad:
+        e, s = self._engine, self._engine.scheduler
+        return EngineLoad(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=e.kv.num_free_blocks,
+            num_total_blocks=e.runner.num_blocks, block_size=e.runtime.block_size,
+            num_awaiting_kv=len(s.awaiting_kv), num_held_blocks=e.num_held_blocks(), num_held_requests=len(s.held),
+            kv_usage=e.kv_usage(), num_preemptions=s.stats.num_preemptions,
+            prefix_cache_queries=s.stats.prefix_cache_queries, prefix_cache_hits=s.stats.prefix_cache_hits,
+            num_lease_expiries=e.leases.num_expired, num_failed_requests=e.stats.num_failed_requests)
+
+    async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]:
+        """The pool's cached hashes and its pending events, taken together between steps."""
+        pool = self._engine.kv.pool
+        return await self._async.call(lambda: (pool.cached_hashes(), pool.drain_events()))
+
+    async def drain_kv_events(self) -> list[KVCacheEvent]:
+        return await self._async.call(self._engine.kv.pool.drain_events)
