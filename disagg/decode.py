@@ -1,24 +1,7 @@
 """Decode tier: continue requests whose prompt KV comes from a prefill worker.
 
-Lifecycle of a request here: awaiting_kv -> waiting -> running -> finished.
-
-    1. reserve   blocks for the whole prompt before any byte moves (prefix hits count as held);
-                 no room within reserve_timeout_s -> RESOURCE_EXHAUSTED.
-    2. ask       the prefill worker (Prefill RPC) with the channel, a tag and how many leading
-                 blocks to skip; the channel's process group is built in the background.
-    3. first     token arrives -> it goes to the client at once (sampler state carried over).
-                 Any failure before this point: reservation freed, UNAVAILABLE naming the prefill
-                 worker, and the gateway retries the request once on another pair.
-    4. land      receive the blocks into a host buffer, check the CRC, then (between engine
-                 steps) copy them into the reserved blocks and admit the request:
-                 num_computed_tokens jumps to the prompt length and it joins the waiting queue.
-                 Any failure here (prefill worker died, timeout, checksum): the reservation is
-                 freed and the prompt is recomputed here; the client sees no error.
-    5. decode    in the continuous batch like every other request.
-
-Landing runs in its own task: once the prefill worker has announced the blocks, the receive is
-always posted, so the sender never waits on a receive that will not come; a request cancelled
-meanwhile simply discards what lands.
+Lifecycle of a request here: awaiting_kv -> waiting -> running -> finished (the whole handoff,
+both sides and every failure, is described once, in disagg/handoff.py).
 """
 
 from __future__ import annotations

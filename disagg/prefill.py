@@ -1,11 +1,7 @@
 """Prefill tier: compute a prompt, hand its first token and KV blocks to a decode worker.
 
 Lifecycle of a request here: waiting -> running (chunked prefill) -> held (finished at its first
-token; blocks kept) -> sent -> released (blocks back to the pool as prefix cache).
-
-The first token goes out before the blocks move. From then on the send runs in its own task: a
-decode worker that asked for the blocks always posts a matching receive, so the send completes
-even if the RPC that asked for it is cancelled, and the blocks are released either way.
+token; blocks kept under a lease) -> sent -> released (the whole handoff: disagg/handoff.py).
 """
 
 from __future__ import annotations
