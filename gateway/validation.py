@@ -1,22 +1,33 @@
-"""Checks on a client's request that need no worker: sizes before tokenizing, token ids after.
+"""Checks on a client's request, and its tokenization: the request a worker gets, or an error.
 
 Sizes come first because tokenizing is the gateway's one expensive step (about a second per MB of
 text): a request over a limit is refused by its length in bytes, before any tokenizer runs, and
-what passes is tokenized on a thread (server.py), so one big prompt cannot stall other streams.
+any but a short prompt is tokenized on a thread: the event loop serves every stream, so it never
+runs for long the one step whose cost grows with the client's input. Token ids and the context are
+checked against what the healthy workers accept.
 Every check raises ValueError with a message saying what to change; the server maps it to
 INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
+from splitserve.common.tokenizer import Tokenizer, TooManyTokens
+from splitserve.common.wire import sampling_params_from_proto
+from splitserve.gateway.workers import WorkerSet
 from splitserve.protos.v1 import generation_pb2 as gen_pb
+from splitserve.protos.v1 import worker_pb2 as pb
 
 KiB, MiB = 1 << 10, 1 << 20
 GRPC_DEFAULT_MAX_RECEIVE_BYTES = 4 * MiB
 _FRAMING_BYTES = 64 * KiB  # room in a gRPC message for the fields the limits do not count
+# Prompts up to this size (characters of text, bytes of chat messages) are tokenized on the event loop,
+# in well under a millisecond: they skip the thread hop and never wait for a thread behind big prompts.
+_INLINE_PROMPT_SIZE = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +114,71 @@ def check_fits_context(num_tokens: int, max_tokens: int | None, max_model_len: i
 def clip(text: str, num_chars: int = 64) -> str:
     """A client's string, short enough to quote in an error message."""
     return text if len(text) <= num_chars else text[:num_chars] + "..."
+
+
+class RequestValidator:
+    """Turns a client's request into the request a worker runs: checked, tokenized once, with an id."""
+
+    def __init__(self, limits: RequestLimits, tokenizer: Tokenizer, model_name: str, workers: WorkerSet) -> None:
+        self.limits, self.tokenizer, self.model_name, self.workers = limits, tokenizer, model_name, workers
+
+    async def worker_request(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
+        check_sizes(request, self.limits)
+        self._check_model(request.model)
+        logprobs = request.logprobs if request.HasField("logprobs") else None
+        params = sampling_params_from_proto(request.sampling, request.stopping, logprobs)
+        check_token_ids(params.stop_token_ids, self._vocab_size(), "stop token ids")
+        token_ids = await self._prompt_token_ids(request)
+        max_model_len = self.max_model_len()  # read after tokenizing: workers may have come or gone meanwhile
+        check_prompt_length(len(token_ids), max_model_len)
+        check_token_ids(token_ids, self._vocab_size(), "prompt token ids")
+        check_fits_context(len(token_ids), params.max_tokens, max_model_len)
+        return pb.WorkerGenerateRequest(
+            request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=token_ids,
+            sampling=request.sampling, stopping=request.stopping, priority=request.priority, logprobs=logprobs)
+
+    async def tokenize(self, request: gen_pb.TokenizeRequest) -> list[int]:
+        check_prompt_size(request, self.limits)
+        self._check_model(request.model)
+        if request.WhichOneof("input") == "chat":
+            return await _off_loop_if_long(request.chat.ByteSize(), self._encode_chat, request.chat)
+        return await _off_loop_if_long(len(request.text), self.tokenizer.encode, request.text)
+
+    def max_model_len(self) -> int:
+        return self.workers.max_model_len(self.model_name)
+
+    def _vocab_size(self) -> int:
+        return self.workers.vocab_size(self.model_name)
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise ValueError(f"unknown model {clip(model)!r}; this gateway serves {self.model_name!r}")
+
+    async def _prompt_token_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
+        kind, max_len = request.WhichOneof("prompt"), self.max_model_len()
+        if kind == "token_ids":
+            check_prompt_length(len(request.token_ids.ids), max_len)  # before copying them all
+            return list(request.token_ids.ids)
+        limit = max_len - 1 if max_len else None  # a prompt leaves room for one generated token
+        try:
+            if kind == "text" and request.text:
+                return await _off_loop_if_long(len(request.text), self.tokenizer.encode, request.text,
+                                               max_num_tokens=limit)
+            if kind == "chat" and request.chat.messages:
+                return await _off_loop_if_long(request.chat.ByteSize(), self._encode_chat, request.chat, limit)
+        except TooManyTokens as e:  # refused before its ids were built: give the usual message
+            check_prompt_length(e.num_tokens, max_len)
+            raise
+        return []
+
+    def _encode_chat(self, chat: gen_pb.ChatMessages, max_num_tokens: int | None = None) -> list[int]:
+        """Rendering the template and tokenizing both grow with the messages (_off_loop_if_long)."""
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        return self.tokenizer.encode_chat(messages, max_num_tokens=max_num_tokens)
+
+
+async def _off_loop_if_long(size: int, encode: Callable[..., list[int]], *args, **kwargs) -> list[int]:
+    """encode(...) on a thread unless the prompt is short; the tokenizer releases the GIL, so the loop runs on."""
+    if size <= _INLINE_PROMPT_SIZE:
+        return encode(*args, **kwargs)
+    return await asyncio.to_thread(encode, *args, **kwargs)

@@ -1,11 +1,17 @@
-"""The gateway's view of its workers: registration, health checks and load, one owner for all."""
+"""The gateway's view of its workers: registration, health checks and load, one owner for all.
+
+`WorkerHandle.outstanding` (requests this gateway has in flight on a worker) is changed only here,
+through `WorkerSet.lease()`: the proxy holds a lease for as long as a worker works on a request.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,7 +21,6 @@ from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitserve.gateway")
-
 
 
 @dataclass(eq=False)
@@ -31,13 +36,37 @@ class WorkerHandle:
     stub: pb_grpc.WorkerStub
     vocab_size: int = 0  # token ids must be below it; 0 when unknown (a worker named by --worker at start)
     healthy: bool = True
-    outstanding: int = 0  # requests this gateway has in flight on the worker
+    outstanding: int = 0  # requests this gateway has in flight on the worker; changed only by a Lease
     failures: int = 0  # consecutive failed health checks
     load: pb.LoadReport = field(default_factory=pb.LoadReport)
 
     @property
     def role_name(self) -> str:
         return self.role.value
+
+
+class Lease:
+    """Counts one request in `outstanding` on each of its workers until released: the router
+    weighs those counts, and a leaving worker's channel closes once its count is back to 0."""
+
+    def __init__(self, workers: Iterable[WorkerHandle]) -> None:
+        self._held = list(workers)
+        for w in self._held:
+            w.outstanding += 1
+
+    def release(self, worker: WorkerHandle) -> None:
+        """Ends the request on one worker early (a prefill worker, whose part ends at the first token)."""
+        if worker in self._held:
+            self._held.remove(worker)
+            worker.outstanding -= 1
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for w in self._held:
+            w.outstanding -= 1
+        self._held.clear()
 
 
 class WorkerSet:
@@ -85,6 +114,18 @@ class WorkerSet:
 
     def healthy(self, model: str | None = None) -> list[WorkerHandle]:
         return [w for w in self._workers.values() if w.healthy and (model is None or w.model == model)]
+
+    def lease(self, *workers: WorkerHandle) -> Lease:
+        """`with workers.lease(a, b) as lease:` counts a request on a and b until the block ends."""
+        return Lease(workers)
+
+    def max_model_len(self, model: str) -> int:
+        """The context the healthy workers of model accept (0 while none is known)."""
+        return min((w.max_model_len for w in self.healthy(model)), default=0)
+
+    def vocab_size(self, model: str) -> int:
+        """Token ids the healthy workers of model accept are below this (0 while none is known)."""
+        return min((w.vocab_size for w in self.healthy(model) if w.vocab_size), default=0)
 
     def mark_failed(self, handle: WorkerHandle) -> None:
         """A call to the worker failed at the transport level: stop routing to it until it recovers."""

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from splitserve.common.roles import Role
 from splitserve.gateway.router import SPREAD_MARGIN, RouteInput, make_router
-from splitserve.gateway.workers import WorkerHandle
+from splitserve.gateway.workers import WorkerHandle, WorkerSet
 from splitserve.protos.v1 import worker_pb2 as pb
+
+pytestmark = pytest.mark.unit
 
 
 def _worker(address: str, outstanding: int = 0, free: int = 100, total: int = 100) -> WorkerHandle:
@@ -77,3 +80,13 @@ def test_ties_rotate_per_tier_when_both_tiers_are_picked_per_request():
         seen[router.pick(prefills, _route({}), "prefill").worker.address] += 1
         seen[router.pick(decodes, _route({}), "decode").worker.address] += 1
     assert seen == {"p0": 4, "p1": 4, "d0": 4, "d1": 4}
+
+
+def test_a_lease_counts_a_request_until_released_and_ends_the_prefill_part_early():
+    decode, prefill = _worker("d"), _worker("p", outstanding=1)
+    with WorkerSet().lease(decode, prefill) as lease:
+        assert (decode.outstanding, prefill.outstanding) == (1, 2)
+        lease.release(prefill)  # the first token came: the prefill worker's part is over
+        lease.release(prefill)  # a second release changes nothing
+        assert (decode.outstanding, prefill.outstanding) == (1, 1)
+    assert (decode.outstanding, prefill.outstanding) == (0, 1)

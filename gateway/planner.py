@@ -1,0 +1,80 @@
+"""Routing decisions: which workers run one attempt of a request.
+
+With healthy prefill and decode workers, a (prefill, decode) pair: the decode worker gets the
+request with the prefill worker's address and runs the handoff. Otherwise one worker that runs
+whole requests (unified, or decode when no prefill worker is up). The router (router.py) picks
+within a tier; the planner looks the prompt up in the prefix index first, and afterwards notes
+where the prompt's blocks went, so requests sharing a prefix follow before the worker publishes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import Counter
+from splitserve.common.block_hash import hash_block_tokens
+from splitserve.common.roles import Role
+from splitserve.gateway.prefix import PrefixIndex
+from splitserve.gateway.router import Decision, RouteInput, Router
+from splitserve.gateway.workers import WorkerHandle, WorkerSet
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    target: Decision  # the worker the tokens stream from
+    prefill: Decision | None = None  # the prefill worker the target takes the KV cache from; None: it runs all
+
+    @property
+    def prefill_worker(self) -> WorkerHandle | None:
+        return self.prefill.worker if self.prefill is not None else None
+
+    @property
+    def decisions(self) -> list[Decision]:
+        return [self.target] + ([self.prefill] if self.prefill is not None else [])
+
+
+class Planner:
+    def __init__(self, model_name: str, workers: WorkerSet, router: Router, prefix: PrefixIndex,
+                 routed: Counter) -> None:
+        self.model_name, self.workers, self.router, self.prefix = model_name, workers, router, prefix
+        self.routed = routed  # decisions by worker and reason (the routing-decisions metric)
+
+    async def plan(self, prompt: Sequence[int], avoid: set[str], *, retry: bool) -> Plan | None:
+        """A plan among the healthy workers not in avoid (addresses), or None when none can serve."""
+        healthy = [w for w in self.workers.healthy(self.model_name) if w.address not in avoid]
+        route = await self._route_input(prompt, healthy)
+        plan = self._pick(route, healthy)
+        if plan is not None:
+            for d in plan.decisions:
+                self.routed.labels(worker=d.worker.worker_id, reason=d.reason + ("+retry" if retry else "")).inc()
+        return plan
+
+    def _pick(self, route: RouteInput, healthy: list[WorkerHandle]) -> Plan | None:
+        prefills = [w for w in healthy if w.role is Role.PREFILL]
+        decodes = [w for w in healthy if w.role is Role.DECODE]
+        if prefills and decodes:
+            prefill, decode = self.router.pick(prefills, route, "prefill"), self.router.pick(decodes, route, "decode")
+            self._observe_match(route, prefill)
+            if route.matched is not None:  # the decode worker will hold the prompt's blocks too
+                self.prefix.note_routed(route.block_hashes, decode.worker.address)
+            return Plan(decode, prefill)
+        target = self.router.pick([w for w in healthy if w.role is not Role.PREFILL], route, "prefill")
+        if target is None:
+            return None
+        self._observe_match(route, target)
+        return Plan(target)
+
+    async def _route_input(self, prompt: Sequence[int], workers: list[WorkerHandle]) -> RouteInput:
+        block_size = next((w.block_size for w in workers if w.block_size), 0)
+        if not block_size or not self.router.uses_index:
+            return RouteInput(prompt, len(prompt) // block_size if block_size else 0, None)
+        hashes = hash_block_tokens(prompt, block_size)
+        matched = await self.prefix.matches(hashes, block_size, [w.address for w in workers])
+        return RouteInput(prompt, len(hashes), matched, hashes)
+
+    def _observe_match(self, route: RouteInput, decision: Decision | None) -> None:
+        if decision is None or route.matched is None:
+            return
+        self.prefix.metrics.matched.observe(route.matched.get(decision.worker.address, 0))
+        self.prefix.note_routed(route.block_hashes, decision.worker.address)
