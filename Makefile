@@ -58,7 +58,7 @@ bench-prefix: install
 
 # Colocated vs disaggregated on this machine with the bundled model; report in runs/.
 experiment: install
-	$(VENV)/bin/splitserve experiment deploy/experiments/cpu-smollm2.toml
+	$(VENV)/bin/splitserve experiment experiments/configs/cpu-smollm2.toml
 
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install

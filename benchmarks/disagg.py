@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import random
 import statistics
 import time
 from datetime import timedelta
@@ -32,6 +31,8 @@ from splitserve.disagg.transfer.base import ChannelSpec
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
 from splitserve.engine.kv_cache.staging import StagingPool
+from splitserve.experiments.stats import RequestRecord
+from splitserve.experiments.workload import LengthDist, WorkloadConfig
 
 SMOLLM2_KV = (30, 2, 600, 16, 3, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 SIZES = (1, 16, 256)
@@ -132,20 +133,19 @@ def transfer(repeats: int) -> None:
 
 
 def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
-    import grpc
+    from splitserve.experiments.loadgen import send_workload
     from splitserve.launch.launcher import start_cluster, stop_cluster
-    from splitserve.protos.v1 import generation_pb2 as pb
-    from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 
-    rng = random.Random(0)
-    prompts = [[rng.randrange(20, 49152) for _ in range(prompt_len)] for _ in range(num_requests + 2)]
+    # One at a time; the same prompts for both deployments; the first two requests warm up.
+    workload = WorkloadConfig(num_requests=num_requests + 2, arrival="concurrency", concurrency=1, seed=0,
+                              prompt_len=LengthDist("fixed", prompt_len), output_len=LengthDist("fixed", output_len))
     rows = {}
-    for name, shape in (("unified x1", dict(num_workers=1)), ("1P1D", dict(num_workers=0, num_prefill=1, num_decode=1))):
+    shapes = (("unified x1", dict(num_workers=1)), ("1P1D", dict(num_workers=0, num_prefill=1, num_decode=1)))
+    for name, shape in shapes:
         children = start_cluster(engine_argv=[], worker_argv=["--num-threads", "2"], **shape)
         try:
-            stub = pb_grpc.GenerationStub(grpc.insecure_channel(children[0].address))
-            samples = [_one(stub, pb, p, output_len) for p in prompts]
-            rows[name] = samples[2:]  # the first two warm up
+            records, _ = send_workload(children[0].address, workload)
+            rows[name] = [_latencies(r) for r in records[2:]]
         finally:
             stop_cluster(children)
     print(f"\nlow load: {num_requests} sequential requests, prompt {prompt_len} tokens, {output_len} output "
@@ -158,16 +158,10 @@ def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
     print(f"TTFT 1P1D / unified: {ratio:.2f}x (target <= 1.1x)")
 
 
-def _one(stub, pb, prompt: list[int], output_len: int) -> tuple[float, float, float, float]:
-    """(TTFT, time to 2nd token, mean inter-token latency, E2E) in seconds, seen by the client."""
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(temperature=0),
-                                 stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
-    start = time.perf_counter()
-    stamps = []
-    for chunk in stub.Generate(request, timeout=600):
-        stamps.extend([time.perf_counter()] * len(chunk.token_ids))
-    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return stamps[0] - start, stamps[1] - start, statistics.mean(gaps), stamps[-1] - start
+def _latencies(r: RequestRecord) -> tuple[float, float, float, float]:
+    """(TTFT, time to 2nd token, mean inter-token latency, E2E to the last token) in seconds."""
+    times = r.token_times_s
+    return times[0], times[1], statistics.mean(r.itls_s), times[-1]
 
 
 def main() -> None:

@@ -111,29 +111,32 @@ def torch_baseline(shape, q, k, v, kv_cache, meta, triton_out, limit_gib: float)
 
 
 def decode_table(shape, peak_gbps, args) -> list[dict]:
-    from splitserve.kernels import paged_decode_attention
-    from splitserve.kernels.paged_decode import choose_num_splits
-
     rows = []
     for context in CONTEXTS:
         for batch in BATCHES:
             if kv_gib(shape, batch, context) > args.max_kv_gib:
                 rows.append({"batch": batch, "context": context, "skipped": "KV over --max-kv-gib"})
                 continue
-            q, k, v, kv_cache, meta = paged_batch(shape, [context] * batch, [1] * batch)
-            scale = shape[2] ** -0.5
-            run = lambda: paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,  # noqa: E731
-                                                 max_seq_len=context)
-            ms = bench_ms(run)
-            kv_bytes = 2 * batch * context * shape[1] * shape[2] * DTYPE.itemsize
-            gbps = kv_bytes / ms / 1e6
-            rows.append({"batch": batch, "context": context, "triton_ms": ms, "gbps": gbps,
-                         "peak_pct": 100 * gbps / peak_gbps if peak_gbps else None,
-                         "num_splits": choose_num_splits(batch, shape[1], context, q.device),
-                         **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib)})
-            del q, k, v, kv_cache, meta
-            torch.cuda.empty_cache()
+            rows.append(_decode_row(shape, batch, context, peak_gbps, args))
+            torch.cuda.empty_cache()  # the batch's tensors died with _decode_row's frame
     return rows
+
+
+def _decode_row(shape, batch: int, context: int, peak_gbps, args) -> dict:
+    from splitserve.kernels import paged_decode_attention
+    from splitserve.kernels.paged_decode import choose_num_splits
+
+    q, k, v, kv_cache, meta = paged_batch(shape, [context] * batch, [1] * batch)
+    scale = shape[2] ** -0.5
+    run = lambda: paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,  # noqa: E731
+                                         max_seq_len=context)
+    ms = bench_ms(run)
+    kv_bytes = 2 * batch * context * shape[1] * shape[2] * DTYPE.itemsize
+    gbps = kv_bytes / ms / 1e6
+    return {"batch": batch, "context": context, "triton_ms": ms, "gbps": gbps,
+            "peak_pct": 100 * gbps / peak_gbps if peak_gbps else None,
+            "num_splits": choose_num_splits(batch, shape[1], context, q.device),
+            **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib)}
 
 
 def causal_flops(shape, prefix: int, query_len: int) -> float:
@@ -142,8 +145,6 @@ def causal_flops(shape, prefix: int, query_len: int) -> float:
 
 
 def prefill_table(shape, args) -> list[dict]:
-    from splitserve.kernels import paged_prefill_attention
-
     rows = []
     for mode in ("full", "chunk"):
         for context in CONTEXTS:
@@ -153,17 +154,22 @@ def prefill_table(shape, args) -> list[dict]:
                 if batch * query_len > args.max_prefill_tokens or kv_gib(shape, batch, context) > args.max_kv_gib:
                     rows.append({**row, "skipped": "over --max-prefill-tokens / --max-kv-gib"})
                     continue
-                q, k, v, kv_cache, meta = paged_batch(shape, [context] * batch, [query_len] * batch)
-                run = lambda: paged_prefill_attention(  # noqa: E731
-                    q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, shape[2] ** -0.5,
-                    max_query_len=query_len)
-                ms = bench_ms(run)
-                flops = batch * causal_flops(shape, context - query_len, query_len)
-                rows.append({**row, "triton_ms": ms, "tflops": flops / ms / 1e9,
-                             **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib)})
-                del q, k, v, kv_cache, meta
-                torch.cuda.empty_cache()
+                rows.append({**row, **_prefill_timing(shape, batch, context, query_len, args)})
+                torch.cuda.empty_cache()  # the batch's tensors died with _prefill_timing's frame
     return rows
+
+
+def _prefill_timing(shape, batch: int, context: int, query_len: int, args) -> dict:
+    from splitserve.kernels import paged_prefill_attention
+
+    q, k, v, kv_cache, meta = paged_batch(shape, [context] * batch, [query_len] * batch)
+    run = lambda: paged_prefill_attention(  # noqa: E731
+        q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, shape[2] ** -0.5,
+        max_query_len=query_len)
+    ms = bench_ms(run)
+    flops = batch * causal_flops(shape, context - query_len, query_len)
+    return {"triton_ms": ms, "tflops": flops / ms / 1e9,
+            **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib)}
 
 
 # -- elementwise kernels -------------------------------------------------------------------------------
@@ -199,20 +205,17 @@ def ops_table(shape, intermediate: int) -> list[dict]:
 
 # -- end to end ----------------------------------------------------------------------------------------
 def e2e_table(args) -> list[dict]:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from offline import Settings, splitserve_decode_ms
     from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from splitserve.engine.llm import LLM
+    from splitserve.experiments.offline import decode_step_ms
 
-    settings = Settings(0, (1, 1), (1, 1), BATCHES, decode_context=args.e2e_context, decode_steps=20)
     rows = []
     for backend in ("torch", "triton"):
         llm = LLM(EngineConfig(dtype="bfloat16", device="cuda", attention_backend=backend,
                                cache=CacheConfig(kv_cache_bytes=args.e2e_kv_gib * 1024**3),
                                scheduler=SchedulerConfig(max_num_seqs=max(BATCHES), max_num_batched_tokens=8192)))
-        vocab_size = llm.engine.runner.arch.vocab_size
         for batch in BATCHES:
-            step_ms, forward_ms = splitserve_decode_ms(llm, batch, settings, vocab_size)
+            step_ms, forward_ms = decode_step_ms(llm, batch, args.e2e_context, num_steps=20)
             rows.append({"backend": backend, "batch": batch, "context": args.e2e_context,
                          "step_ms": step_ms, "forward_ms": forward_ms})
         del llm

@@ -23,75 +23,44 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.llm import LLM
+from splitserve.experiments.offline import FULL, QUICK, Settings, decode_step_ms, timed
+from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
 
-MIN_TOKEN_ID = 20  # below this SmolLM2 keeps its special tokens
 HF_PAGE_SIZE = 256  # transformers' default page size, tokens per KV block
 STATIC_BATCH_SIZE = 8
 KV_CACHE_BYTES = 3 * 1024**3  # SmolLM2 fp32 KV is 45 KiB/token: ~68k tokens, all 64 requests fit
 
 
-@dataclass(frozen=True, slots=True)
-class Settings:
-    num_requests: int
-    prompt_lens: tuple[int, int]  # inclusive range
-    output_lens: tuple[int, int]
-    decode_batches: tuple[int, ...]
-    decode_context: int = 300
-    decode_steps: int = 20
-    seed: int = 0
+def warmup_requests(vocab_size: int) -> list[RequestSpec]:
+    return make_requests(WorkloadConfig(num_requests=2, prompt_len=LengthDist("uniform", 16, 24),
+                                        output_len=LengthDist("fixed", 4), seed=12345, vocab_high=vocab_size))
 
 
-FULL = Settings(64, (32, 512), (16, 256), (1, 8, 32, 64))
-QUICK = Settings(8, (32, 128), (8, 32), (1, 8), decode_steps=5)
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_useful_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def random_prompts(rng: random.Random, lens: list[int], vocab_size: int) -> list[list[int]]:
-    return [[rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(n)] for n in lens]
-
-
-def make_workload(s: Settings, vocab_size: int) -> Workload:
-    rng = random.Random(s.seed)
-    prompt_lens = [rng.randint(*s.prompt_lens) for _ in range(s.num_requests)]
-    output_lens = [rng.randint(*s.output_lens) for _ in range(s.num_requests)]
-    return Workload(random_prompts(rng, prompt_lens, vocab_size), output_lens)
-
-
-def warmup_workload(vocab_size: int) -> Workload:
-    rng = random.Random(12345)
-    return Workload(random_prompts(rng, [16, 24], vocab_size), [4, 4])
+def output_lens(wl: list[RequestSpec]) -> list[int]:
+    return [r.max_tokens for r in wl]
 
 
 # -- throughput -------------------------------------------------------------------------------------
-def run_splitserve(llm: LLM, wl: Workload) -> list[list[int]]:
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-    outputs = [o.token_ids for o in llm.generate(wl.prompts, params)]
-    assert [len(o) for o in outputs] == wl.output_lens, "splitserve did not generate exactly max_tokens"
+def run_splitserve(llm: LLM, wl: list[RequestSpec]) -> list[list[int]]:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens(wl)]
+    outputs = [o.token_ids for o in llm.generate([r.prompt_token_ids for r in wl], params)]
+    assert [len(o) for o in outputs] == output_lens(wl), "splitserve did not generate exactly max_tokens"
     return outputs
 
 
-def run_hf_static(model, wl: Workload, pad_id: int) -> list[list[int]]:
+def run_hf_static(model, wl: list[RequestSpec], pad_id: int) -> list[list[int]]:
     outputs = []
-    for i in range(0, len(wl.prompts), STATIC_BATCH_SIZE):
-        prompts, lens = wl.prompts[i : i + STATIC_BATCH_SIZE], wl.output_lens[i : i + STATIC_BATCH_SIZE]
+    for i in range(0, len(wl), STATIC_BATCH_SIZE):
+        batch = wl[i : i + STATIC_BATCH_SIZE]
+        prompts, lens = [r.prompt_token_ids for r in batch], [r.max_tokens for r in batch]
         width = max(map(len, prompts))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padded
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -102,25 +71,25 @@ def run_hf_static(model, wl: Workload, pad_id: int) -> list[list[int]]:
     return outputs
 
 
-def hf_cb_config(wl: Workload):
+def hf_cb_config(wl: list[RequestSpec]):
     from transformers import ContinuousBatchingConfig
 
-    pages = sum(-(-(len(p) + n) // HF_PAGE_SIZE) for p, n in zip(wl.prompts, wl.output_lens))
+    pages = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // HF_PAGE_SIZE) for r in wl)
     # Sized explicitly: on CPU the default takes 60% of host RAM for the cache.
     return ContinuousBatchingConfig(page_size=HF_PAGE_SIZE, num_blocks=pages + 4, max_batch_tokens=2048,
                                     max_requests_per_batch=64)
 
 
-def run_hf_continuous(model, wl: Workload) -> tuple[list[list[int]], float]:
+def run_hf_continuous(model, wl: list[RequestSpec]) -> tuple[list[list[int]], float]:
     """Returns outputs and seconds; the manager's setup (cache allocation) is not timed."""
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max(wl.output_lens), do_sample=False, eos_token_id=-1)
+    config = GenerationConfig(max_new_tokens=max(output_lens(wl)), do_sample=False, eos_token_id=-1)
     cb_config = hf_cb_config(wl)
     with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
                                                    block=True, timeout=5) as manager:
         start = time.perf_counter()
-        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(wl.prompts, wl.output_lens)]
+        ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1) for r in wl]
         results = {}
         while len(results) < len(ids):
             result = manager.get_result(timeout=1)
@@ -130,14 +99,8 @@ def run_hf_continuous(model, wl: Workload) -> tuple[list[list[int]], float]:
                 raise RuntimeError("transformers continuous batching thread stopped early")
         seconds = time.perf_counter() - start
     outputs = [list(results[i].generated_tokens) for i in ids]
-    assert [len(o) for o in outputs] == wl.output_lens, "transformers CB did not generate exactly max_new_tokens"
+    assert [len(o) for o in outputs] == output_lens(wl), "transformers CB did not generate exactly max_new_tokens"
     return outputs, seconds
-
-
-def timed(fn, *args):
-    start = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - start
 
 
 def num_identical(a: list[list[int]], b: list[list[int]]) -> int:
@@ -145,29 +108,6 @@ def num_identical(a: list[list[int]], b: list[list[int]]) -> int:
 
 
 # -- decode step ------------------------------------------------------------------------------------
-def splitserve_decode_ms(llm: LLM, batch_size: int, s: Settings, vocab_size: int) -> tuple[float, float]:
-    """(ms per engine.step, ms per bare runner.forward) once all batch_size requests decode."""
-    engine = llm.engine
-    prompts = random_prompts(random.Random(1000 + batch_size), [s.decode_context] * batch_size, vocab_size)
-    # Early requests decode while later ones still prefill (chunked): leave room so none finishes.
-    params = SamplingParams(temperature=0, max_tokens=s.decode_context, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
-    running = engine.scheduler.running
-    while not (len(running) == batch_size and all(r.num_tokens - r.num_computed_tokens == 1 for r in running)):
-        assert len(engine.scheduler.requests) == batch_size, "a decode-table request finished early"
-        engine.step()
-    engine.step()  # warm-up decode
-    _, step_s = timed(lambda: [engine.step() for _ in range(s.decode_steps)])
-    # One more schedule, never completed: forward rewrites the same KV slots each call; abort cleans up.
-    batch = engine.runner.prepare(engine.scheduler.schedule())
-    assert batch.meta.num_decodes == batch_size, "expected a pure decode batch"
-    engine.runner.forward(batch)
-    _, forward_s = timed(lambda: [engine.runner.forward(batch) for _ in range(s.decode_steps)])
-    for request_id in ids:
-        engine.abort_request(request_id)
-    return step_s * 1e3 / s.decode_steps, forward_s * 1e3 / s.decode_steps
-
-
 @torch.inference_mode()
 def hf_decode_ms(model, batch_size: int, s: Settings) -> float:
     """ms per model forward of one new token per sequence over a DynamicCache of decode_context tokens."""
@@ -179,7 +119,7 @@ def hf_decode_ms(model, batch_size: int, s: Settings) -> float:
     shape = (batch_size, cfg.num_key_value_heads, s.decode_context, head_dim)
     for layer in range(cfg.num_hidden_layers):  # decode cost does not depend on the cached values
         cache.update(torch.randn(shape), torch.randn(shape), layer)
-    ids = torch.randint(MIN_TOKEN_ID, cfg.vocab_size, (batch_size, 1))
+    ids = torch.randint(WorkloadConfig().vocab_low, cfg.vocab_size, (batch_size, 1))  # no special tokens
     mask = torch.ones(batch_size, s.decode_context + 1, dtype=torch.long)
     positions = torch.full((batch_size, 1), s.decode_context)
     total = 0.0
@@ -200,8 +140,8 @@ def load_hf():
     return model.eval()
 
 
-def throughput_table(llm: LLM, model, wl: Workload, vocab_size: int) -> dict:
-    warm = warmup_workload(vocab_size)
+def throughput_table(llm: LLM, model, wl: list[RequestSpec], vocab_size: int) -> dict:
+    warm = warmup_requests(vocab_size)
     pad_id = model.generation_config.eos_token_id
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
     run_splitserve(llm, warm)
@@ -215,7 +155,7 @@ def throughput_table(llm: LLM, model, wl: Workload, vocab_size: int) -> dict:
         rows["c_hf_continuous"] = (sec_c, out_c)
     except Exception as e:  # report and go on: (c) is optional on CPU
         print(f"(c) transformers continuous batching failed on CPU: {type(e).__name__}: {e}")
-    n = wl.num_useful_tokens
+    n = sum(output_lens(wl))
     result = {name: {"seconds": sec, "useful_tokens": n, "tokens_per_s": n / sec,
                      "identical_to_a": num_identical(out, out_a)} for name, (sec, out) in rows.items()}
     for name in ("b_hf_static8", "c_hf_continuous"):
@@ -224,24 +164,24 @@ def throughput_table(llm: LLM, model, wl: Workload, vocab_size: int) -> dict:
     return result
 
 
-def decode_table(llm: LLM, model, s: Settings, vocab_size: int) -> list[dict]:
+def decode_table(llm: LLM, model, s: Settings) -> list[dict]:
     rows = []
     for batch_size in s.decode_batches:
-        step_ms, forward_ms = splitserve_decode_ms(llm, batch_size, s, vocab_size)
+        step_ms, forward_ms = decode_step_ms(llm, batch_size, s.decode_context, s.decode_steps)
         rows.append({"batch": batch_size, "step_ms": step_ms, "forward_ms": forward_ms,
                      "step_over_forward": step_ms / forward_ms, "hf_forward_ms": hf_decode_ms(model, batch_size, s)})
     return rows
 
 
-def print_throughput(t: dict, wl: Workload) -> None:
-    print(f"\nThroughput: {len(wl.prompts)} requests, {wl.num_useful_tokens} useful output tokens, "
-          f"prompt tokens {sum(map(len, wl.prompts))}, torch threads {torch.get_num_threads()}")
+def print_throughput(t: dict, wl: list[RequestSpec]) -> None:
+    print(f"\nThroughput: {len(wl)} requests, {sum(output_lens(wl))} useful output tokens, "
+          f"prompt tokens {sum(len(r.prompt_token_ids) for r in wl)}, torch threads {torch.get_num_threads()}")
     print(f"{'system':<34}{'seconds':>10}{'out tok/s':>12}{'same tokens as (a)':>20}")
     labels = {"a_splitserve": "(a) splitserve LLM.generate", "b_hf_static8": "(b) HF generate, static batch 8",
               "c_hf_continuous": "(c) HF continuous batching"}
     for key, label in labels.items():
         if key in t:
-            r, same = t[key], f"{t[key]['identical_to_a']}/{len(wl.prompts)}"
+            r, same = t[key], f"{t[key]['identical_to_a']}/{len(wl)}"
             print(f"{label:<34}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}{same:>20}")
     for key in ("b", "c"):
         if f"ratio_a_over_{key}" in t:
@@ -266,10 +206,10 @@ def main() -> None:
                            scheduler=SchedulerConfig(max_num_seqs=64)))
     vocab_size = llm.engine.runner.arch.vocab_size
     model = load_hf()
-    wl = make_workload(s, vocab_size)
+    wl = make_requests(s.workload(vocab_size))
     throughput = throughput_table(llm, model, wl, vocab_size)
     print_throughput(throughput, wl)
-    decode = decode_table(llm, model, s, vocab_size)
+    decode = decode_table(llm, model, s)
     print_decode(decode, s)
     if args.json:
         with open(args.json, "w") as f:

@@ -9,7 +9,8 @@ one run:
   oracle           prefix-affinity: each system prompt pinned to one worker, balanced (knows the
                    workload's structure; the best hit rate a router can get here)
 Reported: prefix-cache hit rate over prompt tokens (from the workers' metrics) and client-side
-TTFT p50/p90. Targets: kv-aware hit rate >= 0.9x the oracle's; TTFT p90 <= 0.3x round robin's.
+TTFT p50/p90 (interpolated as `splitserve bench` does). Targets: kv-aware hit rate >= 0.9x the
+oracle's; TTFT p90 <= 0.3x round robin's.
 
 Usage: python benchmarks/prefix_routing.py [--groups 8 --prefix-len 1024 --suffix-len 16
        --requests 128 --concurrency 4 --workers 4] [--model PATH]   (default model: bundled SmolLM2)
@@ -18,27 +19,24 @@ Usage: python benchmarks/prefix_routing.py [--groups 8 --prefix-len 1024 --suffi
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
-import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
-import grpc
+from splitserve.experiments.loadgen import send_workload
+from splitserve.experiments.stats import summarize
+from splitserve.experiments.workload import LengthDist, WorkloadConfig
 from splitserve.launch.launcher import start_cluster, stop_cluster
-from splitserve.protos.v1 import generation_pb2 as pb
-from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 
 ROUTERS = (("kv-aware", "kv-aware"), ("round-robin", "round-robin"), ("oracle", "prefix-affinity"))
+HIT_METRICS = ("splitserve:prefix_cache_queries_total", "splitserve:prefix_cache_hits_total")
 
 
-def workload(a: argparse.Namespace) -> list[list[int]]:
-    rng = random.Random(a.seed)
-    systems = [[rng.randrange(20, a.vocab) for _ in range(a.prefix_len)] for _ in range(a.groups)]
-    prompts = [systems[i % a.groups] + [rng.randrange(20, a.vocab) for _ in range(a.suffix_len)]
-               for i in range(a.requests)]
-    rng.shuffle(prompts)
-    return prompts
+def workload(a: argparse.Namespace) -> WorkloadConfig:
+    """Every request one of the system prompts (equal shares, random order) plus a unique suffix."""
+    return WorkloadConfig(num_requests=a.requests, arrival="concurrency", concurrency=a.concurrency,
+                          prompt_len=LengthDist("fixed", a.prefix_len + a.suffix_len),
+                          output_len=LengthDist("fixed", a.output_len), shared_prefix_fraction=1.0,
+                          prefix_len=a.prefix_len, num_prefixes=a.groups, prefix_assignment="balanced",
+                          seed=a.seed, vocab_high=a.vocab)
 
 
 def _metric_sum(address: str, name: str) -> float:
@@ -46,36 +44,27 @@ def _metric_sum(address: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[-1]) for line in text.splitlines() if line.startswith(name))
 
 
-def ttft(stub, prompt: list[int], output_len: int) -> float:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParameters(temperature=0),
-                                 stopping=pb.StoppingCriteria(max_tokens=output_len, ignore_eos=True))
-    start = time.perf_counter()
-    first = None
-    for chunk in stub.Generate(request, timeout=3600):
-        if first is None and chunk.token_ids:
-            first = time.perf_counter() - start
-    return first
+def _hit_counts(workers: list[str]) -> list[float]:
+    """(prefix-cache queries, hits) summed over the workers' metrics."""
+    return [sum(_metric_sum(w, name) for w in workers) for name in HIT_METRICS]
 
 
-def run(router: str, prompts: list[list[int]], a: argparse.Namespace) -> dict[str, float]:
+def run(router: str, cfg: WorkloadConfig, a: argparse.Namespace) -> dict[str, float]:
     engine_argv = ["--model", a.model] if a.model else []
     children = start_cluster(a.workers, engine_argv, gateway_argv=["--router", router])
+    warmup = WorkloadConfig(num_requests=1, arrival="concurrency", prompt_len=LengthDist("fixed", 3),
+                            output_len=LengthDist("fixed", 2), seed=a.seed + 999_999, vocab_high=a.vocab)
     try:
-        stub = pb_grpc.GenerationStub(grpc.insecure_channel(children[0].address))
-        ttft(stub, [7, 8, 9], 2)  # warm-up (no shared prefix)
+        send_workload(children[0].address, warmup)  # no shared prefix
         workers = [c.metrics for c in children[1:]]
-        queries0 = sum(_metric_sum(w, "splitserve:prefix_cache_queries_total") for w in workers)
-        hits0 = sum(_metric_sum(w, "splitserve:prefix_cache_hits_total") for w in workers)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(a.concurrency) as pool:
-            ttfts = list(pool.map(lambda p: ttft(stub, p, a.output_len), prompts))
-        elapsed = time.perf_counter() - start
-        queries = sum(_metric_sum(w, "splitserve:prefix_cache_queries_total") for w in workers) - queries0
-        hits = sum(_metric_sum(w, "splitserve:prefix_cache_hits_total") for w in workers) - hits0
+        before = _hit_counts(workers)
+        records, elapsed = send_workload(children[0].address, cfg, timeout_s=3600)
+        queries, hits = (after - b for after, b in zip(_hit_counts(workers), before))
     finally:
         stop_cluster(children)
-    q = statistics.quantiles(ttfts, n=10)
-    return {"hit_rate": hits / queries, "ttft_p50": statistics.median(ttfts), "ttft_p90": q[8], "seconds": elapsed}
+    ttft = summarize(records, elapsed).ttft_ms
+    return {"hit_rate": hits / queries, "ttft_p50": ttft["p50"] / 1e3, "ttft_p90": ttft["p90"] / 1e3,
+            "seconds": elapsed}
 
 
 def main() -> None:
@@ -91,13 +80,14 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=49152)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    prompts = workload(a)
-    results = {name: run(router, prompts, a) for name, router in ROUTERS}
+    cfg = workload(a)
+    results = {name: run(router, cfg, a) for name, router in ROUTERS}
     print(f"\n{a.requests} requests = {a.groups} system prompts x {a.prefix_len} tokens + {a.suffix_len}-token "
           f"suffixes, {a.output_len} output tokens, concurrency {a.concurrency}, {a.workers} unified workers")
     print(f"{'router':<13}{'hit rate':>9}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'wall s':>8}")
     for name, r in results.items():
-        print(f"{name:<13}{r['hit_rate']:>9.3f}{r['ttft_p50'] * 1e3:>13.0f}{r['ttft_p90'] * 1e3:>13.0f}{r['seconds']:>8.1f}")
+        print(f"{name:<13}{r['hit_rate']:>9.3f}{r['ttft_p50'] * 1e3:>13.0f}{r['ttft_p90'] * 1e3:>13.0f}"
+              f"{r['seconds']:>8.1f}")
     kv, rr, oracle = results["kv-aware"], results["round-robin"], results["oracle"]
     print(f"kv-aware hit rate / oracle: {kv['hit_rate'] / oracle['hit_rate']:.2f} (target >= 0.9); "
           f"TTFT p90 kv-aware / round robin: {kv['ttft_p90'] / rr['ttft_p90']:.2f} (target <= 0.3)")

@@ -1,7 +1,7 @@
 """`splitserve experiment CONFIG`: start each deployment, warm it up, sweep request rates (and
 workloads), stop it; write a report folder: runs.json, PNG plots, summary.md.
 
-Config (TOML; examples in deploy/experiments/):
+Config (TOML; examples in experiments/configs/):
 
     name = "cpu-smollm2"
     engine_args = ["--kv-cache-bytes", "268435456"]   # passed to every worker
@@ -73,7 +73,7 @@ def load_config(path: str | Path) -> ExperimentConfig:
         rates = tuple(float(r) for r in raw["sweep"]["rates"])
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: bad experiment config ({e!r}); see the docstring of "
-                         "splitserve/experiments/experiment.py or deploy/experiments/") from None
+                         "splitserve/experiments/experiment.py or experiments/configs/") from None
     if not deployments or not rates:
         raise ValueError(f"{path}: needs at least one [[deployments]] and [sweep] rates")
     return ExperimentConfig(raw.get("name", Path(path).stem), deployments, workloads, rates,

@@ -9,6 +9,7 @@ import asyncio
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -104,6 +105,27 @@ async def run_load(client: GenerationClient, cfg: WorkloadConfig,
 
         records = await asyncio.gather(*(tracked(scheduled(s, o)) for s, o in zip(specs, offsets)))
     return list(records), time.perf_counter() - t0
+
+
+async def run_grpc_load(address: str, cfg: WorkloadConfig, progress: Callable[[int, int], None] | None = None,
+                        timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
+    """run_load through a GrpcClient to the gateway at address, closing the channel afterwards."""
+    client = GrpcClient(address, timeout_s)
+    try:
+        return await run_load(client, cfg, progress)
+    finally:
+        await client.close()
+
+
+def send_workload(address: str, cfg: WorkloadConfig, timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
+    """Blocking run_grpc_load for the benchmarks, which report numbers only for runs where every
+    request succeeded: raises RuntimeError with the failed requests' status codes otherwise."""
+    records, seconds = asyncio.run(run_grpc_load(address, cfg, timeout_s=timeout_s))
+    failed = Counter(r.code for r in records if not r.ok)
+    if failed:
+        raise RuntimeError(f"{failed.total()} of {len(records)} requests failed ({dict(failed)}); "
+                           "see the workers' logs")
+    return records, seconds
 
 
 def progress_bar(done: int, total: int) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 _KINDS = ("fixed", "uniform", "normal")
 _ARRIVALS = ("poisson", "burst", "concurrency")
+_PREFIX_ASSIGNMENTS = ("random", "balanced")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,7 @@ class WorkloadConfig:
     shared_prefix_fraction: float = 0.0  # share of requests that start with one of num_prefixes prefixes
     prefix_len: int = 0
     num_prefixes: int = 1
+    prefix_assignment: str = "random"  # or "balanced": equal shares of the shared requests, in random order
     seed: int = 0
     vocab_low: int = 20  # token ids drawn from [vocab_low, vocab_high) (skips special tokens)
     vocab_high: int = 49152
@@ -65,6 +68,8 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.arrival not in _ARRIVALS:
             raise ValueError(f"arrival must be one of {_ARRIVALS}, got {self.arrival!r}")
+        if self.prefix_assignment not in _PREFIX_ASSIGNMENTS:
+            raise ValueError(f"prefix_assignment must be one of {_PREFIX_ASSIGNMENTS}, got {self.prefix_assignment!r}")
         if self.num_requests < 1 or self.rate <= 0 or self.concurrency < 1 or self.burst_size < 1:
             raise ValueError("num_requests, rate, concurrency and burst_size must be positive")
         if not 0.0 <= self.shared_prefix_fraction <= 1.0:
@@ -94,12 +99,22 @@ def make_requests(cfg: WorkloadConfig) -> list[RequestSpec]:
 
 
 def _sampled_rows(cfg: WorkloadConfig, rng: random.Random) -> list[tuple[int, int, int | None]]:
+    dealt = _balanced_prefix_ids(cfg, rng) if cfg.prefix_assignment == "balanced" else None
     rows = []
     for _ in range(cfg.num_requests):
         shared = cfg.shared_prefix_fraction and rng.random() < cfg.shared_prefix_fraction
-        prefix_id = rng.randrange(cfg.num_prefixes) if shared else None
+        prefix_id = None
+        if shared:
+            prefix_id = next(dealt) if dealt is not None else rng.randrange(cfg.num_prefixes)
         rows.append((cfg.prompt_len.sample(rng), cfg.output_len.sample(rng), prefix_id))
     return rows
+
+
+def _balanced_prefix_ids(cfg: WorkloadConfig, rng: random.Random) -> Iterator[int]:
+    """Prefix ids dealt in equal shares (a shuffled deck), so no prefix gets more requests by chance."""
+    deck = [i % cfg.num_prefixes for i in range(cfg.num_requests)]
+    rng.shuffle(deck)
+    return iter(deck)
 
 
 def _trace_rows(path: str) -> list[tuple[int, int, int | None]]:

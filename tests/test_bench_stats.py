@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from splitserve.experiments.stats import SLO, RequestRecord, percentile, summarize
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, arrival_offsets, make_requests
+
+pytestmark = pytest.mark.unit
 
 
 def _record(ttft: float, gaps: list[float], code: str = "OK", queue_ms: float = 0.0) -> RequestRecord:
@@ -88,3 +91,22 @@ def test_trace_replay(tmp_path):
     bad.write_text('{"prompt": 3}\n')
     with pytest.raises(ValueError, match="bad.jsonl:1"):
         make_requests(WorkloadConfig(trace=str(bad)))
+
+
+def test_balanced_prefixes_get_equal_shares_in_random_order():
+    cfg = WorkloadConfig(num_requests=24, prompt_len=LengthDist.parse("20"), shared_prefix_fraction=1.0,
+                         prefix_len=12, num_prefixes=4, prefix_assignment="balanced", vocab_high=300)
+    ids = [s.prefix_id for s in make_requests(cfg)]
+    assert sorted(ids) == sorted(list(range(4)) * 6) and ids != [i % 4 for i in range(24)]
+    with pytest.raises(ValueError, match="prefix_assignment"):
+        WorkloadConfig(prefix_assignment="even")
+
+
+def test_shipped_experiment_configs_load():
+    from splitserve.experiments.experiment import load_config
+
+    configs = sorted((Path(__file__).resolve().parents[1] / "experiments" / "configs").glob("*.toml"))
+    assert [p.name for p in configs] == ["cpu-smollm2.toml", "gpu-8x.toml"]
+    for path in configs:
+        cfg = load_config(path)
+        assert cfg.deployments and cfg.rates and cfg.workloads, path

@@ -1,0 +1,70 @@
+"""What the in-process benchmarks share: the offline workload's settings (benchmarks/offline.py, and
+benchmarks/serving.py sends the same requests through the gateway) and the cost of one decode step
+at a given batch size (benchmarks/offline.py on CPU, benchmarks/kernels.py per attention backend)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.llm import LLM
+from splitserve.experiments.workload import LengthDist, WorkloadConfig, make_requests
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    num_requests: int
+    prompt_lens: tuple[int, int]  # inclusive range
+    output_lens: tuple[int, int]
+    decode_batches: tuple[int, ...]
+    decode_context: int = 300
+    decode_steps: int = 20
+    seed: int = 0
+
+    def workload(self, vocab_size: int) -> WorkloadConfig:
+        """All requests at once (fixed concurrency = num_requests), lengths uniform in the ranges."""
+        return WorkloadConfig(num_requests=self.num_requests, arrival="concurrency", concurrency=self.num_requests,
+                              prompt_len=LengthDist("uniform", *self.prompt_lens),
+                              output_len=LengthDist("uniform", *self.output_lens), seed=self.seed,
+                              vocab_high=vocab_size)
+
+
+FULL = Settings(64, (32, 512), (16, 256), (1, 8, 32, 64))
+QUICK = Settings(8, (32, 128), (8, 32), (1, 8), decode_steps=5)
+
+
+def decode_step_ms(llm: LLM, batch_size: int, context: int, num_steps: int) -> tuple[float, float]:
+    """(ms per engine.step, ms per bare runner.forward) once batch_size requests of context-token
+    prompts all decode; each a mean of num_steps after one warm-up. The requests are aborted after."""
+    engine = llm.engine
+    prompts = make_requests(WorkloadConfig(num_requests=batch_size, prompt_len=LengthDist("fixed", context),
+                                           seed=1000 + batch_size, vocab_high=engine.runner.arch.vocab_size))
+    # Early requests decode while later ones still prefill (chunked): leave room so none finishes.
+    params = SamplingParams(temperature=0, max_tokens=context, ignore_eos=True)
+    ids = [engine.add_request(p.prompt_token_ids, params) for p in prompts]
+    running = engine.scheduler.running
+    while not (len(running) == batch_size and all(r.num_tokens - r.num_computed_tokens == 1 for r in running)):
+        assert len(engine.scheduler.requests) == batch_size, "a decode-table request finished early"
+        engine.step()
+    engine.step()  # warm-up decode
+    _, step_s = timed(lambda: [engine.step() for _ in range(num_steps)])
+    # One more schedule, never completed: forward rewrites the same KV slots each call; abort cleans up.
+    batch = engine.runner.prepare(engine.scheduler.schedule())
+    assert batch.meta.num_decodes == batch_size, "expected a pure decode batch"
+    engine.runner.forward(batch)
+    _, forward_s = timed(lambda: [engine.runner.forward(batch) for _ in range(num_steps)])
+    for request_id in ids:
+        engine.abort_request(request_id)
+    return step_s * 1e3 / num_steps, forward_s * 1e3 / num_steps
+
+
+def timed(fn: Callable[..., T], *args: Any) -> tuple[T, float]:
+    """(fn(*args), wall seconds it took)."""
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
