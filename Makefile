@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels soak clean
+.PHONY: install serve serve-disagg generate lint test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels soak clean
 
 install: $(VENV)/.installed
 
@@ -34,7 +34,12 @@ serve-disagg: install
 generate: install
 	$(VENV)/bin/splitserve generate --chat "$(PROMPT)" --max-tokens 128
 
-test: install
+# ruff's rules and mypy's packages are in pyproject.toml; scripts/typecheck.py shows mypy the splitserve.* layout.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(PY) scripts/typecheck.py
+
+test: install lint
 	scripts/install-system-deps.sh
 	$(PY) -m pytest -q
 

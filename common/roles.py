@@ -14,7 +14,7 @@ class Role(enum.Enum):
     DECODE = "decode"  # whole requests, and requests whose prompt a prefill worker computes
 
     @property
-    def proto(self) -> int:
+    def proto(self) -> pb.WorkerRole:
         return _TO_PROTO[self]
 
     @classmethod
@@ -25,5 +25,5 @@ class Role(enum.Enum):
 
 _TO_PROTO = {Role.UNIFIED: pb.WORKER_ROLE_UNIFIED, Role.PREFILL: pb.WORKER_ROLE_PREFILL,
              Role.DECODE: pb.WORKER_ROLE_DECODE}
-_FROM_PROTO = {v: k for k, v in _TO_PROTO.items()}
+_FROM_PROTO: dict[int, Role] = {v: k for k, v in _TO_PROTO.items()}
 MODES = tuple(role.value for role in Role)

@@ -6,8 +6,12 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer as HFTokenizer
+
+if TYPE_CHECKING:
+    from jinja2 import Template  # imported when a chat template is first used
 
 
 class TooManyTokens(ValueError):
@@ -39,7 +43,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.add_bos = add_bos  # prepend BOS ourselves (GGUF); HF folders do it in the post-processor
         self.chat_template = chat_template
-        self._compiled_template = None
+        self._compiled_template: Template | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -97,7 +101,7 @@ class Tokenizer:
         return encoding.ids
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> Template:
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -107,7 +111,8 @@ def _compile_template(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                 ensure_ascii=ensure_ascii)
     return env.from_string(source)
 
 

@@ -169,8 +169,9 @@ class DecodeHandoff:
         try:
             await asyncio.wait({recv, report}, return_when=asyncio.FIRST_EXCEPTION)
             for task in (recv, report):
-                if task.done() and task.exception() is not None:
-                    raise task.exception()
+                error = task.exception() if task.done() else None
+                if error is not None:
+                    raise error
             done = report.result()
             if not isinstance(done, TransferDone):
                 raise HandoffProtocolError(f"expected the transfer report, got {type(done).__name__}")
@@ -188,7 +189,6 @@ def _consume_error(task: asyncio.Future) -> None:
 
 
 def _describe(e: BaseException) -> str:
-    details = getattr(e, "details", None)
-    if callable(details):  # grpc.aio.AioRpcError
-        return f"{e.code().name}: {details()}"
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -7,7 +7,7 @@ token; blocks kept under a lease) -> sent -> released (the whole handoff: disagg
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, TransferDone
 from splitserve.disagg.transfer.base import KVSender, TransferError, TransferFailure
@@ -59,7 +59,7 @@ async def _run_prompt(engine: AsyncEngine, request: Request) -> RequestOutput:
     return final
 
 
-async def _send(port: HandoffPort, sender: KVSender, job: HandoffJob, request_id: str, block_ids: list[int],
+async def _send(port: HandoffPort, sender: KVSender, job: HandoffJob, request_id: str, block_ids: Sequence[int],
                 metrics: WorkerMetrics | None, send_delay_s: float) -> TransferDone:
     if not await port.claim_held(request_id):
         raise TransferError(TransferFailure.CLOSED, f"the KV of request {request_id} was released before its "

@@ -11,6 +11,8 @@ would lose its space. Stop strings, like EOS and stop token ids, count only from
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 
@@ -20,7 +22,7 @@ _PROMPT_CONTEXT_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: list[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, prompt_token_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop

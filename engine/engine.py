@@ -71,7 +71,7 @@ class RequestOutput:
 class PrefillHandoff:
     """What a prefill-tier request leaves for its decode worker (its blocks are held until sent)."""
 
-    block_ids: list[int]  # the prompt's blocks, in order
+    block_ids: Sequence[int]  # the prompt's blocks, in order
     sampler_state: bytes | None  # the request's seeded generator after the first sample
 
 
@@ -303,7 +303,8 @@ class Engine:
             return [self._fail(s.request, e) for s in out.scheduled]
         result = self.sampler.sample(logits, [s.request for s in batch.sampling])
         failed = [self._fail(r, e) for r, e in result.errors]  # before update_after_step skips them
-        sampled = {s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids) if t is not None}
+        sampled: dict[str, int] = {
+            s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids) if t is not None}
         logprobs = {s.request.request_id: lp for s, lp in zip(batch.sampling, result.logprobs)}
         advanced = self.scheduler.update_after_step(out, sampled)
         return failed + [self._output_or_fail(r, logprobs[r.request_id]) for r in advanced]

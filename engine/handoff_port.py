@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,7 @@ class HandoffPort:
     async def claim_held(self, request_id: str) -> bool:
         return await self._async.call(self._engine.claim_held, request_id)
 
-    async def read_held(self, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:
+    async def read_held(self, block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
         """Copy held blocks into out (claimed blocks are written by nobody: safe beside a step)."""
         return await asyncio.to_thread(self._engine.runner.read_blocks, block_ids, out)
 

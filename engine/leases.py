@@ -12,23 +12,21 @@ from __future__ import annotations
 
 import time
 
-from splitserve.engine.request import RequestId
-
 
 class HeldLeases:
     def __init__(self, lease_s: float) -> None:
         self.lease_s = lease_s
-        self._deadlines: dict[RequestId, float] = {}  # unclaimed held requests -> monotonic deadline
+        self._deadlines: dict[str, float] = {}  # unclaimed held requests -> monotonic deadline
         self.num_expired = 0  # cumulative, for metrics
 
-    def start(self, request_id: RequestId, now: float | None = None) -> None:
+    def start(self, request_id: str, now: float | None = None) -> None:
         self._deadlines[request_id] = (time.monotonic() if now is None else now) + self.lease_s
 
-    def claim(self, request_id: RequestId) -> bool:
+    def claim(self, request_id: str) -> bool:
         """The sender takes the blocks; False if the lease is gone (expired, aborted or never started)."""
         return self._deadlines.pop(request_id, None) is not None
 
-    def expire(self, now: float | None = None) -> list[RequestId]:
+    def expire(self, now: float | None = None) -> list[str]:
         """Unclaimed leases past their deadline, removed (their blocks are the caller's to free)."""
         now = time.monotonic() if now is None else now
         expired = [rid for rid, deadline in self._deadlines.items() if deadline <= now]

@@ -32,13 +32,13 @@ class LLM:
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
         """Run all prompts to completion with continuous batching; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        requests = [self.engine.make_request(p, sp) for p, sp in zip(prompts, params_list)]  # validate all first
-        outputs = {r.request_id: CompletionOutput(r.request_id, list(r.all_token_ids)) for r in requests}
+        batch = _as_batch(prompts)
+        params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
+        if len(params_list) != len(batch):
+            raise ValueError(f"got {len(batch)} prompts but {len(params_list)} sampling params")
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(batch, params_list)]  # validate all first
+        outputs: dict[str, CompletionOutput] = {
+            r.request_id: CompletionOutput(r.request_id, list(r.all_token_ids)) for r in requests}
         for request in requests:
             self.engine.add_request(request)
         while self.engine.has_unfinished_requests():
@@ -49,6 +49,13 @@ class LLM:
     def chat(self, messages_list: Sequence[list[dict]], params: SamplingParams | None = None) -> list[CompletionOutput]:
         prompts = [self.tokenizer.encode_chat(m) for m in messages_list]
         return self.generate(prompts, params)
+
+
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt (text or token ids) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]  # a single token-id prompt
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _merge(out: CompletionOutput, step) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,8 @@ class ModelRunner:
     def kv_layout(self) -> str:
         """What must match between two workers for KV blocks to move between them."""
         _, _, _, bs, kvh, d = self.kv_cache.shape
-        return f"{str(self.dtype).removeprefix('torch.')}/layers={self.arch.num_layers}/block={bs}/kv_heads={kvh}/head_dim={d}"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype}/layers={self.arch.num_layers}/block={bs}/kv_heads={kvh}/head_dim={d}"
 
     @property
     def staging(self) -> StagingPool:
@@ -96,14 +98,14 @@ class ModelRunner:
             self._staging = StagingPool((self.arch.num_layers, two, bs, kvh, d), self.dtype)
         return self._staging
 
-    def read_blocks(self, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def read_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kvh, head_dim]
         (into out when given, e.g. a host staging buffer)."""
         if out is not None and out.device != self.kv_cache.device:
             return out.copy_(gather_blocks(self.kv_cache, block_ids))
         return gather_blocks(self.kv_cache, block_ids, out)
 
-    def write_blocks(self, block_ids: list[int], blocks: torch.Tensor) -> None:
+    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i]."""
         scatter_blocks(self.kv_cache, block_ids, blocks)
 
@@ -151,9 +153,10 @@ class ModelRunner:
                           sample_rows, sampling)
 
     def _pack(self, input_ids: list[int], positions: list[int], seq_lens: list[int], query_lens: list[int],
-              block_ids: list[list[int]], sample_rows: list[int], sampling: list[ScheduledRequest]) -> ForwardBatch:
+              block_ids: Sequence[Sequence[int]], sample_rows: list[int],
+              sampling: list[ScheduledRequest]) -> ForwardBatch:
         max_blocks = max(len(ids) for ids in block_ids)
-        table = [ids + [0] * (max_blocks - len(ids)) for ids in block_ids]
+        table = [list(ids) + [0] * (max_blocks - len(ids)) for ids in block_ids]
         dev = self.device
         pos = torch.tensor(positions, dtype=torch.int64)
         seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))

@@ -77,7 +77,7 @@ class Sampler:
         keep = [row for row, r in enumerate(requests) if id(r) not in failed]
         for row in keep:
             token_ids[row] = self._sample_row(logits[row], requests[row])
-        kept = _logprobs(raw[keep], [requests[row] for row in keep], [token_ids[row] for row in keep])
+        kept = _logprobs(raw[keep], [requests[row] for row in keep], [t for t in token_ids if t is not None])
         logprobs: list[TokenLogprobs | None] = [None] * len(requests)
         for row, lp in zip(keep, kept):
             logprobs[row] = lp

@@ -65,7 +65,7 @@ class ExperimentConfig:
 def load_config(path: str | Path) -> ExperimentConfig:
     raw = tomllib.loads(Path(path).read_text())
     try:
-        deployments = tuple(Deployment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        deployments = tuple(Deployment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # type: ignore[arg-type]
                             for d in raw["deployments"])
         workloads = tuple((w.pop("name", f"workload-{i}"), _workload(w))
                           for i, w in enumerate(dict(w) for w in raw.get("workloads", [{}])))

@@ -45,7 +45,8 @@ def write_summary(runs: list[dict], cfg, out: Path) -> Path:
         for slo in slo_names:
             best = best_per_slo(runs, workload, slo)
             if best:
-                lines.append(f"- Best for SLO `{slo}`: **{best[0]}** (peak goodput {best[1]:.2f} req/s at {best[2]} req/s)")
+                lines.append(f"- Best for SLO `{slo}`: **{best[0]}** "
+                             f"(peak goodput {best[1]:.2f} req/s at {best[2]} req/s)")
     path = out / "summary.md"
     path.write_text("\n".join(lines) + "\n")
     return path

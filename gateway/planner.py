@@ -55,6 +55,7 @@ class Planner:
         decodes = [w for w in healthy if w.role is Role.DECODE]
         if prefills and decodes:
             prefill, decode = self.router.pick(prefills, route, "prefill"), self.router.pick(decodes, route, "decode")
+            assert prefill is not None and decode is not None  # pick returns None only without candidates
             self._observe_match(route, prefill)
             if route.matched is not None:  # the decode worker will hold the prompt's blocks too
                 self.prefix.note_routed(route.block_hashes, decode.worker.address)

@@ -9,8 +9,9 @@ not add its timeout to every request); workers' publishes keep probing it meanwh
 Routed-but-not-yet-published prefixes: a worker publishes a prompt's blocks only once it has
 computed them (a 1k-token prefill takes seconds on CPU), so requests sharing a prefix that arrive
 meanwhile would find no holder and scatter. The gateway therefore remembers, for ROUTED_TTL_S, the
-prompt blocks it just sent to each worker and counts them like indexed ones. Workers' batches refused meanwhile leave gaps in their sequence numbers, so once the backend
-is back every worker is asked for a snapshot and the index converges again.
+prompt blocks it just sent to each worker and counts them like indexed ones. Workers' batches refused
+meanwhile leave gaps in their sequence numbers, so once the backend is back every worker is asked for a
+snapshot and the index converges again.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class Proxy:
     def _failure(self, error: grpc.aio.AioRpcError, worker: WorkerHandle,
                  prefill: WorkerHandle | None) -> Abort | WorkerFailed:
         if error.code() in _PASS_THROUGH:
-            return Abort(error.code(), error.details())
+            return Abort(error.code(), error.details() or "")
         blamed = _failed_peer(error) or worker.address
         failed = prefill if prefill is not None and blamed == prefill.address else worker
         self.workers.mark_failed(failed)
@@ -88,6 +88,6 @@ def _response(request_id: str, chunk: pb.WorkerGenerateResponse, arrival: float,
 def _failed_peer(error: grpc.aio.AioRpcError) -> str | None:
     """The worker a decode worker blamed (a prefill worker), from the trailing metadata."""
     for key, value in error.trailing_metadata() or ():
-        if key == FAILED_PEER_KEY:
+        if key == FAILED_PEER_KEY and isinstance(value, str):  # str: the key has no -bin suffix
             return value
     return None

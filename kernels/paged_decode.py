@@ -83,11 +83,11 @@ def _merge_splits_kernel(
     s_mask = offs_s < NUM_SPLITS
     part = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [BLOCK_S]
     m = tl.load(part_ml_ptr + part * 2, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
+    l_sum = tl.load(part_ml_ptr + part * 2 + 1, mask=s_mask, other=0.0)
     weight = tl.exp2(m - tl.max(m, 0))  # split 0 is never empty, so the max is finite
     sd_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=sd_mask, other=0.0)
-    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l * weight, 0)  # [BLOCK_D]
+    out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_sum * weight, 0)  # [BLOCK_D]
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 

@@ -12,7 +12,8 @@ from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--attention-backend", default=None, help="attention backend name (default: per device)")
@@ -64,6 +65,7 @@ def _generate(a: argparse.Namespace) -> int:
             last = out
     elapsed = time.monotonic() - start
     if last is not None:
+        assert last.finish_reason is not None  # the last output is the one that finished the request
         print(f"\n[{last.num_output_tokens} tokens, {last.num_output_tokens / elapsed:.1f} tok/s, "
               f"TTFT {last.timings.ttft_ms or 0:.0f} ms, finish: {last.finish_reason.value}]", file=sys.stderr)
     return 0
@@ -297,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.set_defaults(func=_experiment)
 
     up = sub.add_parser("up", help="start a gateway and its workers as local processes")
-    up.add_argument("--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)")
+    up.add_argument("--workers", type=int, default=None,
+                    help="unified workers (default 1, or 0 with --prefill/--decode)")
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
     up.add_argument("--devices", default=None,

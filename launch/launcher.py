@@ -39,6 +39,7 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | No
                             stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
 
     def echo() -> None:
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             if log is not None:
                 log.append(line.rstrip("\n"))
@@ -57,7 +58,8 @@ def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None =
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status == health_pb2.HealthCheckResponse.SERVING:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass

@@ -30,7 +30,7 @@ class Supervisor:
     def __init__(self, children: list[Child], engine_argv: list[str], host: str, drain_timeout_s: float = 90.0,
                  start_timeout_s: float = 180.0, devices: list[str] | None = None) -> None:
         self.children = children
-        self.devices = devices  # new workers take the device the fewest live workers use
+        self.devices = devices or []  # new workers take the device the fewest live workers use
         self.engine_argv, self.host = engine_argv, host
         self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
         self.admin_address = ""
@@ -47,7 +47,8 @@ class Supervisor:
     def scale(self, wanted: dict[str, int]) -> tuple[list[Child], list[Child]]:
         """Start or drain workers until each tier in wanted has that many; returns (started, drained)."""
         with self._lock:
-            if wanted.get("prefill", len(self.workers("prefill"))) and not wanted.get("decode", len(self.workers("decode"))):
+            num_prefill = wanted.get("prefill", len(self.workers("prefill")))
+            if num_prefill and not wanted.get("decode", len(self.workers("decode"))):
                 raise ValueError("prefill workers need at least one decode worker")
             started, drained = [], []
             for mode, count in wanted.items():
@@ -61,7 +62,7 @@ class Supervisor:
 
     def _start(self, mode: str, n: int) -> list[Child]:
         threads = threads_per_worker(len(self.children) - 1 + n)
-        new = []
+        new: list[Child] = []
         for _ in range(n):
             device = self._least_used_device() if self.devices else ""
             wait_for_gpu_peer(new, device, self.start_timeout_s)  # one at a time per GPU
@@ -80,7 +81,8 @@ class Supervisor:
             now, restarted = time.monotonic(), []
             for i, child in enumerate(self.children[1:], start=1):
                 code = child.proc.poll()
-                if code in (None, 0) or now - self._restarted_at.get(child.name, -RESTART_BACKOFF_S) < RESTART_BACKOFF_S:
+                since_restart = now - self._restarted_at.get(child.name, -RESTART_BACKOFF_S)
+                if code in (None, 0) or since_restart < RESTART_BACKOFF_S:
                     continue
                 print(f"{child.name} exited with code {code}; starting it again", flush=True)
                 self.children[i] = spawn_worker(child.name, child.mode, self.children[0].address, self.engine_argv,

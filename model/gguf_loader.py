@@ -62,7 +62,7 @@ class GGUFModel:
             rope_scaling=self._rope_scaling(),
             max_position_embeddings=self._get(f"{a}.context_length", 2048),
             tie_word_embeddings="output.weight" not in tensor_names,
-            qkv_bias=f"blk.0.attn_q.bias" in tensor_names,
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
             rope_freq_factors=factors,
         )
 

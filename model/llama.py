@@ -37,6 +37,9 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) RoPE from a precomputed cos/sin table."""
 
+    cos: torch.Tensor  # [max_len, head_dim] float32 buffers
+    sin: torch.Tensor
+
     def __init__(self, config: ModelArchConfig, max_len: int) -> None:
         super().__init__()
         self.config, self.max_len = config, max_len

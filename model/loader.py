@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ class ModelSource:
     path: Path
     arch: ModelArchConfig
     tokenizer: Tokenizer
-    _tensors: object  # callable returning an iterator of (HF name, tensor)
+    _tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, tensor), read lazily
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._tensors()

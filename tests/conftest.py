@@ -15,6 +15,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB_SIZE = 320
+# Every test is exactly one of these (registered in pyproject.toml): unit tests run in this process in
+# seconds (`pytest -m unit`); integration tests start real processes (gateway and workers, redis-server,
+# docker-compose) or run the real bundled model. Mark a whole file with `pytestmark = pytest.mark.unit`;
+# a file holding both kinds marks each test (or fixture parameter) instead.
+SUITES = frozenset({"unit", "integration"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so a test without its suite fails every run
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    wrong = [f"{item.nodeid}: {sorted(found) or 'none'}" for item in items
+             if len(found := SUITES & {mark.name for mark in item.iter_markers()}) != 1]
+    if wrong:
+        raise pytest.UsageError("every test needs exactly one of the markers unit or integration "
+                                "(see tests/conftest.py); these have:\n  " + "\n  ".join(wrong))
 
 
 def _train_tokenizer(folder: Path) -> None:

@@ -16,6 +16,8 @@ import torch
 from splitserve.model.attention import default_backend_name, get_backend, triton_backend
 from splitserve.model.attention.torch_backend import TorchAttention
 
+pytestmark = pytest.mark.unit
+
 CUDA = torch.device("cuda", 0)
 
 

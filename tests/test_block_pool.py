@@ -12,6 +12,8 @@ from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockSto
 from splitserve.engine.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
 from splitserve.engine.kv_cache.manager import KVCacheManager
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 
 

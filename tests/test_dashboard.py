@@ -6,10 +6,13 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client import generate_latest
 from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.gateway.server import GatewayMetrics
 from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+
+pytestmark = pytest.mark.unit
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "splitserve-dashboard.json"
 

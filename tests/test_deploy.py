@@ -20,6 +20,8 @@ import pytest
 import yaml  # PyYAML: installed with gguf, a core dependency
 from splitserve.launch.cli import build_parser
 
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"

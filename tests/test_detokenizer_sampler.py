@@ -11,6 +11,8 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.request import Request, RequestId
 from splitserve.engine.sampler import Sampler, _apply_penalties
 
+pytestmark = pytest.mark.unit
+
 MULTI_BYTE_TEXTS = [
     "Hello 👋 world 🌍! 👩‍👩‍👧 done",
     "你好，世界。中文测试",

@@ -19,6 +19,8 @@ from splitserve.launch import launcher, supervisor
 from splitserve.launch.launcher import Child, child_device, spawn_worker, start_cluster
 from splitserve.launch.supervisor import Supervisor
 
+pytestmark = pytest.mark.unit
+
 
 class FakeProc:
     returncode = None

@@ -26,6 +26,8 @@ from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.worker.server import SEND_DELAY_ENV
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(4 + 13 * i)] for i in range(6)]  # 4..69 tokens
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234)
 
@@ -35,7 +37,8 @@ def _workers(children, prefix: str):
 
 
 def _in_process(folder, prompts, params: SamplingParams) -> list[list[int]]:
-    config = EngineConfig(model=str(folder), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2))
+    cache = CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2)
+    config = EngineConfig(model=str(folder), max_model_len=256, cache=cache)
     return [o.token_ids for o in LLM(config).generate(prompts, params)]
 
 

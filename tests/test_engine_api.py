@@ -11,6 +11,8 @@ from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.llm import LLM
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir) -> Engine:
@@ -43,7 +45,8 @@ def test_bad_sampling_params_raise_value_error(kwargs):
 
 
 def test_request_that_can_never_fit_is_rejected(tiny_llama_dir):
-    small = Engine(EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, kv_cache_bytes=8 * 4096)))  # 4 KiB per block
+    cache = CacheConfig(block_size=8, kv_cache_bytes=8 * 4096)  # 4 KiB per block
+    small = Engine(EngineConfig(model=str(tiny_llama_dir), cache=cache))
     assert small.runtime.kv_capacity_tokens == 64
     with pytest.raises(ValueError, match="can never fit the KV cache"):
         small.add_request([1] * 40, SamplingParams(max_tokens=30))

@@ -12,6 +12,8 @@ from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.llm import LLM
 
+pytestmark = pytest.mark.unit
+
 MAX_NEW = 24
 
 

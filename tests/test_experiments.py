@@ -11,6 +11,8 @@ from splitserve.experiments.experiment import load_config, run_experiment
 from splitserve.launch.cli import main
 from splitserve.launch.launcher import start_cluster, stop_cluster
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def system(tiny_llama_dir):

@@ -1,7 +1,8 @@
 """The fault suite on real processes: a 2P2D cluster (in-memory prefix index, then Redis) under
 concurrent load while workers are killed with SIGKILL and restarted, Redis stops and hangs, and
 clients cancel streams, let short deadlines expire and reuse each other's request ids. What is checked
-afterwards is listed at the top of fault_harness.py. A short run with a fixed seed; `make soak DURATION=600` runs it longer."""
+afterwards is listed at the top of fault_harness.py. A short run with a fixed seed; `make soak DURATION=600`
+runs it longer."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def _coverage_gaps(report: Report) -> list[str]:
     return [name for name, seen in wanted.items() if not seen]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("redis", [False, True], ids=["memory-index", "redis-index"])
 def test_2p2d_under_load_survives_kills_redis_loss_cancels_and_deadlines(tiny_llama_dir, tmp_path, redis):
     log = tmp_path / "cluster.log"
@@ -48,6 +50,7 @@ def _outcome(kind: str, status: str, tokens: list[int], details: str = "", elaps
     return Outcome("c0-1", "c0-1", 0, kind, deadline_s, 0.0, elapsed_s, status, details, tokens)
 
 
+@pytest.mark.unit
 def test_the_checks_flag_what_they_must_and_nothing_else():
     want = [[5, 6, 7, 8]]
     fine = [_outcome("normal", "OK", [5, 6, 7, 8]), _outcome("cancel", "CANCELLED", [5, 6]),

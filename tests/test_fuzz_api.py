@@ -22,6 +22,8 @@ from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
 from test_gateway_limits import VOCAB_SIZE, write_chat_model
 
+pytestmark = pytest.mark.integration
+
 MODEL = "tiny-llama-chat"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 DEADLINE_S = 30.0

@@ -77,6 +77,7 @@ def _still_serving(stub_) -> None:
     assert len(tokens(stub_, greedy_request([1, 2], 3))) == 3
 
 
+@pytest.mark.unit
 def test_request_limits_defaults_and_message_size():
     limits = RequestLimits()
     assert (limits.max_prompt_bytes, limits.max_stop_bytes, limits.max_stop_total_bytes) == (1 << 20, 1 << 10, 16 << 10)
@@ -86,6 +87,7 @@ def test_request_limits_defaults_and_message_size():
         RequestLimits(max_stops=0)
 
 
+@pytest.mark.unit
 def test_tokenizer_batch_path_equals_encode_and_refuses_long_prompts(chat_model_dir):
     tokenizer = load_tokenizer(chat_model_dir)
     text = big_text(10_000) + " \x00 e\u0301 \U0001f308"
@@ -106,6 +108,7 @@ def _stopping(**kw) -> pb.StoppingCriteria:
     return pb.StoppingCriteria(max_tokens=4, **kw)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("make_request, message", [  # built lazily: some are megabytes
     (lambda: pb.GenerateRequest(text="x" * ((1 << 20) + 1)), "--max-prompt-bytes"),
     (lambda: pb.GenerateRequest(text="é" * ((1 << 19) + 1)), "prompt text is 1048578 bytes"),  # bytes, not chars
@@ -126,6 +129,7 @@ def test_oversize_fields_are_invalid_argument(cluster, make_request, message):
     _still_serving(s)
 
 
+@pytest.mark.integration
 def test_oversize_messages_and_names_fail_cleanly(cluster):
     s = stub(cluster[0].address)
     err = _error(s, pb.GenerateRequest(model="m" * 100_000, text="hi"))
@@ -140,6 +144,7 @@ def test_oversize_messages_and_names_fail_cleanly(cluster):
     _still_serving(s)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("request_, message", [
     (pb.GenerateRequest(text="hi", stopping=_stopping(min_tokens=1, stop_token_ids=[2**32 - 1])),
      f"stop token ids must be in [0, {VOCAB_SIZE})"),
@@ -159,6 +164,7 @@ def test_token_ids_are_checked_against_the_workers_vocabulary(cluster, request_,
     assert len(tokens(s, ok)) >= 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                                    "frequency_penalty"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e39])  # 1e39 is inf as a float32
@@ -170,6 +176,7 @@ def test_non_finite_sampling_values_are_invalid_argument(cluster, field, value):
     _still_serving(s)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("role", ["tool", "ghost"])
 def test_chat_template_errors_are_invalid_argument(cluster, role):
     s = stub(cluster[0].address)
@@ -224,6 +231,7 @@ def _max_gap_while(address: str, requests: list[pb.GenerateRequest]) -> tuple[fl
     return max(streams.gaps[:num_before]), max(streams.gaps[num_before:]), errors
 
 
+@pytest.mark.integration
 def test_big_prompts_do_not_stall_other_streams(cluster, chat_model_dir):
     """Over the limit (refused before tokenizing) and under a raised one (tokenized on a thread).
 

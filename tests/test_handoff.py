@@ -23,6 +23,8 @@ from splitserve.engine.kv_cache.block_io import checksum
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import Request
 
+pytestmark = pytest.mark.unit
+
 KV_BYTES = 2 * 1024**2
 
 

@@ -15,7 +15,8 @@ from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.llm import LLM
 from splitserve.model.attention import default_backend_name, get_backend, triton_backend
 
-pytestmark = pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")
+pytestmark = [pytest.mark.unit,
+              pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")]
 
 
 def _generate(folder, backend: str, prompts: list[list[list[int]]], max_tokens: int, **sched):

@@ -78,7 +78,9 @@ def run():
     loop.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
+# In-process for the memory backend, a redis-server process for Redis.
+@pytest.fixture(params=[pytest.param("memory", marks=pytest.mark.unit),
+                        pytest.param("redis", marks=pytest.mark.integration)])
 def backend(request, run):
     server = request.getfixturevalue("redis_server") if request.param == "redis" else None
     backend = Backend(request.param, server, run)
@@ -312,6 +314,7 @@ def test_random_events_with_lost_batches_and_restarts_converge(backend, run, see
     assert min(counts.values()) > 0, counts  # every path (resync, events, loss) was exercised
 
 
+@pytest.mark.integration
 def test_redis_outage_raises_quickly_and_the_same_index_recovers(run):
     with RedisServer() as server:
         index = RedisIndex(uuid.uuid4().hex, server.url)
@@ -336,6 +339,7 @@ def test_redis_outage_raises_quickly_and_the_same_index_recovers(run):
             run(index.close())
 
 
+@pytest.mark.integration
 def test_hung_redis_times_out_instead_of_blocking(run):
     with RedisServer() as server:
         index = RedisIndex(uuid.uuid4().hex, server.url)
@@ -352,6 +356,7 @@ def test_hung_redis_times_out_instead_of_blocking(run):
             run(index.close())
 
 
+@pytest.mark.integration
 def test_redis_purge_between_apply_read_and_write_forces_a_resync(redis_server, run, monkeypatch):
     namespace = uuid.uuid4().hex
     index, other_gateway = RedisIndex(namespace, redis_server.url), RedisIndex(namespace, redis_server.url)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 
 def test_gateway_and_kv_bookkeeping_do_not_import_torch():
     code = ("import sys, splitserve.gateway, splitserve.common.block_hash, "
@@ -54,7 +58,7 @@ def test_protos_follow_the_house_rules():
             is_field = stripped.endswith(";") and "=" in stripped and not stripped.startswith(("option", "//"))
             if is_field or stripped.startswith(("rpc ", "message ", "enum ", "service ")):
                 assert lines[i - 1].strip().startswith("//"), f"{proto.name}:{i + 1} has no comment: {stripped}"
-        enums = [l for l in lines if l.strip().startswith("enum ")]
+        enums = [line for line in lines if line.strip().startswith("enum ")]
         for enum_line in enums:
             first_value = lines[lines.index(enum_line) + 2].strip()
             assert "_UNSPECIFIED = 0;" in first_value, f"{proto.name}: {enum_line.strip()} must start at *_UNSPECIFIED"

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 from splitserve.model.arch import ModelArchConfig
 from splitserve.model.attention.torch_backend import TorchAttention
 from splitserve.model.loader import ModelSource, build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+pytestmark = pytest.mark.unit
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS = 256, 1024, 8, 1024, 4, 2
 ARCH = ModelArchConfig.from_hf_config(dict(

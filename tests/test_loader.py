@@ -11,6 +11,8 @@ from splitserve.common.model_files import ModelLoadError
 from splitserve.model.gguf_loader import _unpermute
 from splitserve.model.loader import open_model
 
+pytestmark = pytest.mark.unit
+
 
 def _copy(src, tmp_path):
     dst = tmp_path / "model"

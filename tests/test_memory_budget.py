@@ -13,6 +13,8 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.memory import MemorySnapshot, profile_memory
 from splitserve.engine.model_runner import _profile_seq_lens, kv_block_bytes
 
+pytestmark = pytest.mark.unit
+
 GIB = 1024**3
 DEVICE = torch.device("cuda", 0)
 

@@ -10,6 +10,8 @@ import pytest
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
 from splitserve.launch.launcher import start_cluster, stop_cluster
 
+pytestmark = pytest.mark.integration
+
 BASE = [(13 * j) % 290 + 5 for j in range(64)]  # 8 full blocks of 8
 
 
@@ -85,12 +87,13 @@ def test_redis_index_routes_and_survives_redis_loss(tiny_llama_dir):
             assert len(tokens(s, greedy_request(BASE + [200 + i], 2))) == 2
         assert metric(gateway.metrics, "splitserve:gateway_prefix_index_up") == 0
         assert metric(gateway.metrics, "splitserve:gateway_routing_decisions_total", reason="no_index") >= 4
-        resyncs = metric(gateway.metrics, "splitserve:gateway_prefix_index_resyncs_total")
+        resyncs_metric = "splitserve:gateway_prefix_index_resyncs_total"
+        resyncs = metric(gateway.metrics, resyncs_metric)
         server.start()  # empty Redis on the same port: workers are asked for snapshots
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and metric(gateway.metrics, "splitserve:gateway_prefix_index_resyncs_total") < resyncs + 2:
+        while time.monotonic() < deadline and metric(gateway.metrics, resyncs_metric) < resyncs + 2:
             time.sleep(0.2)
-        assert metric(gateway.metrics, "splitserve:gateway_prefix_index_resyncs_total") >= resyncs + 2
+        assert metric(gateway.metrics, resyncs_metric) >= resyncs + 2
         assert metric(gateway.metrics, "splitserve:gateway_prefix_index_up") == 1
         _assert_sticky(children, [t + 3 for t in BASE], 4)  # cache-aware again
     finally:

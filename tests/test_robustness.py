@@ -20,12 +20,14 @@ from splitserve.engine.request import Request
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+pytestmark = pytest.mark.unit
+
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 19]
 
 
 def _config(folder, **scheduler) -> EngineConfig:
-    return EngineConfig(model=str(folder), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2),
-                        scheduler=SchedulerConfig(**scheduler))
+    cache = CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2)
+    return EngineConfig(model=str(folder), max_model_len=256, cache=cache, scheduler=SchedulerConfig(**scheduler))
 
 
 @pytest.fixture(scope="module")

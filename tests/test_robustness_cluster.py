@@ -22,12 +22,15 @@ from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.worker.server import SEND_DELAY_ENV
 
+pytestmark = pytest.mark.integration
+
 P = [(5 * j) % 290 + 3 for j in range(40)]  # 5 blocks of 8
 Q = [(11 * j) % 290 + 7 for j in range(40)]
 
 
 def _reference(folder, prompts, max_tokens) -> list[list[int]]:
-    config = EngineConfig(model=str(folder), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2))
+    cache = CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2)
+    config = EngineConfig(model=str(folder), max_model_len=256, cache=cache)
     return [o.token_ids for o in LLM(config).generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))]
 
 

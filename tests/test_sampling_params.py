@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 from splitserve.common.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),

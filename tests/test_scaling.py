@@ -11,12 +11,15 @@ import threading
 import time
 
 import grpc
+import pytest
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
 from splitserve.common.serving import free_port
 from splitserve.launch.launcher import start_cluster, stop_cluster, wait_healthy
 from splitserve.launch.supervisor import Supervisor
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+
+pytestmark = pytest.mark.integration
 
 DRAINED = re.compile(r"drained: free_blocks=(\d+) total_blocks=(\d+) running=0 waiting=0 awaiting_kv=0 held=0")
 

@@ -9,6 +9,8 @@ from splitserve.engine.kv_cache.manager import KVCacheManager
 from splitserve.engine.request import FinishReason, Request, RequestId, RequestStatus
 from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 
+pytestmark = pytest.mark.unit
+
 BS = 4
 EOS = 999
 NEXT_TOKEN = 7  # what the fake model always samples (never EOS)

@@ -24,6 +24,8 @@ from splitserve.engine.request import Request, RequestId, RequestStatus
 from splitserve.engine.scheduler import Scheduler
 from test_scheduler import check_output
 
+pytestmark = pytest.mark.unit
+
 EOS = 99
 VOCAB = range(1, 6)  # a small vocabulary, so prompts share prefixes and hit the prefix cache
 NUM_SEEDS = 100

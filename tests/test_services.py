@@ -20,6 +20,8 @@ from splitserve.engine.llm import LLM
 from splitserve.launch.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
 from splitserve.protos.v1 import generation_pb2 as pb
 
+pytestmark = pytest.mark.integration
+
 KV_BYTES = 4 * 1024**2
 _engine_argv = engine_argv
 _stub, _greedy_request, _collect, _all_blocks_free = stub, greedy_request, collect, all_blocks_free

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 from splitserve.model.attention.backend import AttentionMetadata
 from splitserve.model.attention.torch_backend import TorchAttention, length_groups
+
+pytestmark = pytest.mark.unit
 
 
 def _dense_reference(q, k_all, v_all, query_len):

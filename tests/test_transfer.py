@@ -11,6 +11,8 @@ from splitserve.disagg.transfer.base import TransferError, TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
 
+pytestmark = pytest.mark.unit
+
 SHAPE = (2, 2, 5, 8, 2, 16)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 
 

@@ -100,7 +100,8 @@ class WorkerMetrics:
         self.kv_skipped = counter("kv_transfer_blocks_skipped",
                                   "Prompt blocks not transferred because the decode worker held them.")
         self.kv_recomputes = counter("kv_transfer_recompute_fallbacks",
-                                     "Requests whose prompt was recomputed on the decode worker after a failed transfer.")
+                                     "Requests whose prompt was recomputed on the decode worker after a failed "
+                                     "transfer.")
         self.registry.register(_EngineCollector(snapshot, self.labels))
 
     def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:

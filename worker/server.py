@@ -132,15 +132,17 @@ async def serve_worker(config: WorkerConfig) -> None:
     log.info("drained: %s", _pool_report(port))
     await server.stop(grace=1.0)
     await engine.shutdown()
-    for transport in (servicer.sender, servicer.handoff and servicer.handoff.receiver):
-        if transport is not None:
-            transport.close()
+    if servicer.sender is not None:
+        servicer.sender.close()
+    if servicer.handoff is not None:
+        servicer.handoff.receiver.close()
 
 
 async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: HandoffPort) -> None:
     request = pb.RegisterWorkerRequest(address=address, role=config.role.proto, model=name,
                                        max_model_len=port.max_model_len, metrics_address=metrics_address,
                                        block_size=port.block_size, vocab_size=port.vocab_size)
+    assert config.gateway is not None
     async with grpc.aio.insecure_channel(config.gateway) as channel:
         stub = pb_grpc.RegistryStub(channel)
         for attempt in range(60):

@@ -71,6 +71,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             if self.handoff is None:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is not a decode worker; "
                                     "send requests with a prefill_address to one started with --mode decode")
+                return  # abort raised; this keeps type checkers from assuming it returns
             engine_request = self.engine.make_request(prompt, params, priority=request.priority, label=label)
             stream = self.handoff.generate(engine_request, request.prefill_address, wire=request)
         elif self.role is Role.PREFILL:
@@ -133,6 +134,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         if self.request_drain is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker cannot be drained over RPC")
+            raise AssertionError("unreachable: abort raises")
         self.request_drain()
         return pb.DrainResponse(draining=True)
 

@@ -49,7 +49,8 @@ class InProcessReceiver(KVReceiver):
             data = await asyncio.wait_for(asyncio.shield(slot), self.hub.timeout_s)
         except TimeoutError:
             self.hub.dead.add(channel.key)
-            raise TransferError(TransferFailure.TIMEOUT, f"no transfer {tag} on {channel.key} within {self.hub.timeout_s} s") from None
+            message = f"no transfer {tag} on {channel.key} within {self.hub.timeout_s} s"
+            raise TransferError(TransferFailure.TIMEOUT, message) from None
         finally:
             self.hub.slots.pop((channel.key, tag), None)
         buffer.copy_(data)

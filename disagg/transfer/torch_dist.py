@@ -36,7 +36,7 @@ _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-transfer")
 SENDER_RANK, RECEIVER_RANK = 0, 1
 
 
-def _make_group(store: dist.Store, key: str, rank: int, timeout_s: float) -> dist.ProcessGroup:
+def _make_group(store: dist.Store, key: str, rank: int, timeout_s: float) -> dist.ProcessGroupGloo:
     return dist.ProcessGroupGloo(dist.PrefixStore(f"kv/{key}", store), rank, 2, timedelta(seconds=timeout_s))
 
 
@@ -92,7 +92,8 @@ class TorchDistReceiver(KVReceiver):
         except TransferError:
             raise
         except Exception as e:
-            raise TransferError(TransferFailure.CONNECT, f"the prefill worker never joined channel {channel.key}: {e}") from None
+            message = f"the prefill worker never joined channel {channel.key}: {e}"
+            raise TransferError(TransferFailure.CONNECT, message) from None
         staged = buffer if buffer.device.type == "cpu" else torch.empty_like(buffer, device="cpu")
         try:
             await _wait(group.recv([staged], SENDER_RANK, tag))
@@ -134,7 +135,7 @@ class TorchDistSender(KVSender):
         future = _EXECUTOR.submit(self._join, channel)
         self._groups[channel.address] = (channel.key, future)
 
-    def _join(self, channel: ChannelSpec) -> dist.ProcessGroup:
+    def _join(self, channel: ChannelSpec) -> dist.ProcessGroupGloo:
         with self._lock:
             store = self._stores.get(channel.address)
         if store is None:
@@ -158,7 +159,8 @@ class TorchDistSender(KVSender):
             self._fail(channel)
             with self._lock:  # the store may be gone with its decode worker: reconnect next time
                 self._stores.pop(channel.address, None)
-            raise TransferError(TransferFailure.CONNECT, f"could not join channel {channel.key} at {channel.address}: {e}") from None
+            message = f"could not join channel {channel.key} at {channel.address}: {e}"
+            raise TransferError(TransferFailure.CONNECT, message) from None
         staged = blocks.contiguous() if blocks.device.type == "cpu" else blocks.cpu()
         try:
             await _wait(group.send([staged], RECEIVER_RANK, tag))

@@ -4,6 +4,7 @@ and writes on each side (the transport only moves the contiguous tensor these ma
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 
 import torch
 
@@ -14,7 +15,7 @@ def _rows(kv: torch.Tensor) -> torch.Tensor:
     return kv.view(kv.shape[0] * kv.shape[1], kv.shape[2], -1)
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
     """[num_layers, 2, num_blocks, ...] cache -> contiguous [num_layers, 2, len(block_ids), ...] copy
     (into out, a contiguous tensor of that shape, when given)."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
@@ -25,7 +26,7 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], out: torch.Tenso
     return _rows(kv_cache).index_select(1, index).view(shape)
 
 
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], blocks: torch.Tensor) -> None:
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
     """Inverse of gather_blocks: blocks[:, :, i] lands in block block_ids[i]."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
     _rows(kv_cache).index_copy_(1, index, _rows(blocks.to(kv_cache.device, kv_cache.dtype).contiguous()))
@@ -36,4 +37,4 @@ def checksum(blocks: torch.Tensor) -> int:
     data = blocks.detach().contiguous().view(torch.uint8).reshape(-1)
     if data.device.type != "cpu":
         data = data.cpu()
-    return zlib.crc32(data.numpy())
+    return zlib.crc32(data.numpy().data)  # the array's buffer: no copy

@@ -14,10 +14,12 @@ from splitserve.engine.kv_cache.block_pool import BlockId, BlockPool, KVBlock
 class KVRequest(Protocol):
     """What the manager needs from a request (the engine's Request satisfies it)."""
 
-    request_id: str
     num_computed_tokens: int
     all_token_ids: list[int]
     block_hashes: list[BlockHash]
+
+    @property
+    def request_id(self) -> str: ...  # read-only here, so the engine's RequestId (a str) fits
 
     @property
     def num_tokens(self) -> int: ...

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.block_hash import BlockHash
@@ -62,7 +62,7 @@ class BlockChange:
 def net_change(batch: EventBatch) -> BlockChange:
     """The snapshot first (it replaces), then the events in order, so a hash's last event wins."""
     cleared = batch.snapshot is not None
-    added, removed = set(batch.snapshot or ()), set()
+    added, removed = set(batch.snapshot or ()), set[BlockHash]()
     for event in batch.events:
         if isinstance(event, BlockStored):
             added.update(event.block_hashes)
@@ -131,7 +131,7 @@ class KVIndex(ABC):
         """Release connections."""
 
 
-_BACKENDS: dict[str, type[KVIndex]] = {}
+_BACKENDS: dict[str, Callable[..., KVIndex]] = {}  # the classes; the redis one also takes redis_url
 
 
 def register_index(cls: type[KVIndex]) -> type[KVIndex]:

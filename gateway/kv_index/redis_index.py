@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -46,6 +47,12 @@ from splitserve.gateway.kv_index.base import (
 _SOCKET_TIMEOUT_S = 0.5  # a dead or stuck Redis must not hold up routing for long
 # The builtin ConnectionError and TimeoutError are OSErrors; asyncio's TimeoutError is not before 3.11.
 _ERRORS = (redis.RedisError, OSError, asyncio.TimeoutError)
+
+
+def _decoded(members: set[bytes | str]) -> set[str]:
+    """A set reply as the str it is: the client decodes every reply (decode_responses=True), which
+    redis-py's annotations do not follow."""
+    return cast(set[str], members)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +117,7 @@ class RedisIndex(KVIndex):
 
     async def purge_dead(self) -> list[str]:
         with self._failures("purge_dead"):
-            workers = sorted(await self._redis.smembers(self._keys.workers))
+            workers = sorted(_decoded(await self._redis.smembers(self._keys.workers)))
             async with self._redis.pipeline(transaction=False) as pipe:
                 for worker in workers:
                     pipe.exists(self._keys.heartbeat(worker))
@@ -120,7 +127,7 @@ class RedisIndex(KVIndex):
 
     async def blocks_of(self, worker: str) -> set[BlockHash]:
         with self._failures("blocks_of"):
-            hexes = await self._redis.smembers(self._keys.blocks(worker))
+            hexes = _decoded(await self._redis.smembers(self._keys.blocks(worker)))
         return {BlockHash(bytes.fromhex(h)) for h in hexes}
 
     async def close(self) -> None:
@@ -173,7 +180,7 @@ class RedisIndex(KVIndex):
             await pipe.watch(keys.state(worker), keys.blocks(worker), keys.heartbeat(worker))
             if only_if_dead and await pipe.exists(keys.heartbeat(worker)):
                 return False
-            held = await pipe.smembers(keys.blocks(worker))
+            held = _decoded(await pipe.smembers(keys.blocks(worker)))
             pipe.multi()
             for hash_hex in held:
                 pipe.srem(keys.block(hash_hex), worker)

@@ -64,7 +64,8 @@ class TorchAttention(AttentionBackend):
         lens = meta.seq_lens_cpu[: meta.num_decodes]
         groups = length_groups(lens)
         if len(groups) == 1:
-            return self._decode_group(q, kv_cache, meta.block_tables[: len(lens)], meta.seq_lens[: len(lens)], max(lens))
+            num_seqs = len(lens)
+            return self._decode_group(q, kv_cache, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs], max(lens))
         out = torch.empty_like(q)
         for group in groups:  # similar lengths together: less padding to gather and attend over
             idx = torch.tensor(group, device=q.device)
