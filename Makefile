@@ -37,6 +37,7 @@ generate: install
 # ruff's rules and mypy's packages are in pyproject.toml; scripts/typecheck.py shows mypy the splitserve.* layout.
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/typecheck.py
 
 test: install lint

@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from splitserve.disagg.transfer.base import ChannelSpec
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
@@ -121,15 +122,19 @@ def transfer(repeats: int) -> None:
     results = parent.recv()
     proc.join()
     block_bytes = 4 * SMOLLM2_KV[0] * SMOLLM2_KV[1] * SMOLLM2_KV[3] * SMOLLM2_KV[4] * SMOLLM2_KV[5]
-    print(f"\nKV transfer, SmolLM2 fp32 blocks ({block_bytes / 1024:.0f} KiB each), median of {repeats}, "
-          f"two processes on {torch.get_num_threads()} threads each")
+    print(
+        f"\nKV transfer, SmolLM2 fp32 blocks ({block_bytes / 1024:.0f} KiB each), median of {repeats}, "
+        f"two processes on {torch.get_num_threads()} threads each"
+    )
     print(f"{'blocks':>6} {'MiB':>8} {'path':<14}{'ms':>9}{'GB/s':>8}{'vs raw':>8}")
     for n in SIZES:
         raw = results[(n, "raw gloo")]
         for kind in ("raw gloo", "transport", "handoff path"):
             t = results[(n, kind)]
-            print(f"{n:>6} {n * block_bytes / 2**20:>8.2f} {kind:<14}{t * 1e3:>9.2f}"
-                  f"{n * block_bytes / t / 1e9:>8.2f}{raw / t:>7.2f}x")
+            print(
+                f"{n:>6} {n * block_bytes / 2**20:>8.2f} {kind:<14}{t * 1e3:>9.2f}"
+                f"{n * block_bytes / t / 1e9:>8.2f}{raw / t:>7.2f}x"
+            )
 
 
 def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
@@ -137,8 +142,14 @@ def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
     from splitserve.launch.launcher import start_cluster, stop_cluster
 
     # One at a time; the same prompts for both deployments; the first two requests warm up.
-    workload = WorkloadConfig(num_requests=num_requests + 2, arrival="concurrency", concurrency=1, seed=0,
-                              prompt_len=LengthDist("fixed", prompt_len), output_len=LengthDist("fixed", output_len))
+    workload = WorkloadConfig(
+        num_requests=num_requests + 2,
+        arrival="concurrency",
+        concurrency=1,
+        seed=0,
+        prompt_len=LengthDist("fixed", prompt_len),
+        output_len=LengthDist("fixed", output_len),
+    )
     rows = {}
     shapes = (("unified x1", dict(num_workers=1)), ("1P1D", dict(num_workers=0, num_prefill=1, num_decode=1)))
     for name, shape in shapes:
@@ -148,8 +159,10 @@ def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
             rows[name] = [_latencies(r) for r in records[2:]]
         finally:
             stop_cluster(children)
-    print(f"\nlow load: {num_requests} sequential requests, prompt {prompt_len} tokens, {output_len} output "
-          "tokens, SmolLM2 fp32, 2 torch threads per worker; medians in ms")
+    print(
+        f"\nlow load: {num_requests} sequential requests, prompt {prompt_len} tokens, {output_len} output "
+        "tokens, SmolLM2 fp32, 2 torch threads per worker; medians in ms"
+    )
     print(f"{'deployment':<12}{'TTFT':>8}{'2nd token':>11}{'ITL':>8}{'E2E':>9}")
     for name, samples in rows.items():
         med = [statistics.median(s[i] for s in samples) * 1e3 for i in range(4)]

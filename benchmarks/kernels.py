@@ -42,8 +42,10 @@ def require_cuda() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("benchmarks/kernels.py: unset TRITON_INTERPRET; the interpreter is for CPU tests, not timing")
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU (torch sees none); the kernels' CPU tests are "
-                 "`python -m pytest tests/test_kernels.py` under the Triton interpreter")
+        sys.exit(
+            "benchmarks/kernels.py needs a CUDA GPU (torch sees none); the kernels' CPU tests are "
+            "`python -m pytest tests/test_kernels.py` under the Triton interpreter"
+        )
 
 
 def peak_hbm_gbps(override: float | None) -> float | None:
@@ -81,9 +83,15 @@ def paged_batch(shape, seq_lens: list[int], query_lens: list[int]):
     qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.tensor(query_lens).cumsum(0)
     meta = AttentionMetadata(
-        slot_mapping=slots, block_tables=table, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
-        query_start_loc=qsl.cuda(), num_decodes=len(query_lens) if max(query_lens) == 1 else 0,
-        max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_lens_cpu=query_lens)
+        slot_mapping=slots,
+        block_tables=table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        query_start_loc=qsl.cuda(),
+        num_decodes=len(query_lens) if max(query_lens) == 1 else 0,
+        max_seq_len=max(seq_lens),
+        seq_lens_cpu=seq_lens,
+        query_lens_cpu=query_lens,
+    )
     q = torch.randn(sum(query_lens), num_heads, head_dim, dtype=DTYPE, device="cuda")
     k_new = kv_cache[0].view(-1, num_kv_heads, head_dim)[slots]
     v_new = kv_cache[1].view(-1, num_kv_heads, head_dim)[slots]
@@ -128,15 +136,22 @@ def _decode_row(shape, batch: int, context: int, peak_gbps, args) -> dict:
 
     q, k, v, kv_cache, meta = paged_batch(shape, [context] * batch, [1] * batch)
     scale = shape[2] ** -0.5
-    run = lambda: paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale,  # noqa: E731
-                                         max_seq_len=context)
+
+    def run():
+        return paged_decode_attention(q, kv_cache, meta.block_tables, meta.seq_lens, scale, max_seq_len=context)
+
     ms = bench_ms(run)
     kv_bytes = 2 * batch * context * shape[1] * shape[2] * DTYPE.itemsize
     gbps = kv_bytes / ms / 1e6
-    return {"batch": batch, "context": context, "triton_ms": ms, "gbps": gbps,
-            "peak_pct": 100 * gbps / peak_gbps if peak_gbps else None,
-            "num_splits": choose_num_splits(batch, shape[1], context, q.device),
-            **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib)}
+    return {
+        "batch": batch,
+        "context": context,
+        "triton_ms": ms,
+        "gbps": gbps,
+        "peak_pct": 100 * gbps / peak_gbps if peak_gbps else None,
+        "num_splits": choose_num_splits(batch, shape[1], context, q.device),
+        **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib),
+    }
 
 
 def causal_flops(shape, prefix: int, query_len: int) -> float:
@@ -164,12 +179,15 @@ def _prefill_timing(shape, batch: int, context: int, query_len: int, args) -> di
 
     q, k, v, kv_cache, meta = paged_batch(shape, [context] * batch, [query_len] * batch)
     run = lambda: paged_prefill_attention(  # noqa: E731
-        q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, shape[2] ** -0.5,
-        max_query_len=query_len)
+        q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, shape[2] ** -0.5, max_query_len=query_len
+    )
     ms = bench_ms(run)
     flops = batch * causal_flops(shape, context - query_len, query_len)
-    return {"triton_ms": ms, "tflops": flops / ms / 1e9,
-            **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib)}
+    return {
+        "triton_ms": ms,
+        "tflops": flops / ms / 1e9,
+        **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib),
+    }
 
 
 # -- elementwise kernels -------------------------------------------------------------------------------
@@ -198,8 +216,14 @@ def ops_table(shape, intermediate: int) -> list[dict]:
             "silu_and_mul": (K.silu_and_mul, K.silu_and_mul_ref, (gate_up,)),
         }
         for name, (kernel, ref, call_args) in cases.items():
-            rows.append({"op": name, "tokens": tokens, "triton_us": 1e3 * bench_ms(lambda: kernel(*call_args)),
-                         "torch_us": 1e3 * bench_ms(lambda: ref(*call_args))})
+            rows.append(
+                {
+                    "op": name,
+                    "tokens": tokens,
+                    "triton_us": 1e3 * bench_ms(lambda: kernel(*call_args)),
+                    "torch_us": 1e3 * bench_ms(lambda: ref(*call_args)),
+                }
+            )
     return rows
 
 
@@ -211,13 +235,26 @@ def e2e_table(args) -> list[dict]:
 
     rows = []
     for backend in ("torch", "triton"):
-        llm = LLM(EngineConfig(dtype="bfloat16", device="cuda", attention_backend=backend,
-                               cache=CacheConfig(kv_cache_bytes=args.e2e_kv_gib * 1024**3),
-                               scheduler=SchedulerConfig(max_num_seqs=max(BATCHES), max_num_batched_tokens=8192)))
+        llm = LLM(
+            EngineConfig(
+                dtype="bfloat16",
+                device="cuda",
+                attention_backend=backend,
+                cache=CacheConfig(kv_cache_bytes=args.e2e_kv_gib * 1024**3),
+                scheduler=SchedulerConfig(max_num_seqs=max(BATCHES), max_num_batched_tokens=8192),
+            )
+        )
         for batch in BATCHES:
             step_ms, forward_ms = decode_step_ms(llm, batch, args.e2e_context, num_steps=20)
-            rows.append({"backend": backend, "batch": batch, "context": args.e2e_context,
-                         "step_ms": step_ms, "forward_ms": forward_ms})
+            rows.append(
+                {
+                    "backend": backend,
+                    "batch": batch,
+                    "context": args.e2e_context,
+                    "step_ms": step_ms,
+                    "forward_ms": forward_ms,
+                }
+            )
         del llm
         torch.cuda.empty_cache()
     return rows
@@ -229,27 +266,37 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_tables(decode, prefill, ops, e2e, shape, peak_gbps) -> None:
-    print(f"\n{torch.cuda.get_device_name(0)}, peak HBM {_fmt(peak_gbps, '.0f')} GB/s, bf16, "
-          f"heads/kv_heads/head_dim {shape}, block size {BLOCK_SIZE}")
+    print(
+        f"\n{torch.cuda.get_device_name(0)}, peak HBM {_fmt(peak_gbps, '.0f')} GB/s, bf16, "
+        f"heads/kv_heads/head_dim {shape}, block size {BLOCK_SIZE}"
+    )
     print("\nPaged decode attention")
-    print(f"{'batch':>6}{'context':>9}{'splits':>7}{'triton ms':>11}{'GB/s':>9}{'% peak':>8}{'torch ms':>10}"
-          f"{'max diff':>10}")
+    print(
+        f"{'batch':>6}{'context':>9}{'splits':>7}{'triton ms':>11}{'GB/s':>9}{'% peak':>8}{'torch ms':>10}"
+        f"{'max diff':>10}"
+    )
     for r in decode:
         if "skipped" in r:
             print(f"{r['batch']:>6}{r['context']:>9}  skipped: {r['skipped']}")
             continue
-        print(f"{r['batch']:>6}{r['context']:>9}{r['num_splits']:>7}{r['triton_ms']:>11.3f}{r['gbps']:>9.0f}"
-              f"{_fmt(r['peak_pct'], '.1f'):>8}{_fmt(r['torch_ms'], '.3f'):>10}{_fmt(r['max_abs_diff'], '.1e'):>10}")
+        print(
+            f"{r['batch']:>6}{r['context']:>9}{r['num_splits']:>7}{r['triton_ms']:>11.3f}{r['gbps']:>9.0f}"
+            f"{_fmt(r['peak_pct'], '.1f'):>8}{_fmt(r['torch_ms'], '.3f'):>10}{_fmt(r['max_abs_diff'], '.1e'):>10}"
+        )
     print("\nPaged prefill attention (causal FLOPs)")
-    print(f"{'mode':>6}{'batch':>6}{'context':>9}{'query':>7}{'triton ms':>11}{'TFLOP/s':>9}{'torch ms':>10}"
-          f"{'max diff':>10}")
+    print(
+        f"{'mode':>6}{'batch':>6}{'context':>9}{'query':>7}{'triton ms':>11}{'TFLOP/s':>9}{'torch ms':>10}"
+        f"{'max diff':>10}"
+    )
     for r in prefill:
         head = f"{r['mode']:>6}{r['batch']:>6}{r['context']:>9}{r['query_len']:>7}"
         if "skipped" in r:
             print(f"{head}  skipped: {r['skipped']}")
             continue
-        print(f"{head}{r['triton_ms']:>11.3f}{r['tflops']:>9.1f}{_fmt(r['torch_ms'], '.3f'):>10}"
-              f"{_fmt(r['max_abs_diff'], '.1e'):>10}")
+        print(
+            f"{head}{r['triton_ms']:>11.3f}{r['tflops']:>9.1f}{_fmt(r['torch_ms'], '.3f'):>10}"
+            f"{_fmt(r['max_abs_diff'], '.1e'):>10}"
+        )
     print("\nElementwise kernels")
     print(f"{'op':<20}{'tokens':>7}{'triton us':>11}{'torch us':>10}")
     for r in ops:
@@ -282,8 +329,19 @@ def main() -> None:
     print_tables(decode, prefill, ops, e2e, shape, peak)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(0), "shape": shape, "peak_gbps": peak,
-                       "decode": decode, "prefill": prefill, "ops": ops, "e2e": e2e}, f, indent=2)
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(0),
+                    "shape": shape,
+                    "peak_gbps": peak,
+                    "decode": decode,
+                    "prefill": prefill,
+                    "ops": ops,
+                    "e2e": e2e,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

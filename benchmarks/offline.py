@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict
 
 import torch
+
 from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -40,8 +41,15 @@ KV_CACHE_BYTES = 3 * 1024**3  # SmolLM2 fp32 KV is 45 KiB/token: ~68k tokens, al
 
 
 def warmup_requests(vocab_size: int) -> list[RequestSpec]:
-    return make_requests(WorkloadConfig(num_requests=2, prompt_len=LengthDist("uniform", 16, 24),
-                                        output_len=LengthDist("fixed", 4), seed=12345, vocab_high=vocab_size))
+    return make_requests(
+        WorkloadConfig(
+            num_requests=2,
+            prompt_len=LengthDist("uniform", 16, 24),
+            output_len=LengthDist("fixed", 4),
+            seed=12345,
+            vocab_high=vocab_size,
+        )
+    )
 
 
 def output_lens(wl: list[RequestSpec]) -> list[int]:
@@ -65,8 +73,14 @@ def run_hf_static(model, wl: list[RequestSpec], pad_id: int) -> list[list[int]]:
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])  # left padded
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
-                                 max_new_tokens=max(lens), min_new_tokens=max(lens))
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=False,
+                pad_token_id=pad_id,
+                max_new_tokens=max(lens),
+                min_new_tokens=max(lens),
+            )
         outputs += [row[width : width + n].tolist() for row, n in zip(out, lens)]
     return outputs
 
@@ -76,8 +90,9 @@ def hf_cb_config(wl: list[RequestSpec]):
 
     pages = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // HF_PAGE_SIZE) for r in wl)
     # Sized explicitly: on CPU the default takes 60% of host RAM for the cache.
-    return ContinuousBatchingConfig(page_size=HF_PAGE_SIZE, num_blocks=pages + 4, max_batch_tokens=2048,
-                                    max_requests_per_batch=64)
+    return ContinuousBatchingConfig(
+        page_size=HF_PAGE_SIZE, num_blocks=pages + 4, max_batch_tokens=2048, max_requests_per_batch=64
+    )
 
 
 def run_hf_continuous(model, wl: list[RequestSpec]) -> tuple[list[list[int]], float]:
@@ -86,8 +101,9 @@ def run_hf_continuous(model, wl: list[RequestSpec]) -> tuple[list[list[int]], fl
 
     config = GenerationConfig(max_new_tokens=max(output_lens(wl)), do_sample=False, eos_token_id=-1)
     cb_config = hf_cb_config(wl)
-    with model.continuous_batching_context_manager(generation_config=config, continuous_batching_config=cb_config,
-                                                   block=True, timeout=5) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
+    ) as manager:
         start = time.perf_counter()
         ids = [manager.add_request(r.prompt_token_ids, max_new_tokens=r.max_tokens, eos_token_id=-1) for r in wl]
         results = {}
@@ -156,8 +172,10 @@ def throughput_table(llm: LLM, model, wl: list[RequestSpec], vocab_size: int) ->
     except Exception as e:  # report and go on: (c) is optional on CPU
         print(f"(c) transformers continuous batching failed on CPU: {type(e).__name__}: {e}")
     n = sum(output_lens(wl))
-    result = {name: {"seconds": sec, "useful_tokens": n, "tokens_per_s": n / sec,
-                     "identical_to_a": num_identical(out, out_a)} for name, (sec, out) in rows.items()}
+    result = {
+        name: {"seconds": sec, "useful_tokens": n, "tokens_per_s": n / sec, "identical_to_a": num_identical(out, out_a)}
+        for name, (sec, out) in rows.items()
+    }
     for name in ("b_hf_static8", "c_hf_continuous"):
         if name in result:
             result[f"ratio_a_over_{name[0]}"] = result["a_splitserve"]["tokens_per_s"] / result[name]["tokens_per_s"]
@@ -168,17 +186,29 @@ def decode_table(llm: LLM, model, s: Settings) -> list[dict]:
     rows = []
     for batch_size in s.decode_batches:
         step_ms, forward_ms = decode_step_ms(llm, batch_size, s.decode_context, s.decode_steps)
-        rows.append({"batch": batch_size, "step_ms": step_ms, "forward_ms": forward_ms,
-                     "step_over_forward": step_ms / forward_ms, "hf_forward_ms": hf_decode_ms(model, batch_size, s)})
+        rows.append(
+            {
+                "batch": batch_size,
+                "step_ms": step_ms,
+                "forward_ms": forward_ms,
+                "step_over_forward": step_ms / forward_ms,
+                "hf_forward_ms": hf_decode_ms(model, batch_size, s),
+            }
+        )
     return rows
 
 
 def print_throughput(t: dict, wl: list[RequestSpec]) -> None:
-    print(f"\nThroughput: {len(wl)} requests, {sum(output_lens(wl))} useful output tokens, "
-          f"prompt tokens {sum(len(r.prompt_token_ids) for r in wl)}, torch threads {torch.get_num_threads()}")
+    print(
+        f"\nThroughput: {len(wl)} requests, {sum(output_lens(wl))} useful output tokens, "
+        f"prompt tokens {sum(len(r.prompt_token_ids) for r in wl)}, torch threads {torch.get_num_threads()}"
+    )
     print(f"{'system':<34}{'seconds':>10}{'out tok/s':>12}{'same tokens as (a)':>20}")
-    labels = {"a_splitserve": "(a) splitserve LLM.generate", "b_hf_static8": "(b) HF generate, static batch 8",
-              "c_hf_continuous": "(c) HF continuous batching"}
+    labels = {
+        "a_splitserve": "(a) splitserve LLM.generate",
+        "b_hf_static8": "(b) HF generate, static batch 8",
+        "c_hf_continuous": "(c) HF continuous batching",
+    }
     for key, label in labels.items():
         if key in t:
             r, same = t[key], f"{t[key]['identical_to_a']}/{len(wl)}"
@@ -192,8 +222,10 @@ def print_decode(rows: list[dict], s: Settings) -> None:
     print(f"\nDecode step, {s.decode_context}-token contexts, mean of {s.decode_steps} steps")
     print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'step/fwd':>10}{'HF fwd ms':>11}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['step_ms']:>10.1f}{r['forward_ms']:>12.1f}"
-              f"{r['step_over_forward']:>10.2f}{r['hf_forward_ms']:>11.1f}")
+        print(
+            f"{r['batch']:>6}{r['step_ms']:>10.1f}{r['forward_ms']:>12.1f}"
+            f"{r['step_over_forward']:>10.2f}{r['hf_forward_ms']:>11.1f}"
+        )
 
 
 def main() -> None:
@@ -202,8 +234,14 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     args = parser.parse_args()
     s = QUICK if args.quick else FULL
-    llm = LLM(EngineConfig(dtype="float32", device="cpu", cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES),
-                           scheduler=SchedulerConfig(max_num_seqs=64)))
+    llm = LLM(
+        EngineConfig(
+            dtype="float32",
+            device="cpu",
+            cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES),
+            scheduler=SchedulerConfig(max_num_seqs=64),
+        )
+    )
     vocab_size = llm.engine.runner.arch.vocab_size
     model = load_hf()
     wl = make_requests(s.workload(vocab_size))

@@ -32,11 +32,19 @@ HIT_METRICS = ("splitserve:prefix_cache_queries_total", "splitserve:prefix_cache
 
 def workload(a: argparse.Namespace) -> WorkloadConfig:
     """Every request one of the system prompts (equal shares, random order) plus a unique suffix."""
-    return WorkloadConfig(num_requests=a.requests, arrival="concurrency", concurrency=a.concurrency,
-                          prompt_len=LengthDist("fixed", a.prefix_len + a.suffix_len),
-                          output_len=LengthDist("fixed", a.output_len), shared_prefix_fraction=1.0,
-                          prefix_len=a.prefix_len, num_prefixes=a.groups, prefix_assignment="balanced",
-                          seed=a.seed, vocab_high=a.vocab)
+    return WorkloadConfig(
+        num_requests=a.requests,
+        arrival="concurrency",
+        concurrency=a.concurrency,
+        prompt_len=LengthDist("fixed", a.prefix_len + a.suffix_len),
+        output_len=LengthDist("fixed", a.output_len),
+        shared_prefix_fraction=1.0,
+        prefix_len=a.prefix_len,
+        num_prefixes=a.groups,
+        prefix_assignment="balanced",
+        seed=a.seed,
+        vocab_high=a.vocab,
+    )
 
 
 def _metric_sum(address: str, name: str) -> float:
@@ -52,8 +60,14 @@ def _hit_counts(workers: list[str]) -> list[float]:
 def run(router: str, cfg: WorkloadConfig, a: argparse.Namespace) -> dict[str, float]:
     engine_argv = ["--model", a.model] if a.model else []
     children = start_cluster(a.workers, engine_argv, gateway_argv=["--router", router])
-    warmup = WorkloadConfig(num_requests=1, arrival="concurrency", prompt_len=LengthDist("fixed", 3),
-                            output_len=LengthDist("fixed", 2), seed=a.seed + 999_999, vocab_high=a.vocab)
+    warmup = WorkloadConfig(
+        num_requests=1,
+        arrival="concurrency",
+        prompt_len=LengthDist("fixed", 3),
+        output_len=LengthDist("fixed", 2),
+        seed=a.seed + 999_999,
+        vocab_high=a.vocab,
+    )
     try:
         send_workload(children[0].address, warmup)  # no shared prefix
         workers = [c.metrics for c in children[1:]]
@@ -63,8 +77,12 @@ def run(router: str, cfg: WorkloadConfig, a: argparse.Namespace) -> dict[str, fl
     finally:
         stop_cluster(children)
     ttft = summarize(records, elapsed).ttft_ms
-    return {"hit_rate": hits / queries, "ttft_p50": ttft["p50"] / 1e3, "ttft_p90": ttft["p90"] / 1e3,
-            "seconds": elapsed}
+    return {
+        "hit_rate": hits / queries,
+        "ttft_p50": ttft["p50"] / 1e3,
+        "ttft_p90": ttft["p90"] / 1e3,
+        "seconds": elapsed,
+    }
 
 
 def main() -> None:
@@ -82,15 +100,21 @@ def main() -> None:
     a = p.parse_args()
     cfg = workload(a)
     results = {name: run(router, cfg, a) for name, router in ROUTERS}
-    print(f"\n{a.requests} requests = {a.groups} system prompts x {a.prefix_len} tokens + {a.suffix_len}-token "
-          f"suffixes, {a.output_len} output tokens, concurrency {a.concurrency}, {a.workers} unified workers")
+    print(
+        f"\n{a.requests} requests = {a.groups} system prompts x {a.prefix_len} tokens + {a.suffix_len}-token "
+        f"suffixes, {a.output_len} output tokens, concurrency {a.concurrency}, {a.workers} unified workers"
+    )
     print(f"{'router':<13}{'hit rate':>9}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'wall s':>8}")
     for name, r in results.items():
-        print(f"{name:<13}{r['hit_rate']:>9.3f}{r['ttft_p50'] * 1e3:>13.0f}{r['ttft_p90'] * 1e3:>13.0f}"
-              f"{r['seconds']:>8.1f}")
+        print(
+            f"{name:<13}{r['hit_rate']:>9.3f}{r['ttft_p50'] * 1e3:>13.0f}{r['ttft_p90'] * 1e3:>13.0f}"
+            f"{r['seconds']:>8.1f}"
+        )
     kv, rr, oracle = results["kv-aware"], results["round-robin"], results["oracle"]
-    print(f"kv-aware hit rate / oracle: {kv['hit_rate'] / oracle['hit_rate']:.2f} (target >= 0.9); "
-          f"TTFT p90 kv-aware / round robin: {kv['ttft_p90'] / rr['ttft_p90']:.2f} (target <= 0.3)")
+    print(
+        f"kv-aware hit rate / oracle: {kv['hit_rate'] / oracle['hit_rate']:.2f} (target >= 0.9); "
+        f"TTFT p90 kv-aware / round robin: {kv['ttft_p90'] / rr['ttft_p90']:.2f} (target <= 0.3)"
+    )
 
 
 if __name__ == "__main__":

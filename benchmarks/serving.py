@@ -19,8 +19,13 @@ from splitserve.launch.launcher import start_cluster, stop_cluster
 
 KV_CACHE_BYTES = 3 * 1024**3
 VOCAB_SIZE = 49152
-WARMUP = WorkloadConfig(num_requests=1, arrival="concurrency", prompt_len=LengthDist("fixed", 16),
-                        output_len=LengthDist("fixed", 4), seed=12345)
+WARMUP = WorkloadConfig(
+    num_requests=1,
+    arrival="concurrency",
+    prompt_len=LengthDist("fixed", 16),
+    output_len=LengthDist("fixed", 4),
+    seed=12345,
+)
 
 
 def through_gateway(address: str, workload: WorkloadConfig) -> tuple[float, int]:

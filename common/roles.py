@@ -23,7 +23,10 @@ class Role(enum.Enum):
         return _FROM_PROTO.get(value)
 
 
-_TO_PROTO = {Role.UNIFIED: pb.WORKER_ROLE_UNIFIED, Role.PREFILL: pb.WORKER_ROLE_PREFILL,
-             Role.DECODE: pb.WORKER_ROLE_DECODE}
+_TO_PROTO = {
+    Role.UNIFIED: pb.WORKER_ROLE_UNIFIED,
+    Role.PREFILL: pb.WORKER_ROLE_PREFILL,
+    Role.DECODE: pb.WORKER_ROLE_DECODE,
+}
 _FROM_PROTO: dict[int, Role] = {v: k for k, v in _TO_PROTO.items()}
 MODES = tuple(role.value for role in Role)

@@ -57,9 +57,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_str_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_int_tuple(self.stop_token_ids))
-        floats = {"temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
-                  "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
-                  "frequency_penalty": self.frequency_penalty}
+        floats = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+        }
         for name, value in floats.items():
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
@@ -70,12 +75,16 @@ class SamplingParams:
             (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (
+                -2.0 <= self.frequency_penalty <= 2.0,
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
             (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+            ),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
         ]
         for ok, message in checks:
@@ -94,5 +103,4 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

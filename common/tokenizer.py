@@ -78,14 +78,17 @@ class Tokenizer:
 
         try:
             return self._compiled_template.render(
-                messages=msgs, add_generation_prompt=add_generation_prompt,
-                bos_token=bos or "", eos_token=(self.id_to_token(eos_id) or "") if eos_id is not None else "",
+                messages=msgs,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos or "",
+                eos_token=(self.id_to_token(eos_id) or "") if eos_id is not None else "",
             )
         except TemplateError as e:  # raise_exception(...) in the template, or a message it cannot render
             raise ValueError(f"the model's chat template rejected these messages: {e}") from None
 
-    def encode_chat(self, messages, add_generation_prompt: bool = True, *,
-                    max_num_tokens: int | None = None) -> list[int]:
+    def encode_chat(
+        self, messages, add_generation_prompt: bool = True, *, max_num_tokens: int | None = None
+    ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt)
         return self._encode_ids(text, False, max_num_tokens)
 
@@ -111,8 +114,9 @@ def _compile_template(source: str) -> Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
-                                                                                 ensure_ascii=ensure_ascii)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
     return env.from_string(source)
 
 
@@ -157,8 +161,7 @@ def load_hf_tokenizer(folder: Path, eos_token_ids: frozenset[int]) -> Tokenizer:
     eos = _token_id(backend, cfg.get("eos_token"))
     if not eos_token_ids and eos is not None:
         eos_token_ids = frozenset({eos})
-    return Tokenizer(backend, eos_token_ids=eos_token_ids, bos_token_id=bos, add_bos=False,
-                     chat_template=template)
+    return Tokenizer(backend, eos_token_ids=eos_token_ids, bos_token_id=bos, add_bos=False, chat_template=template)
 
 
 def _token_id(backend: HFTokenizer, token) -> int | None:

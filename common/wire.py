@@ -14,8 +14,11 @@ FAILED_PEER_KEY = "splitserve-failed-peer"
 # Channels to other workers: a peer restarted on the same address is reachable again within about a
 # second (gRPC's default reconnect backoff grows to 120 s, so a cached channel stayed refused for
 # seconds after the peer came back).
-PEER_CHANNEL_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                        ("grpc.max_reconnect_backoff_ms", 1000))
+PEER_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 FINISH_REASONS = {
     "stop": gen_pb.FINISH_REASON_STOP,
@@ -24,8 +27,9 @@ FINISH_REASONS = {
 }
 
 
-def sampling_params_from_proto(sampling: gen_pb.SamplingParameters, stopping: gen_pb.StoppingCriteria,
-                               logprobs: int | None) -> SamplingParams:
+def sampling_params_from_proto(
+    sampling: gen_pb.SamplingParameters, stopping: gen_pb.StoppingCriteria, logprobs: int | None
+) -> SamplingParams:
     """Build (and so validate) SamplingParams; raises ValueError with a readable message."""
     return SamplingParams(
         temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
@@ -46,9 +50,12 @@ def sampling_params_from_proto(sampling: gen_pb.SamplingParameters, stopping: ge
 
 
 def logprobs_to_proto(entries) -> list[gen_pb.TokenLogprob]:
-    return [gen_pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
-                                top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top])
-            for e in entries or ()]
+    return [
+        gen_pb.TokenLogprob(
+            token_id=e.token_id, logprob=e.logprob, top=[gen_pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top]
+        )
+        for e in entries or ()
+    ]
 
 
 def logprobs_from_proto(entries) -> list:
@@ -62,9 +69,16 @@ def kv_events_to_proto(events) -> list[wpb.KVCacheEvent]:
     out = []
     for e in events:
         if isinstance(e, BlockStored):
-            out.append(wpb.KVCacheEvent(stored=wpb.BlockStoredEvent(
-                block_hashes=list(e.block_hashes), parent_hash=e.parent_hash or b"", token_ids=list(e.token_ids),
-                block_size=e.block_size)))
+            out.append(
+                wpb.KVCacheEvent(
+                    stored=wpb.BlockStoredEvent(
+                        block_hashes=list(e.block_hashes),
+                        parent_hash=e.parent_hash or b"",
+                        token_ids=list(e.token_ids),
+                        block_size=e.block_size,
+                    )
+                )
+            )
         elif isinstance(e, BlockRemoved):
             out.append(wpb.KVCacheEvent(removed=wpb.BlockRemovedEvent(block_hashes=list(e.block_hashes))))
         else:
@@ -78,8 +92,14 @@ def kv_events_from_proto(messages) -> tuple[KVCacheEvent, ...]:
         kind = m.WhichOneof("event")
         if kind == "stored":
             s = m.stored
-            out.append(BlockStored(tuple(BlockHash(h) for h in s.block_hashes), BlockHash(s.parent_hash) or None,
-                                   tuple(s.token_ids), s.block_size))
+            out.append(
+                BlockStored(
+                    tuple(BlockHash(h) for h in s.block_hashes),
+                    BlockHash(s.parent_hash) or None,
+                    tuple(s.token_ids),
+                    s.block_size,
+                )
+            )
         elif kind == "removed":
             out.append(BlockRemoved(tuple(BlockHash(h) for h in m.removed.block_hashes)))
         elif kind == "cleared":

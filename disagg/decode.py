@@ -12,6 +12,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
 import grpc
+
 from splitserve.disagg.handoff import (
     FirstToken,
     HandoffError,
@@ -33,32 +34,46 @@ log = logging.getLogger("splitserve.decode")
 
 # What a prefill worker's failure looks like from here: its RPC failed, it timed out, its stream
 # ended early, its events broke the protocol, or the transport failed. Anything else is a bug.
-PREFILL_FAILURES = (grpc.aio.AioRpcError, TimeoutError, StopAsyncIteration, ConnectionError, HandoffProtocolError,
-                    TransferError)
+PREFILL_FAILURES = (
+    grpc.aio.AioRpcError,
+    TimeoutError,
+    StopAsyncIteration,
+    ConnectionError,
+    HandoffProtocolError,
+    TransferError,
+)
 
 
 class PrefillClient(ABC):
     """How a decode worker reaches prefill workers (gRPC in production, direct calls in tests)."""
 
     @abstractmethod
-    def prefill(self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None,
-                job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+    def prefill(
+        self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None, job: HandoffJob
+    ) -> AsyncIterator[HandoffEvent]:
         """Stream FirstToken then TransferDone from the prefill worker at peer. wire is the request
         as this worker received it (forwarded as is), when it came over gRPC."""
 
 
 class DecodeHandoff:
-    def __init__(self, engine: AsyncEngine, receiver: KVReceiver, client: PrefillClient,
-                 metrics: WorkerMetrics | None = None, reserve_timeout_s: float = 10.0,
-                 transfer_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        receiver: KVReceiver,
+        client: PrefillClient,
+        metrics: WorkerMetrics | None = None,
+        reserve_timeout_s: float = 10.0,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
         self.engine, self.receiver, self.client, self.metrics = engine, receiver, client, metrics
         self.port = HandoffPort(engine)
         self.reserve_timeout_s = reserve_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.landings: set[asyncio.Task] = set()  # transfers in flight (drain waits for them)
 
-    async def generate(self, request: Request, peer: str,
-                       wire: pb.WorkerGenerateRequest | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request: Request, peer: str, wire: pb.WorkerGenerateRequest | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; raises HandoffError if it cannot start."""
         rid, engine = request.request_id, self.engine
         engine.open_stream(rid, request.label)
@@ -108,9 +123,12 @@ class DecodeHandoff:
                     self.metrics.observe_blocks_skipped(reservation.num_held_blocks)
                 return reservation
             if loop.time() > deadline:
-                raise HandoffError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this decode worker's KV cache had no room "
-                                   f"for the {request.num_prompt_tokens}-token prompt for "
-                                   f"{self.reserve_timeout_s:.0f} s; retry later or add decode workers")
+                raise HandoffError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this decode worker's KV cache had no room "
+                    f"for the {request.num_prompt_tokens}-token prompt for "
+                    f"{self.reserve_timeout_s:.0f} s; retry later or add decode workers",
+                )
             await asyncio.sleep(0.02)
 
     async def _ask(self, reservation: Reservation, peer: str, wire: pb.WorkerGenerateRequest | None):
@@ -128,8 +146,11 @@ class DecodeHandoff:
             self.receiver.drop(channel)
             if self.metrics is not None:
                 self.metrics.observe_transfer_failure(TransferFailure.PREFILL_FAILED)
-            raise HandoffError(grpc.StatusCode.UNAVAILABLE, f"prefill worker {peer} failed before the first "
-                               f"token ({_describe(e)}); retry the request", failed_peer=peer) from None
+            raise HandoffError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill worker {peer} failed before the first token ({_describe(e)}); retry the request",
+                failed_peer=peer,
+            ) from None
         return first, job, events
 
     async def _land(self, reservation: Reservation, job: HandoffJob, first: FirstToken, events) -> None:
@@ -139,8 +160,10 @@ class DecodeHandoff:
         buffer = staging.tensor
         try:
             if first.num_blocks != reservation.num_blocks_to_land:
-                raise HandoffProtocolError(f"the prefill worker announced {first.num_blocks} blocks, "
-                                           f"{reservation.num_blocks_to_land} were reserved")
+                raise HandoffProtocolError(
+                    f"the prefill worker announced {first.num_blocks} blocks, "
+                    f"{reservation.num_blocks_to_land} were reserved"
+                )
             done, seconds = await self._receive(job, buffer, events)
             if done.checksum != checksum(buffer):
                 raise TransferError(TransferFailure.CHECKSUM, f"KV checksum mismatch on transfer {job.tag}")

@@ -39,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
+
 from splitserve.disagg.transfer.base import ChannelSpec
 from splitserve.engine.sampler import TokenLogprobs
 

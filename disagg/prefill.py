@@ -19,26 +19,34 @@ from splitserve.engine.request import Request
 from splitserve.worker.metrics import WorkerMetrics
 
 
-async def prefill_and_send(engine: AsyncEngine, request: Request, sender: KVSender, job: HandoffJob,
-                           metrics: WorkerMetrics | None = None,
-                           send_delay_s: float = 0.0) -> AsyncIterator[HandoffEvent]:
+async def prefill_and_send(
+    engine: AsyncEngine,
+    request: Request,
+    sender: KVSender,
+    job: HandoffJob,
+    metrics: WorkerMetrics | None = None,
+    send_delay_s: float = 0.0,
+) -> AsyncIterator[HandoffEvent]:
     """Yield FirstToken, then TransferDone. request comes from HandoffPort.make_prefill_request.
     Raises ValueError for a bad job, TransferError if the send fails. send_delay_s is a
     fault-injection hook for tests (a slow or stuck sender)."""
     port = HandoffPort(engine)
     if job.kv_layout != port.kv_layout:
-        raise ValueError(f"KV layout mismatch: the decode worker has {job.kv_layout}, this prefill worker "
-                         f"has {port.kv_layout}; run both tiers with the same model, dtype and --block-size")
+        raise ValueError(
+            f"KV layout mismatch: the decode worker has {job.kv_layout}, this prefill worker "
+            f"has {port.kv_layout}; run both tiers with the same model, dtype and --block-size"
+        )
     sender.connect(job.channel)  # build the pair's group while the prompt computes
     final = await _run_prompt(engine, request)
     if final.handoff is None:
         raise RuntimeError(f"request {request.request_id} ended without its KV ({final.finish_reason})")
-    block_ids = final.handoff.block_ids[job.num_skip_blocks:]
+    block_ids = final.handoff.block_ids[job.num_skip_blocks :]
     send = asyncio.create_task(_send(port, sender, job, request.request_id, block_ids, metrics, send_delay_s))
     send.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
     logprobs = final.new_logprobs[0] if final.new_logprobs else None
-    yield FirstToken(final.new_token_ids[0], logprobs, final.handoff.sampler_state, len(block_ids),
-                     final.timings.queue_ms)
+    yield FirstToken(
+        final.new_token_ids[0], logprobs, final.handoff.sampler_state, len(block_ids), final.timings.queue_ms
+    )
     yield await asyncio.shield(send)
 
 
@@ -59,11 +67,21 @@ async def _run_prompt(engine: AsyncEngine, request: Request) -> RequestOutput:
     return final
 
 
-async def _send(port: HandoffPort, sender: KVSender, job: HandoffJob, request_id: str, block_ids: Sequence[int],
-                metrics: WorkerMetrics | None, send_delay_s: float) -> TransferDone:
+async def _send(
+    port: HandoffPort,
+    sender: KVSender,
+    job: HandoffJob,
+    request_id: str,
+    block_ids: Sequence[int],
+    metrics: WorkerMetrics | None,
+    send_delay_s: float,
+) -> TransferDone:
     if not await port.claim_held(request_id):
-        raise TransferError(TransferFailure.CLOSED, f"the KV of request {request_id} was released before its "
-                            "send started (its lease expired or it was aborted)")
+        raise TransferError(
+            TransferFailure.CLOSED,
+            f"the KV of request {request_id} was released before its "
+            "send started (its lease expired or it was aborted)",
+        )
     staging = port.acquire_staging(len(block_ids))
     sent = False
     try:

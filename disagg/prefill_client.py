@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+
 from splitserve.common.wire import (
     PEER_CHANNEL_OPTIONS,
     logprobs_from_proto,
@@ -21,20 +22,32 @@ from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
     if isinstance(event, FirstToken):
         logprobs = logprobs_to_proto([event.logprobs] if event.logprobs is not None else None)
-        return pb.PrefillResponse(first_token=pb.FirstToken(
-            token_id=event.token_id, logprobs=logprobs, sampler_state=event.sampler_state or b"",
-            num_blocks=event.num_blocks, queue_ms=event.queue_ms))
-    return pb.PrefillResponse(transfer_done=pb.TransferDone(
-        num_blocks=event.num_blocks, num_bytes=event.num_bytes, checksum_crc32=event.checksum,
-        send_ms=event.seconds * 1e3))
+        return pb.PrefillResponse(
+            first_token=pb.FirstToken(
+                token_id=event.token_id,
+                logprobs=logprobs,
+                sampler_state=event.sampler_state or b"",
+                num_blocks=event.num_blocks,
+                queue_ms=event.queue_ms,
+            )
+        )
+    return pb.PrefillResponse(
+        transfer_done=pb.TransferDone(
+            num_blocks=event.num_blocks,
+            num_bytes=event.num_bytes,
+            checksum_crc32=event.checksum,
+            send_ms=event.seconds * 1e3,
+        )
+    )
 
 
 def event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
     if msg.WhichOneof("event") == "first_token":
         f = msg.first_token
         logprobs = logprobs_from_proto(f.logprobs)
-        return FirstToken(f.token_id, logprobs[0] if logprobs else None, f.sampler_state or None, f.num_blocks,
-                          f.queue_ms)
+        return FirstToken(
+            f.token_id, logprobs[0] if logprobs else None, f.sampler_state or None, f.num_blocks, f.queue_ms
+        )
     d = msg.transfer_done
     return TransferDone(d.num_blocks, d.num_bytes, d.checksum_crc32, d.send_ms / 1e3)
 
@@ -50,14 +63,19 @@ class GrpcPrefillClient(PrefillClient):
             self._channels[address] = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
         return pb_grpc.WorkerStub(self._channels[address])
 
-    async def prefill(self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None,
-                      job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+    async def prefill(
+        self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None, job: HandoffJob
+    ) -> AsyncIterator[HandoffEvent]:
         if wire is None:
             raise ValueError("the gRPC prefill client forwards the request as this worker received it; got none")
         # Forwarded as received (the prefill worker validates it again, as it would any request).
-        msg = pb.PrefillRequest(request=wire, transfer_tag=job.tag, num_skip_blocks=job.num_skip_blocks,
-                                kv_layout=job.kv_layout,
-                                channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key))
+        msg = pb.PrefillRequest(
+            request=wire,
+            transfer_tag=job.tag,
+            num_skip_blocks=job.num_skip_blocks,
+            kv_layout=job.kv_layout,
+            channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key),
+        )
         call = self._stub(peer).Prefill(msg)
         try:
             async for response in call:

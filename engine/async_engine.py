@@ -49,18 +49,31 @@ class AsyncEngine:
         self.died = asyncio.Event()  # the loop raised: this engine serves nothing more
         # Every step runs on this one thread, bound to the engine's device for its life: Triton launches
         # on the calling thread's current CUDA device, and pool threads start on device 0.
-        self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step", initializer=bind_thread,
-                                               initargs=(engine.runner.device,))
+        self._step_thread = ThreadPoolExecutor(
+            1, thread_name_prefix="engine-step", initializer=bind_thread, initargs=(engine.runner.device,)
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(Engine(config))
 
-    async def generate(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                       priority: int = 0, stop_after_prefill: bool = False,
-                       label: str = "") -> AsyncIterator[RequestOutput]:
-        request = self.engine.make_request(prompt, params, request_id, priority,  # raises ValueError
-                                           stop_after_prefill=stop_after_prefill, label=label)
+    async def generate(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        stop_after_prefill: bool = False,
+        label: str = "",
+    ) -> AsyncIterator[RequestOutput]:
+        request = self.engine.make_request(
+            prompt,
+            params,
+            request_id,
+            priority,  # raises ValueError
+            stop_after_prefill=stop_after_prefill,
+            label=label,
+        )
         async for out in self.generate_request(request):
             yield out
 
@@ -152,8 +165,9 @@ class AsyncEngine:
                     if queue is not None:
                         queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
         except Exception as e:  # surface to every waiting stream instead of hanging them
-            self._error = EngineDead(f"this worker's engine loop died ({type(e).__name__}: {e}); retry the "
-                                     "request on another worker")
+            self._error = EngineDead(
+                f"this worker's engine loop died ({type(e).__name__}: {e}); retry the request on another worker"
+            )
             log.exception("the engine loop died")  # the server reads `died`, leaves the cluster, exits
             for queue in self._streams.values():
                 queue.put_nowait(self._error)

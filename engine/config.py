@@ -42,8 +42,9 @@ class SchedulerConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs "
-                             f"({self.max_num_batched_tokens} < {self.max_num_seqs})")
+            raise ValueError(
+                f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_batched_tokens} < {self.max_num_seqs})"
+            )
         if self.policy not in _POLICIES:
             raise ValueError(f"policy must be one of {_POLICIES}, got {self.policy!r}")
 

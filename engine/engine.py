@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.config import EngineConfig, RuntimeInfo
@@ -75,18 +76,25 @@ class PrefillHandoff:
     sampler_state: bytes | None  # the request's seeded generator after the first sample
 
 
-
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     """One output carrying both steps' tokens and text (the later one's status and counts)."""
     logprobs = None
     if first.new_logprobs is not None or later.new_logprobs is not None:
         logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
     return RequestOutput(
-        request_id=later.request_id, new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_text=first.new_text + later.new_text, finished=later.finished, finish_reason=later.finish_reason,
-        stop_reason=later.stop_reason, new_logprobs=logprobs, num_prompt_tokens=later.num_prompt_tokens,
-        num_output_tokens=later.num_output_tokens, num_cached_tokens=later.num_cached_tokens,
-        timings=later.timings, handoff=later.handoff, error=later.error,
+        request_id=later.request_id,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+        finished=later.finished,
+        finish_reason=later.finish_reason,
+        stop_reason=later.stop_reason,
+        new_logprobs=logprobs,
+        num_prompt_tokens=later.num_prompt_tokens,
+        num_output_tokens=later.num_output_tokens,
+        num_cached_tokens=later.num_cached_tokens,
+        timings=later.timings,
+        handoff=later.handoff,
+        error=later.error,
     )
 
 
@@ -115,15 +123,17 @@ class Engine:
         self.config = config
         source = open_model(config.model)
         self.tokenizer: Tokenizer = source.tokenizer
-        max_model_len = min(config.max_model_len or source.arch.max_position_embeddings,
-                            source.arch.max_position_embeddings)
+        max_model_len = min(
+            config.max_model_len or source.arch.max_position_embeddings, source.arch.max_position_embeddings
+        )
         self.runner = ModelRunner(config, source, max_model_len)
         self.runtime = RuntimeInfo(
-            num_kv_blocks=self.runner.num_blocks, block_size=config.cache.block_size,
-            max_model_len=max_model_len, eos_token_ids=self.tokenizer.eos_token_ids,
+            num_kv_blocks=self.runner.num_blocks,
+            block_size=config.cache.block_size,
+            max_model_len=max_model_len,
+            eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                 config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.runtime, self.kv)
         self.sampler = Sampler(config.seed)
         self.leases = HeldLeases(config.cache.kv_lease_s)
@@ -139,8 +149,15 @@ class Engine:
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
-    def make_request(self, prompt: PromptInput, params: SamplingParams, request_id: str | None = None,
-                     priority: int = 0, stop_after_prefill: bool = False, label: str = "") -> Request:
+    def make_request(
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        stop_after_prefill: bool = False,
+        label: str = "",
+    ) -> Request:
         """Validate a request without touching engine state (safe from any thread).
 
         request_id None (what servers pass) names it `req-N`; an in-process caller's own id must
@@ -154,41 +171,65 @@ class Engine:
         rt = self.runtime
         max_tokens = params.max_tokens or rt.max_model_len - len(token_ids)
         if len(token_ids) + max_tokens > rt.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                             f"model context of {rt.max_model_len} tokens; lower max_tokens or shorten the prompt")
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"model context of {rt.max_model_len} tokens; lower max_tokens or shorten the prompt"
+            )
         if len(token_ids) + max_tokens > rt.kv_capacity_tokens:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) can never fit the KV "
-                             f"cache of {rt.kv_capacity_tokens} tokens; lower max_tokens or raise --kv-cache-bytes")
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) can never fit the KV "
+                f"cache of {rt.kv_capacity_tokens} tokens; lower max_tokens or raise --kv-cache-bytes"
+            )
         self._check_schedulable(len(token_ids) + (1 if stop_after_prefill else max_tokens))
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
-        return Request(rid, token_ids, params, max_tokens=max_tokens, eos_token_ids=rt.eos_token_ids,
-                       block_size=rt.block_size, priority=priority, stop_after_prefill=stop_after_prefill,
-                       label=label)
+        return Request(
+            rid,
+            token_ids,
+            params,
+            max_tokens=max_tokens,
+            eos_token_ids=rt.eos_token_ids,
+            block_size=rt.block_size,
+            priority=priority,
+            stop_after_prefill=stop_after_prefill,
+            label=label,
+        )
 
     def _check_schedulable(self, max_num_tokens: int) -> None:
         """Without chunked prefill a request (recomputed after preemption: prompt and output) must fit
         one step's token budget, or it would wait forever at the head of the queue."""
         sched = self.config.scheduler
         if not sched.enable_chunked_prefill and max_num_tokens > sched.max_num_batched_tokens:
-            raise ValueError(f"prompt + max_tokens ({max_num_tokens} tokens) exceeds max_num_batched_tokens "
-                             f"({sched.max_num_batched_tokens}) and chunked prefill is off; shorten the request "
-                             "or start the worker with chunked prefill or a larger --max-num-batched-tokens")
+            raise ValueError(
+                f"prompt + max_tokens ({max_num_tokens} tokens) exceeds max_num_batched_tokens "
+                f"({sched.max_num_batched_tokens}) and chunked prefill is off; shorten the request "
+                "or start the worker with chunked prefill or a larger --max-num-batched-tokens"
+            )
 
     def _validate_tokens(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty; send at least one character or token")
         if len(token_ids) >= self.runtime.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but the model context is "
-                             f"{self.runtime.max_model_len}; shorten the prompt")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but the model context is "
+                f"{self.runtime.max_model_len}; shorten the prompt"
+            )
         vocab = self.runner.arch.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
 
-    def add_request(self, prompt: PromptInput | Request, params: SamplingParams | None = None,
-                    request_id: str | None = None, priority: int = 0) -> str:
-        request = prompt if isinstance(prompt, Request) else self.make_request(
-            prompt, params or SamplingParams(), request_id, priority)
+    def add_request(
+        self,
+        prompt: PromptInput | Request,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        request = (
+            prompt
+            if isinstance(prompt, Request)
+            else self.make_request(prompt, params or SamplingParams(), request_id, priority)
+        )
         self._check_unused(request.request_id)
         self.scheduler.add_request(request)
         self._track(request)
@@ -232,8 +273,9 @@ class Engine:
         """Free held blocks whose lease ran out unclaimed; returns how many requests that freed."""
         expired = self.leases.expire(now)
         for request_id in expired:
-            log.warning("request %s: held KV blocks not claimed within %.1f s; released", request_id,
-                        self.leases.lease_s)
+            log.warning(
+                "request %s: held KV blocks not claimed within %.1f s; released", request_id, self.leases.lease_s
+            )
             self.scheduler.release_held(request_id)
         return len(expired)
 
@@ -249,8 +291,9 @@ class Engine:
             self._track(request)
         return num_held
 
-    def accept_first_token(self, request_id: str, token_id: int, logprobs: TokenLogprobs | None,
-                           sampler_state: bytes | None) -> RequestOutput | None:
+    def accept_first_token(
+        self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, sampler_state: bytes | None
+    ) -> RequestOutput | None:
         """The prefill worker's first token: append it, carry the sampler over, check stops.
 
         Returns None if the request is gone (aborted meanwhile).
@@ -304,7 +347,8 @@ class Engine:
         result = self.sampler.sample(logits, [s.request for s in batch.sampling])
         failed = [self._fail(r, e) for r, e in result.errors]  # before update_after_step skips them
         sampled: dict[str, int] = {
-            s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids) if t is not None}
+            s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids) if t is not None
+        }
         logprobs = {s.request.request_id: lp for s, lp in zip(batch.sampling, result.logprobs)}
         advanced = self.scheduler.update_after_step(out, sampled)
         return failed + [self._output_or_fail(r, logprobs[r.request_id]) for r in advanced]
@@ -326,11 +370,17 @@ class Engine:
         self._forget(rid)
         self.stats.num_failed_requests += 1
         return RequestOutput(
-            request_id=rid, new_token_ids=[], new_text="", finished=True, finish_reason=FinishReason.ABORT,
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+            request_id=rid,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
             timings=_timings(tracked) if tracked else RequestTimings(),
             error=f"the engine failed on this request ({type(error).__name__}: {error}); it was stopped and "
-                  "its KV blocks freed; the worker goes on")
+            "its KV blocks freed; the worker goes on",
+        )
 
     def _output(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
         rid = request.request_id
@@ -349,18 +399,25 @@ class Engine:
                 self.leases.start(rid)
             self._forget(rid)
         return RequestOutput(
-            request_id=rid, new_token_ids=[request.all_token_ids[-1]],
-            new_text=detok.take_delta(request.is_finished), finished=request.is_finished,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            request_id=rid,
+            new_token_ids=[request.all_token_ids[-1]],
+            new_text=detok.take_delta(request.is_finished),
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
             new_logprobs=[logprobs] if logprobs is not None else None,
-            num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens, timings=_timings(tracked), handoff=handoff,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            timings=_timings(tracked),
+            handoff=handoff,
         )
 
     def _track(self, request: Request) -> None:
         prompt = request.all_token_ids[: request.num_prompt_tokens]
         self._tracked[request.request_id] = _Tracked(
-            IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt))
+            IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt)
+        )
 
     def _forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
@@ -108,11 +109,13 @@ class HandoffPort:
         num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
         return Reservation(request, num_held, num_prompt_blocks - num_held)
 
-    async def accept_first_token(self, reservation: Reservation, token_id: int, logprobs: TokenLogprobs | None,
-                                 sampler_state: bytes | None) -> RequestOutput | None:
+    async def accept_first_token(
+        self, reservation: Reservation, token_id: int, logprobs: TokenLogprobs | None, sampler_state: bytes | None
+    ) -> RequestOutput | None:
         """None if the request is gone (aborted meanwhile)."""
-        out = await self._async.call(self._engine.accept_first_token, reservation.request.request_id, token_id,
-                                     logprobs, sampler_state)
+        out = await self._async.call(
+            self._engine.accept_first_token, reservation.request.request_id, token_id, logprobs, sampler_state
+        )
         if out is None or out.finished:
             reservation.state = ReservationState.GONE
         return out
@@ -120,8 +123,9 @@ class HandoffPort:
     async def land(self, reservation: Reservation, blocks: torch.Tensor) -> bool:
         """Write blocks ([layers, 2, n, ...], the prompt's blocks after the held ones) and admit the
         request. False, writing nothing, if the request is gone."""
-        landed = await self._async.call(self._engine.admit_transferred, reservation.request.request_id,
-                                        reservation.num_held_blocks, blocks)
+        landed = await self._async.call(
+            self._engine.admit_transferred, reservation.request.request_id, reservation.num_held_blocks, blocks
+        )
         reservation.state = ReservationState.LANDED if landed else ReservationState.GONE
         return landed
 
@@ -132,8 +136,9 @@ class HandoffPort:
         return recomputed
 
     # -- prefill side ---------------------------------------------------------------------------
-    def make_prefill_request(self, prompt: list[int], params: SamplingParams, priority: int = 0,
-                             label: str = "") -> Request:
+    def make_prefill_request(
+        self, prompt: list[int], params: SamplingParams, priority: int = 0, label: str = ""
+    ) -> Request:
         """Validated; finishes at its first token and keeps its blocks for the decode worker."""
         return self._engine.make_request(prompt, params, priority=priority, stop_after_prefill=True, label=label)
 
@@ -157,12 +162,21 @@ class HandoffPort:
     def load(self) -> EngineLoad:
         e, s = self._engine, self._engine.scheduler
         return EngineLoad(
-            num_running=s.num_running, num_waiting=s.num_waiting, num_free_blocks=e.kv.num_free_blocks,
-            num_total_blocks=e.runner.num_blocks, block_size=e.runtime.block_size,
-            num_awaiting_kv=len(s.awaiting_kv), num_held_blocks=e.num_held_blocks(), num_held_requests=len(s.held),
-            kv_usage=e.kv_usage(), num_preemptions=s.stats.num_preemptions,
-            prefix_cache_queries=s.stats.prefix_cache_queries, prefix_cache_hits=s.stats.prefix_cache_hits,
-            num_lease_expiries=e.leases.num_expired, num_failed_requests=e.stats.num_failed_requests)
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            num_free_blocks=e.kv.num_free_blocks,
+            num_total_blocks=e.runner.num_blocks,
+            block_size=e.runtime.block_size,
+            num_awaiting_kv=len(s.awaiting_kv),
+            num_held_blocks=e.num_held_blocks(),
+            num_held_requests=len(s.held),
+            kv_usage=e.kv_usage(),
+            num_preemptions=s.stats.num_preemptions,
+            prefix_cache_queries=s.stats.prefix_cache_queries,
+            prefix_cache_hits=s.stats.prefix_cache_hits,
+            num_lease_expiries=e.leases.num_expired,
+            num_failed_requests=e.stats.num_failed_requests,
+        )
 
     async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]:
         """The pool's cached hashes and its pending events, taken together between steps."""

@@ -29,8 +29,11 @@ class LLM:
         self.engine = Engine(config or EngineConfig(**overrides))
         self.tokenizer = self.engine.tokenizer
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[CompletionOutput]:
         """Run all prompts to completion with continuous batching; outputs in prompt order."""
         batch = _as_batch(prompts)
         params_list = params if isinstance(params, Sequence) else [params or SamplingParams()] * len(batch)
@@ -38,7 +41,8 @@ class LLM:
             raise ValueError(f"got {len(batch)} prompts but {len(params_list)} sampling params")
         requests = [self.engine.make_request(p, sp) for p, sp in zip(batch, params_list)]  # validate all first
         outputs: dict[str, CompletionOutput] = {
-            r.request_id: CompletionOutput(r.request_id, list(r.all_token_ids)) for r in requests}
+            r.request_id: CompletionOutput(r.request_id, list(r.all_token_ids)) for r in requests
+        }
         for request in requests:
             self.engine.add_request(request)
         while self.engine.has_unfinished_requests():

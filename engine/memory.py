@@ -47,17 +47,23 @@ class MemoryProfile:
         other processes hold so much that it would not fit."""
         kv_bytes = int(self.total_bytes * fraction) - self.weights_bytes - self.activation_bytes - self.non_torch_bytes
         if kv_bytes <= 0:
-            raise ValueError(f"no GPU memory left for the KV cache: {self.describe(fraction)} = {_gib(kv_bytes)}. "
-                             "Raise --gpu-memory-fraction, or lower --max-num-batched-tokens (the activations)")
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {self.describe(fraction)} = {_gib(kv_bytes)}. "
+                "Raise --gpu-memory-fraction, or lower --max-num-batched-tokens (the activations)"
+            )
         if kv_bytes > self.free_bytes:
-            raise ValueError(f"the KV cache would take {_gib(kv_bytes)} ({self.describe(fraction)}) but only "
-                             f"{_gib(self.free_bytes)} of the GPU is free: other processes use it. The "
-                             "--gpu-memory-fraction of all workers on one GPU must sum to less than 1")
+            raise ValueError(
+                f"the KV cache would take {_gib(kv_bytes)} ({self.describe(fraction)}) but only "
+                f"{_gib(self.free_bytes)} of the GPU is free: other processes use it. The "
+                "--gpu-memory-fraction of all workers on one GPU must sum to less than 1"
+            )
         return kv_bytes
 
     def describe(self, fraction: float) -> str:
-        return (f"{fraction} x {_gib(self.total_bytes)} total - {_gib(self.weights_bytes)} weights - "
-                f"{_gib(self.activation_bytes)} peak activations - {_gib(self.non_torch_bytes)} outside torch")
+        return (
+            f"{fraction} x {_gib(self.total_bytes)} total - {_gib(self.weights_bytes)} weights - "
+            f"{_gib(self.activation_bytes)} peak activations - {_gib(self.non_torch_bytes)} outside torch"
+        )
 
 
 def profile_memory(device: torch.device, before_load: MemorySnapshot, forward: Callable[[], None]) -> MemoryProfile:
@@ -72,9 +78,13 @@ def profile_memory(device: torch.device, before_load: MemorySnapshot, forward: C
     after = MemorySnapshot.take(device)
     used = before_load.free_bytes - after.free_bytes  # by this process since, if no other one started
     torch_growth = after.reserved_bytes - before_load.reserved_bytes
-    return MemoryProfile(total_bytes=after.total_bytes, free_bytes=after.free_bytes,
-                         weights_bytes=loaded - before_load.allocated_bytes, activation_bytes=peak - loaded,
-                         non_torch_bytes=max(0, used - torch_growth))
+    return MemoryProfile(
+        total_bytes=after.total_bytes,
+        free_bytes=after.free_bytes,
+        weights_bytes=loaded - before_load.allocated_bytes,
+        activation_bytes=peak - loaded,
+        non_torch_bytes=max(0, used - torch_growth),
+    )
 
 
 def _gib(num_bytes: int) -> str:

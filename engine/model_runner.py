@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 from splitserve.engine.kv_cache.staging import StagingPool
@@ -77,8 +78,14 @@ class ModelRunner:
         self.num_blocks = self._num_kv_blocks(config, max_model_len, before_load)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; see attention/backend.py
         self.kv_cache = torch.zeros(
-            self.arch.num_layers, 2, self.num_blocks, self.block_size, self.arch.num_kv_heads,
-            self.arch.head_dim, dtype=self.dtype, device=self.device,
+            self.arch.num_layers,
+            2,
+            self.num_blocks,
+            self.block_size,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            dtype=self.dtype,
+            device=self.device,
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self._staging: StagingPool | None = None
@@ -114,14 +121,21 @@ class ModelRunner:
         per_block = kv_block_bytes(self.arch, self.block_size, self.dtype)
         num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"the KV cache budget of {budget} bytes ({source}) is below one KV block "
-                             f"({per_block} bytes)")
-        log.info("KV cache: %d blocks of %d tokens, %.2f GiB (%s)", num_blocks, self.block_size,
-                 num_blocks * per_block / 1024**3, source)
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes ({source}) is below one KV block ({per_block} bytes)"
+            )
+        log.info(
+            "KV cache: %d blocks of %d tokens, %.2f GiB (%s)",
+            num_blocks,
+            self.block_size,
+            num_blocks * per_block / 1024**3,
+            source,
+        )
         return num_blocks
 
-    def _kv_cache_bytes(self, config: EngineConfig, max_model_len: int,
-                        before_load: MemorySnapshot | None) -> tuple[int, str]:
+    def _kv_cache_bytes(
+        self, config: EngineConfig, max_model_len: int, before_load: MemorySnapshot | None
+    ) -> tuple[int, str]:
         """(KV cache budget in bytes, where it comes from)."""
         cache = config.cache
         if cache.kv_cache_bytes is not None:
@@ -129,8 +143,11 @@ class ModelRunner:
         if before_load is None:
             return _DEFAULT_CPU_KV_BYTES, "the CPU default"
         sched = config.scheduler
-        profile = profile_memory(self.device, before_load, lambda: self.profile_forward(
-            sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len))
+        profile = profile_memory(
+            self.device,
+            before_load,
+            lambda: self.profile_forward(sched.max_num_batched_tokens, sched.max_num_seqs, max_model_len),
+        )
         return profile.kv_cache_bytes(cache.gpu_memory_fraction), profile.describe(cache.gpu_memory_fraction)
 
     def prepare(self, out: SchedulerOutput) -> ForwardBatch:
@@ -149,12 +166,20 @@ class ModelRunner:
             if s.samples:
                 sampling.append(s)
                 sample_rows.append(len(input_ids) - 1)
-        return self._pack(input_ids, positions, seq_lens, query_lens, [s.block_ids for s in out.scheduled],
-                          sample_rows, sampling)
+        return self._pack(
+            input_ids, positions, seq_lens, query_lens, [s.block_ids for s in out.scheduled], sample_rows, sampling
+        )
 
-    def _pack(self, input_ids: list[int], positions: list[int], seq_lens: list[int], query_lens: list[int],
-              block_ids: Sequence[Sequence[int]], sample_rows: list[int],
-              sampling: list[ScheduledRequest]) -> ForwardBatch:
+    def _pack(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        seq_lens: list[int],
+        query_lens: list[int],
+        block_ids: Sequence[Sequence[int]],
+        sample_rows: list[int],
+        sampling: list[ScheduledRequest],
+    ) -> ForwardBatch:
         max_blocks = max(len(ids) for ids in block_ids)
         table = [list(ids) + [0] * (max_blocks - len(ids)) for ids in block_ids]
         dev = self.device
@@ -165,13 +190,22 @@ class ModelRunner:
         qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         qsl[1:] = torch.tensor(query_lens).cumsum(0)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(dev), block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev), query_start_loc=qsl.to(dev),
+            slot_mapping=slots.to(dev),
+            block_tables=block_tables.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=qsl.to(dev),
             num_decodes=_num_leading_ones(query_lens),
-            max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_lens_cpu=query_lens,
+            max_seq_len=max(seq_lens),
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=query_lens,
         )
-        return ForwardBatch(torch.tensor(input_ids, device=dev), pos.to(dev), meta,
-                            torch.tensor(sample_rows, dtype=torch.int64, device=dev), sampling)
+        return ForwardBatch(
+            torch.tensor(input_ids, device=dev),
+            pos.to(dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
+            sampling,
+        )
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
@@ -186,8 +220,16 @@ class ModelRunner:
         positions = [p for n in lens for p in range(n)]
         ends = torch.tensor(lens).cumsum(0) - 1
         batch = self._pack([0] * num_tokens, positions, lens, lens, block_ids, ends.tolist(), [])
-        scratch = torch.zeros(self.arch.num_layers, 2, next_block, bs, self.arch.num_kv_heads, self.arch.head_dim,
-                              dtype=self.dtype, device=self.device)
+        scratch = torch.zeros(
+            self.arch.num_layers,
+            2,
+            next_block,
+            bs,
+            self.arch.num_kv_heads,
+            self.arch.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         hidden = self.model(batch.input_ids, batch.positions, list(scratch.unbind(0)), batch.meta)
         self.model.compute_logits(hidden[batch.sample_rows])
 

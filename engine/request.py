@@ -133,5 +133,7 @@ class Request:
 
     def __repr__(self) -> str:
         label = f" {self.label[:64]!r}" if self.label else ""
-        return (f"Request({self.request_id}{label}, {self.status.value}, "
-                f"computed={self.num_computed_tokens}/{self.num_tokens})")
+        return (
+            f"Request({self.request_id}{label}, {self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

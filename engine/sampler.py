@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+
 from splitserve.engine.request import Request
 
 log = logging.getLogger("splitserve.sampler")
@@ -70,8 +71,9 @@ class Sampler:
             token_ids = [self._sample_row(logits[row], r) for row, r in enumerate(requests)]
         return SampleResult(token_ids, _logprobs(raw, requests, token_ids))
 
-    def _sample_without(self, raw: torch.Tensor, logits: torch.Tensor, requests: list[Request],
-                        errors: list[tuple[Request, Exception]]) -> SampleResult:
+    def _sample_without(
+        self, raw: torch.Tensor, logits: torch.Tensor, requests: list[Request], errors: list[tuple[Request, Exception]]
+    ) -> SampleResult:
         failed = {id(r) for r, _ in errors}
         token_ids: list[int | None] = [None] * len(requests)
         keep = [row for row, r in enumerate(requests) if id(r) not in failed]

@@ -27,23 +27,39 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-prefix-fraction", type=float, default=0.0)
     g.add_argument("--prefix-len", type=int, default=0)
     g.add_argument("--num-prefixes", type=int, default=1)
-    g.add_argument("--prefix-assignment", default="random", choices=["random", "balanced"],
-                   help="random: each shared request draws its prefix; balanced: equal shares per prefix")
+    g.add_argument(
+        "--prefix-assignment",
+        default="random",
+        choices=["random", "balanced"],
+        help="random: each shared request draws its prefix; balanced: equal shares per prefix",
+    )
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--vocab-size", type=int, default=49152, help="token ids are drawn below this")
 
 
 def workload_from_args(a: argparse.Namespace) -> WorkloadConfig:
     return WorkloadConfig(
-        num_requests=a.num_requests, duration_s=a.duration, arrival=a.arrival, rate=a.rate,
-        burst_size=a.burst_size, concurrency=a.concurrency, prompt_len=LengthDist.parse(a.prompt_len),
-        output_len=LengthDist.parse(a.output_len), trace=a.trace, shared_prefix_fraction=a.shared_prefix_fraction,
-        prefix_len=a.prefix_len, num_prefixes=a.num_prefixes, prefix_assignment=a.prefix_assignment,
-        seed=a.seed, vocab_high=a.vocab_size)
+        num_requests=a.num_requests,
+        duration_s=a.duration,
+        arrival=a.arrival,
+        rate=a.rate,
+        burst_size=a.burst_size,
+        concurrency=a.concurrency,
+        prompt_len=LengthDist.parse(a.prompt_len),
+        output_len=LengthDist.parse(a.output_len),
+        trace=a.trace,
+        shared_prefix_fraction=a.shared_prefix_fraction,
+        prefix_len=a.prefix_len,
+        num_prefixes=a.num_prefixes,
+        prefix_assignment=a.prefix_assignment,
+        seed=a.seed,
+        vocab_high=a.vocab_size,
+    )
 
 
-async def measure(address: str, cfg: WorkloadConfig, slo: SLO, show_progress: bool = True
-                  ) -> tuple[Summary, list[RequestRecord]]:
+async def measure(
+    address: str, cfg: WorkloadConfig, slo: SLO, show_progress: bool = True
+) -> tuple[Summary, list[RequestRecord]]:
     records, seconds = await run_grpc_load(address, cfg, progress_bar if show_progress else None)
     return summarize(records, seconds, slo), records
 

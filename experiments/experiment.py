@@ -65,20 +65,33 @@ class ExperimentConfig:
 def load_config(path: str | Path) -> ExperimentConfig:
     raw = tomllib.loads(Path(path).read_text())
     try:
-        deployments = tuple(Deployment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # type: ignore[arg-type]
-                            for d in raw["deployments"])
-        workloads = tuple((w.pop("name", f"workload-{i}"), _workload(w))
-                          for i, w in enumerate(dict(w) for w in raw.get("workloads", [{}])))
+        deployments = tuple(
+            Deployment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # type: ignore[arg-type]
+            for d in raw["deployments"]
+        )
+        workloads = tuple(
+            (w.pop("name", f"workload-{i}"), _workload(w))
+            for i, w in enumerate(dict(w) for w in raw.get("workloads", [{}]))
+        )
         slos = tuple((s.pop("name", f"slo-{i}"), SLO(**s)) for i, s in enumerate(dict(s) for s in raw.get("slos", [])))
         rates = tuple(float(r) for r in raw["sweep"]["rates"])
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: bad experiment config ({e!r}); see the docstring of "
-                         "splitserve/experiments/experiment.py or experiments/configs/") from None
+        raise ValueError(
+            f"{path}: bad experiment config ({e!r}); see the docstring of "
+            "splitserve/experiments/experiment.py or experiments/configs/"
+        ) from None
     if not deployments or not rates:
         raise ValueError(f"{path}: needs at least one [[deployments]] and [sweep] rates")
-    return ExperimentConfig(raw.get("name", Path(path).stem), deployments, workloads, rates,
-                            slos or (("none", SLO()),), tuple(raw.get("engine_args", ())),
-                            int(raw.get("warmup_requests", 2)), raw)
+    return ExperimentConfig(
+        raw.get("name", Path(path).stem),
+        deployments,
+        workloads,
+        rates,
+        slos or (("none", SLO()),),
+        tuple(raw.get("engine_args", ())),
+        int(raw.get("warmup_requests", 2)),
+        raw,
+    )
 
 
 def _workload(fields: dict) -> WorkloadConfig:
@@ -92,20 +105,35 @@ def cpu_sets(num_workers: int) -> list[str]:
     """Disjoint core sets, one per worker (shared round robin when workers outnumber cores)."""
     cores = sorted(os.sched_getaffinity(0))
     per = max(1, len(cores) // num_workers)
-    return [",".join(map(str, cores[(i * per) % len(cores):(i * per) % len(cores) + per])) for i in range(num_workers)]
+    return [
+        ",".join(map(str, cores[(i * per) % len(cores) : (i * per) % len(cores) + per])) for i in range(num_workers)
+    ]
 
 
 def run_deployment(cfg: ExperimentConfig, dep: Deployment) -> list[dict]:
     pinning = cpu_sets(dep.num_workers) if dep.pin_cpus else None
-    children = start_cluster(dep.workers, list(cfg.engine_args), num_prefill=dep.prefill, num_decode=dep.decode,
-                             worker_argv=list(dep.worker_args), gateway_argv=list(dep.gateway_args),
-                             worker_cpus=pinning, devices=list(dep.devices) or None)
+    children = start_cluster(
+        dep.workers,
+        list(cfg.engine_args),
+        num_prefill=dep.prefill,
+        num_decode=dep.decode,
+        worker_argv=list(dep.worker_args),
+        gateway_argv=list(dep.gateway_args),
+        worker_cpus=pinning,
+        devices=list(dep.devices) or None,
+    )
     runs = []
     try:
         address = children[0].address
         _, first_workload = cfg.workloads[0]
-        warmup = replace(first_workload, num_requests=cfg.warmup_requests, arrival="concurrency", concurrency=1,
-                         duration_s=None, seed=first_workload.seed + 999_999)
+        warmup = replace(
+            first_workload,
+            num_requests=cfg.warmup_requests,
+            arrival="concurrency",
+            concurrency=1,
+            duration_s=None,
+            seed=first_workload.seed + 999_999,
+        )
         asyncio.run(measure(address, warmup, SLO(), show_progress=False))
         for workload_name, workload in cfg.workloads:
             for i, rate in enumerate(cfg.rates):
@@ -114,9 +142,17 @@ def run_deployment(cfg: ExperimentConfig, dep: Deployment) -> list[dict]:
                 run_workload = replace(workload, rate=rate, seed=workload.seed + 1000 * (i + 1))
                 summary, records = asyncio.run(measure(address, run_workload, SLO()))
                 goodput = {name: summarize(records, summary.duration_s, slo).goodput for name, slo in cfg.slos}
-                runs.append({"deployment": dep.name, "workload": workload_name, "rate": rate,
-                             "cpu_sets": pinning, "summary": summary.to_dict(), "goodput": goodput,
-                             "records": [asdict(r) for r in records]})
+                runs.append(
+                    {
+                        "deployment": dep.name,
+                        "workload": workload_name,
+                        "rate": rate,
+                        "cpu_sets": pinning,
+                        "summary": summary.to_dict(),
+                        "goodput": goodput,
+                        "records": [asdict(r) for r in records],
+                    }
+                )
     finally:
         stop_cluster(children)
     return runs
@@ -128,8 +164,11 @@ def run_experiment(cfg: ExperimentConfig, out: Path) -> list[dict]:
 
     out.mkdir(parents=True, exist_ok=True)
     runs = [run for dep in cfg.deployments for run in run_deployment(cfg, dep)]
-    settings = {"config": cfg.settings, "cpus": sorted(os.sched_getaffinity(0)),
-                "slos": {name: asdict(slo) for name, slo in cfg.slos}}
+    settings = {
+        "config": cfg.settings,
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "slos": {name: asdict(slo) for name, slo in cfg.slos},
+    }
     (out / "runs.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=1))
     write_plots(runs, cfg, out)
     write_summary(runs, cfg, out)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
+
 from splitserve.experiments.stats import RequestRecord
 from splitserve.experiments.workload import RequestSpec, WorkloadConfig, arrival_offsets, make_requests
 from splitserve.protos.v1 import generation_pb2 as pb
@@ -42,9 +43,11 @@ class GrpcClient(GenerationClient):
         self.timeout_s = timeout_s
 
     async def stream(self, spec: RequestSpec) -> AsyncIterator[Chunk]:
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=spec.prompt_token_ids),
-                                     sampling=pb.SamplingParameters(temperature=0.0),
-                                     stopping=pb.StoppingCriteria(max_tokens=spec.max_tokens, ignore_eos=True))
+        request = pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=spec.prompt_token_ids),
+            sampling=pb.SamplingParameters(temperature=0.0),
+            stopping=pb.StoppingCriteria(max_tokens=spec.max_tokens, ignore_eos=True),
+        )
         async for chunk in self._stub.Generate(request, timeout=self.timeout_s):
             last = chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED
             yield Chunk(len(chunk.token_ids), chunk.timings.queue_ms if last else None)
@@ -71,8 +74,9 @@ async def _one(client: GenerationClient, spec: RequestSpec, t0: float) -> Reques
     return record
 
 
-async def run_load(client: GenerationClient, cfg: WorkloadConfig,
-                   progress: Callable[[int, int], None] | None = None) -> tuple[list[RequestRecord], float]:
+async def run_load(
+    client: GenerationClient, cfg: WorkloadConfig, progress: Callable[[int, int], None] | None = None
+) -> tuple[list[RequestRecord], float]:
     """Send the workload; returns (records in send order, wall seconds from first send to last end)."""
     specs = make_requests(cfg)
     offsets = arrival_offsets(cfg, len(specs))
@@ -99,6 +103,7 @@ async def run_load(client: GenerationClient, cfg: WorkloadConfig,
 
         records = await asyncio.gather(*(tracked(gated(s)) for s in specs))
     else:
+
         async def scheduled(spec: RequestSpec, offset: float) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
             return await _one(client, spec, t0)
@@ -107,8 +112,9 @@ async def run_load(client: GenerationClient, cfg: WorkloadConfig,
     return list(records), time.perf_counter() - t0
 
 
-async def run_grpc_load(address: str, cfg: WorkloadConfig, progress: Callable[[int, int], None] | None = None,
-                        timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
+async def run_grpc_load(
+    address: str, cfg: WorkloadConfig, progress: Callable[[int, int], None] | None = None, timeout_s: float = 600.0
+) -> tuple[list[RequestRecord], float]:
     """run_load through a GrpcClient to the gateway at address, closing the channel afterwards."""
     client = GrpcClient(address, timeout_s)
     try:
@@ -123,8 +129,9 @@ def send_workload(address: str, cfg: WorkloadConfig, timeout_s: float = 600.0) -
     records, seconds = asyncio.run(run_grpc_load(address, cfg, timeout_s=timeout_s))
     failed = Counter(r.code for r in records if not r.ok)
     if failed:
-        raise RuntimeError(f"{failed.total()} of {len(records)} requests failed ({dict(failed)}); "
-                           "see the workers' logs")
+        raise RuntimeError(
+            f"{failed.total()} of {len(records)} requests failed ({dict(failed)}); see the workers' logs"
+        )
     return records, seconds
 
 

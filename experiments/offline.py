@@ -28,10 +28,15 @@ class Settings:
 
     def workload(self, vocab_size: int) -> WorkloadConfig:
         """All requests at once (fixed concurrency = num_requests), lengths uniform in the ranges."""
-        return WorkloadConfig(num_requests=self.num_requests, arrival="concurrency", concurrency=self.num_requests,
-                              prompt_len=LengthDist("uniform", *self.prompt_lens),
-                              output_len=LengthDist("uniform", *self.output_lens), seed=self.seed,
-                              vocab_high=vocab_size)
+        return WorkloadConfig(
+            num_requests=self.num_requests,
+            arrival="concurrency",
+            concurrency=self.num_requests,
+            prompt_len=LengthDist("uniform", *self.prompt_lens),
+            output_len=LengthDist("uniform", *self.output_lens),
+            seed=self.seed,
+            vocab_high=vocab_size,
+        )
 
 
 FULL = Settings(64, (32, 512), (16, 256), (1, 8, 32, 64))
@@ -42,8 +47,14 @@ def decode_step_ms(llm: LLM, batch_size: int, context: int, num_steps: int) -> t
     """(ms per engine.step, ms per bare runner.forward) once batch_size requests of context-token
     prompts all decode; each a mean of num_steps after one warm-up. The requests are aborted after."""
     engine = llm.engine
-    prompts = make_requests(WorkloadConfig(num_requests=batch_size, prompt_len=LengthDist("fixed", context),
-                                           seed=1000 + batch_size, vocab_high=engine.runner.arch.vocab_size))
+    prompts = make_requests(
+        WorkloadConfig(
+            num_requests=batch_size,
+            prompt_len=LengthDist("fixed", context),
+            seed=1000 + batch_size,
+            vocab_high=engine.runner.arch.vocab_size,
+        )
+    )
     # Early requests decode while later ones still prefill (chunked): leave room so none finishes.
     params = SamplingParams(temperature=0, max_tokens=context, ignore_eos=True)
     ids = [engine.add_request(p.prompt_token_ids, params) for p in prompts]

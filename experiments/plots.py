@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+
 from splitserve.experiments.stats import RequestRecord  # noqa: E402
 
 

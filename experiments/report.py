@@ -16,10 +16,16 @@ def format_table(s: Summary) -> str:
         f"ttft_ms<={s.slo['ttft_ms']}, tpot_ms<={s.slo['tpot_ms']})",
         f"{'metric (ms)':<12}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
     ]
-    for name, values in (("TTFT", s.ttft_ms), ("ITL", s.itl_ms), ("TPOT", s.tpot_ms), ("E2E", s.e2e_ms),
-                         ("queue", s.queue_ms)):
-        cells = "".join(f"{values[k]:>10.1f}" if values[k] is not None else f"{'-':>10}"
-                        for k in ("p50", "p90", "p99", "mean"))
+    for name, values in (
+        ("TTFT", s.ttft_ms),
+        ("ITL", s.itl_ms),
+        ("TPOT", s.tpot_ms),
+        ("E2E", s.e2e_ms),
+        ("queue", s.queue_ms),
+    ):
+        cells = "".join(
+            f"{values[k]:>10.1f}" if values[k] is not None else f"{'-':>10}" for k in ("p50", "p90", "p99", "mean")
+        )
         lines.append(f"{name:<12}{cells}")
     if s.errors:
         lines.append("errors: " + ", ".join(f"{code} x{n}" for code, n in sorted(s.errors.items())))
@@ -27,5 +33,6 @@ def format_table(s: Summary) -> str:
 
 
 def to_json(summary: Summary, records: list[RequestRecord], settings: dict) -> str:
-    return json.dumps({"settings": settings, "summary": summary.to_dict(),
-                       "requests": [asdict(r) for r in records]}, indent=1)
+    return json.dumps(
+        {"settings": settings, "summary": summary.to_dict(), "requests": [asdict(r) for r in records]}, indent=1
+    )

@@ -113,9 +113,13 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO = SL
     met = [r for r in records if slo.met_by(r)]
     duration = max(duration_s, 1e-9)
     return Summary(
-        num_requests=len(records), num_ok=len(ok), duration_s=duration_s,
-        request_throughput=len(ok) / duration, output_throughput=sum(r.output_tokens for r in ok) / duration,
-        goodput=len(met) / duration, slo_attainment=len(met) / len(records) if records else 0.0,
+        num_requests=len(records),
+        num_ok=len(ok),
+        duration_s=duration_s,
+        request_throughput=len(ok) / duration,
+        output_throughput=sum(r.output_tokens for r in ok) / duration,
+        goodput=len(met) / duration,
+        slo_attainment=len(met) / len(records) if records else 0.0,
         ttft_ms=_pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
         itl_ms=_pcts([x for r in ok for x in r.itls_s]),
         tpot_ms=_pcts([t for r in ok if (t := r.tpot_s) is not None]),

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter
+
 from splitserve.common.block_hash import hash_block_tokens
 from splitserve.common.roles import Role
 from splitserve.gateway.prefix import PrefixIndex
@@ -35,8 +36,9 @@ class Plan:
 
 
 class Planner:
-    def __init__(self, model_name: str, workers: WorkerSet, router: Router, prefix: PrefixIndex,
-                 routed: Counter) -> None:
+    def __init__(
+        self, model_name: str, workers: WorkerSet, router: Router, prefix: PrefixIndex, routed: Counter
+    ) -> None:
         self.model_name, self.workers, self.router, self.prefix = model_name, workers, router, prefix
         self.routed = routed  # decisions by worker and reason (the routing-decisions metric)
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from splitserve.common.block_hash import BlockHash
 from splitserve.common.wire import kv_events_from_proto
 from splitserve.gateway.kv_index import ApplyResult, EventBatch, IndexUnavailable, KVIndex, make_index
@@ -35,15 +36,26 @@ _MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 class PrefixIndexMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.lookups = Counter("splitserve:gateway_prefix_index_lookups", "Index lookups, by result.", ["result"],
-                               registry=registry)
-        self.matched = Histogram("splitserve:gateway_prefix_matched_blocks",
-                                 "Leading prompt blocks held by the chosen worker.", buckets=_MATCH_BUCKETS,
-                                 registry=registry)
-        self.errors = Counter("splitserve:gateway_prefix_index_errors", "Index backend errors, by operation.",
-                              ["operation"], registry=registry)
-        self.resyncs = Counter("splitserve:gateway_prefix_index_resyncs",
-                               "Snapshots asked of workers (gap, restart, lost index state).", registry=registry)
+        self.lookups = Counter(
+            "splitserve:gateway_prefix_index_lookups", "Index lookups, by result.", ["result"], registry=registry
+        )
+        self.matched = Histogram(
+            "splitserve:gateway_prefix_matched_blocks",
+            "Leading prompt blocks held by the chosen worker.",
+            buckets=_MATCH_BUCKETS,
+            registry=registry,
+        )
+        self.errors = Counter(
+            "splitserve:gateway_prefix_index_errors",
+            "Index backend errors, by operation.",
+            ["operation"],
+            registry=registry,
+        )
+        self.resyncs = Counter(
+            "splitserve:gateway_prefix_index_resyncs",
+            "Snapshots asked of workers (gap, restart, lost index state).",
+            registry=registry,
+        )
         self.up = Gauge("splitserve:gateway_prefix_index_up", "1 while the index backend answers.", registry=registry)
         self.up.set(1)
 
@@ -51,8 +63,9 @@ class PrefixIndexMetrics:
 class PrefixIndex:
     """One KVIndex per (model, block size) namespace, with fallback bookkeeping."""
 
-    def __init__(self, model: str, redis_url: str | None, metrics: PrefixIndexMetrics,
-                 heartbeat_ttl_s: float = 5.0) -> None:
+    def __init__(
+        self, model: str, redis_url: str | None, metrics: PrefixIndexMetrics, heartbeat_ttl_s: float = 5.0
+    ) -> None:
         self.model, self.redis_url, self.metrics = model, redis_url, metrics
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self._indexes: dict[int, KVIndex] = {}
@@ -80,8 +93,13 @@ class PrefixIndex:
 
     async def publish(self, r: pb.PublishKVEventsRequest) -> bool:
         """Apply a worker's batch; True when the worker must send a snapshot next."""
-        batch = EventBatch(r.address, r.instance_id, r.seq, kv_events_from_proto(r.events),
-                           tuple(BlockHash(h) for h in r.snapshot_block_hashes) if r.is_snapshot else None)
+        batch = EventBatch(
+            r.address,
+            r.instance_id,
+            r.seq,
+            kv_events_from_proto(r.events),
+            tuple(BlockHash(h) for h in r.snapshot_block_hashes) if r.is_snapshot else None,
+        )
         try:
             result = await self._index(r.block_size).apply(batch)
         except IndexUnavailable as e:
@@ -93,8 +111,9 @@ class PrefixIndex:
             return True
         return False
 
-    async def matches(self, hashes: Sequence[BlockHash], block_size: int,
-                      workers: Sequence[str]) -> dict[str, int] | None:
+    async def matches(
+        self, hashes: Sequence[BlockHash], block_size: int, workers: Sequence[str]
+    ) -> dict[str, int] | None:
         """Leading prompt blocks each worker holds (indexed, or routed there lately), or None when
         the index cannot answer."""
         if not self.available and time.monotonic() - self._down_since < RETRY_AFTER_S:

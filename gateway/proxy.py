@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 
 import grpc
+
 from splitserve.common.wire import FAILED_PEER_KEY
 from splitserve.gateway.planner import Plan
 from splitserve.gateway.workers import WorkerHandle, WorkerSet
@@ -19,8 +20,12 @@ from splitserve.protos.v1 import worker_pb2 as pb
 
 # Worker statuses that concern the request, not the worker: passed to the client as they are, with no
 # retry and no mark against the worker (INTERNAL: the engine failed on this request and went on).
-_PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
+_PASS_THROUGH = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+}
 
 
 class Abort(Exception):
@@ -43,8 +48,9 @@ class Proxy:
     def __init__(self, workers: WorkerSet) -> None:
         self.workers = workers
 
-    async def stream(self, plan: Plan, req: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext,
-                     arrival: float) -> AsyncIterator[gen_pb.GenerateResponse]:
+    async def stream(
+        self, plan: Plan, req: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext, arrival: float
+    ) -> AsyncIterator[gen_pb.GenerateResponse]:
         worker, prefill = plan.target.worker, plan.prefill_worker
         with self.workers.lease(*(d.worker for d in plan.decisions)) as lease:
             call = worker.stub.Generate(req, timeout=context.time_remaining())
@@ -62,26 +68,35 @@ class Proxy:
             finally:
                 call.cancel()  # no-op when done; aborts the worker's request when the client went away
 
-    def _failure(self, error: grpc.aio.AioRpcError, worker: WorkerHandle,
-                 prefill: WorkerHandle | None) -> Abort | WorkerFailed:
+    def _failure(
+        self, error: grpc.aio.AioRpcError, worker: WorkerHandle, prefill: WorkerHandle | None
+    ) -> Abort | WorkerFailed:
         if error.code() in _PASS_THROUGH:
             return Abort(error.code(), error.details() or "")
         blamed = _failed_peer(error) or worker.address
         failed = prefill if prefill is not None and blamed == prefill.address else worker
         self.workers.mark_failed(failed)
-        return WorkerFailed(failed, f"{failed.role_name} worker {failed.worker_id} at {failed.address} failed "
-                            f"during the request ({error.code().name}: {error.details()}); retry the request")
+        return WorkerFailed(
+            failed,
+            f"{failed.role_name} worker {failed.worker_id} at {failed.address} failed "
+            f"during the request ({error.code().name}: {error.details()}); retry the request",
+        )
 
 
-def _response(request_id: str, chunk: pb.WorkerGenerateResponse, arrival: float, first_token_at: float,
-              now: float) -> gen_pb.GenerateResponse:
-    response = gen_pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
-                                       logprobs=chunk.logprobs)
+def _response(
+    request_id: str, chunk: pb.WorkerGenerateResponse, arrival: float, first_token_at: float, now: float
+) -> gen_pb.GenerateResponse:
+    response = gen_pb.GenerateResponse(
+        request_id=request_id, text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs
+    )
     if chunk.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
         response.finish_reason, response.stop_reason = chunk.finish_reason, chunk.stop_reason
         response.usage.CopyFrom(chunk.usage)
-        response.timings.CopyFrom(gen_pb.Timings(queue_ms=chunk.queue_ms, ttft_ms=(first_token_at - arrival) * 1e3,
-                                                 e2e_ms=(now - arrival) * 1e3))
+        response.timings.CopyFrom(
+            gen_pb.Timings(
+                queue_ms=chunk.queue_ms, ttft_ms=(first_token_at - arrival) * 1e3, e2e_ms=(now - arrival) * 1e3
+            )
+        )
     return response
 
 

@@ -128,8 +128,9 @@ class KVAwareRouter(Router):
         if route.matched is None:
             return Decision(min(candidates, key=load), "no_index")
         if tier == "decode":
-            best = min(candidates,
-                       key=lambda w: load(w) + DECODE_KV_WEIGHT * _kv_used(w) - DECODE_HIT_WEIGHT * hit(w, route))
+            best = min(
+                candidates, key=lambda w: load(w) + DECODE_KV_WEIGHT * _kv_used(w) - DECODE_HIT_WEIGHT * hit(w, route)
+            )
             return Decision(best, "prefix_hit" if hit(best, route) else "load")
         best = min(candidates, key=lambda w: (1.0 - hit(w, route)) + PREFILL_LOAD_WEIGHT * load(w))
         idle = min(candidates, key=load)
@@ -144,7 +145,8 @@ def _kv_used(w: WorkerHandle) -> float:
 
 
 ROUTERS: dict[str, type[Router]] = {
-    r.name: r for r in (KVAwareRouter, LeastOutstandingRouter, RoundRobinRouter, PrefixAffinityRouter)}
+    r.name: r for r in (KVAwareRouter, LeastOutstandingRouter, RoundRobinRouter, PrefixAffinityRouter)
+}
 
 
 def make_router(name: str) -> Router:

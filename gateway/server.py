@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from splitserve.common.model_files import model_name
 from splitserve.common.serving import start_metrics_server
 from splitserve.common.tokenizer import Tokenizer, load_tokenizer
@@ -34,8 +35,10 @@ from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("splitserve.gateway")
-_NO_WORKER = ("no healthy worker can serve this model now; start one with `splitserve worker --gateway HOST:PORT` "
-              "(unified, or a prefill and a decode worker) or wait for one to become healthy")
+_NO_WORKER = (
+    "no healthy worker can serve this model now; start one with `splitserve worker --gateway HOST:PORT` "
+    "(unified, or a prefill and a decode worker) or wait for one to become healthy"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,19 +63,36 @@ class GatewayConfig:
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("splitserve:gateway_requests", "Requests by final gRPC status code.",
-                                ["code"], registry=self.registry)
-        self.routed = Counter("splitserve:gateway_routing_decisions", "Requests routed, by worker and reason.",
-                              ["worker", "reason"], registry=self.registry)
+        self.requests = Counter(
+            "splitserve:gateway_requests", "Requests by final gRPC status code.", ["code"], registry=self.registry
+        )
+        self.routed = Counter(
+            "splitserve:gateway_routing_decisions",
+            "Requests routed, by worker and reason.",
+            ["worker", "reason"],
+            registry=self.registry,
+        )
         self.pending = Gauge("splitserve:gateway_requests_in_flight", "Requests in flight.", registry=self.registry)
         self.prefix = PrefixIndexMetrics(self.registry)
-        self.retries = Counter("splitserve:gateway_retries", "Requests retried on another worker before any "
-                               "token went out, by the failed worker's role.", ["role"], registry=self.registry)
+        self.retries = Counter(
+            "splitserve:gateway_retries",
+            "Requests retried on another worker before any token went out, by the failed worker's role.",
+            ["role"],
+            registry=self.registry,
+        )
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):
-    def __init__(self, config: GatewayConfig, tokenizer: Tokenizer, name: str, workers: WorkerSet,
-                 router: Router, metrics: GatewayMetrics, prefix: PrefixIndex) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        tokenizer: Tokenizer,
+        name: str,
+        workers: WorkerSet,
+        router: Router,
+        metrics: GatewayMetrics,
+        prefix: PrefixIndex,
+    ) -> None:
         self.config, self.metrics = config, metrics
         self.validator = RequestValidator(config.limits, tokenizer, name, workers)
         self.planner = Planner(name, workers, router, prefix, metrics.routed)
@@ -102,9 +122,11 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     async def _generate(self, request, context, arrival: float):
         worker_request = await self._validate(request)
         if self.num_pending > self.config.max_pending:
-            raise Abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"the gateway already has {self.config.max_pending} requests in flight; "
-                        "retry later or start it with a higher --max-pending")
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway already has {self.config.max_pending} requests in flight; "
+                "retry later or start it with a higher --max-pending",
+            )
         avoid: set[str] = set()  # addresses of the workers blamed for a failed attempt
         for attempt in range(2):
             plan = await self.planner.plan(worker_request.prompt_token_ids, avoid, retry=attempt > 0)
@@ -157,10 +179,21 @@ class RegistryServicer(pb_grpc.RegistryServicer):
         return pb.DeregisterWorkerResponse(removed=removed)
 
     async def ListWorkers(self, request, context) -> pb.ListWorkersResponse:
-        return pb.ListWorkersResponse(workers=[
-            pb.WorkerInfo(worker_id=w.worker_id, address=w.address, role=w.role.proto, model=w.model, healthy=w.healthy,
-                          outstanding=w.outstanding, load=w.load, metrics_address=w.metrics_address)
-            for w in self.workers.all()])
+        return pb.ListWorkersResponse(
+            workers=[
+                pb.WorkerInfo(
+                    worker_id=w.worker_id,
+                    address=w.address,
+                    role=w.role.proto,
+                    model=w.model,
+                    healthy=w.healthy,
+                    outstanding=w.outstanding,
+                    load=w.load,
+                    metrics_address=w.metrics_address,
+                )
+                for w in self.workers.all()
+            ]
+        )
 
     async def PublishKVEvents(self, request, context) -> pb.PublishKVEventsResponse:
         if not request.address or not request.instance_id or not request.block_size:
@@ -180,19 +213,26 @@ async def serve_gateway(config: GatewayConfig) -> None:
     # Big enough for every request within the limits; a bigger one ends in RESOURCE_EXHAUSTED from gRPC.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.limits.max_message_bytes)])
     gen_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(config, tokenizer, name, workers, make_router(config.router), metrics, prefix), server)
+        GenerationServicer(config, tokenizer, name, workers, make_router(config.router), metrics, prefix), server
+    )
     pb_grpc.add_RegistryServicer_to_server(RegistryServicer(workers, prefix), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-             pb.DESCRIPTOR.services_by_name["Registry"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
+    names = (
+        gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        pb.DESCRIPTOR.services_by_name["Registry"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
     reflection.enable_server_reflection(names, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    print(f"gateway ready: grpc {config.host}:{port} metrics http://{config.host}:{metrics_port}/metrics "
-          f"model {name}", flush=True)
+    print(
+        f"gateway ready: grpc {config.host}:{port} metrics http://{config.host}:{metrics_port}/metrics model {name}",
+        flush=True,
+    )
     checks = asyncio.create_task(workers.run_health_checks())
     purge = asyncio.create_task(prefix.run_purge())
     stop = asyncio.Event()

@@ -57,8 +57,9 @@ def check_sizes(request: gen_pb.GenerateRequest, limits: RequestLimits) -> None:
     check_stop_sizes(request.stopping, limits)
     num_id_bytes = len(request.request_id.encode())
     if num_id_bytes > limits.max_request_id_bytes:
-        raise ValueError(f"request_id is {num_id_bytes} bytes; at most {limits.max_request_id_bytes} are "
-                         "accepted: send a shorter id")
+        raise ValueError(
+            f"request_id is {num_id_bytes} bytes; at most {limits.max_request_id_bytes} are accepted: send a shorter id"
+        )
 
 
 def check_prompt_size(request: gen_pb.GenerateRequest | gen_pb.TokenizeRequest, limits: RequestLimits) -> None:
@@ -71,22 +72,30 @@ def check_prompt_size(request: gen_pb.GenerateRequest | gen_pb.TokenizeRequest, 
     else:
         return
     if num_bytes > limits.max_prompt_bytes:
-        raise ValueError(f"{what} is {num_bytes} bytes; this gateway accepts at most {limits.max_prompt_bytes} "
-                         "(send a shorter prompt, or start the gateway with a higher --max-prompt-bytes)")
+        raise ValueError(
+            f"{what} is {num_bytes} bytes; this gateway accepts at most {limits.max_prompt_bytes} "
+            "(send a shorter prompt, or start the gateway with a higher --max-prompt-bytes)"
+        )
 
 
 def check_stop_sizes(stopping: gen_pb.StoppingCriteria, limits: RequestLimits) -> None:
     for what, count in (("stop strings", len(stopping.stop)), ("stop token ids", len(stopping.stop_token_ids))):
         if count > limits.max_stops:
-            raise ValueError(f"{count} {what} sent; at most {limits.max_stops} are accepted "
-                             "(send fewer, or start the gateway with a higher --max-stops)")
+            raise ValueError(
+                f"{count} {what} sent; at most {limits.max_stops} are accepted "
+                "(send fewer, or start the gateway with a higher --max-stops)"
+            )
     sizes = [len(s.encode()) for s in stopping.stop]
     if sizes and max(sizes) > limits.max_stop_bytes:
-        raise ValueError(f"a stop string is {max(sizes)} bytes; at most {limits.max_stop_bytes} are accepted "
-                         "(send a shorter one, or start the gateway with a higher --max-stop-bytes)")
+        raise ValueError(
+            f"a stop string is {max(sizes)} bytes; at most {limits.max_stop_bytes} are accepted "
+            "(send a shorter one, or start the gateway with a higher --max-stop-bytes)"
+        )
     if sum(sizes) > limits.max_stop_total_bytes:
-        raise ValueError(f"the stop strings are {sum(sizes)} bytes together; at most {limits.max_stop_total_bytes} "
-                         "are accepted (send fewer, or start the gateway with a higher --max-stop-total-bytes)")
+        raise ValueError(
+            f"the stop strings are {sum(sizes)} bytes together; at most {limits.max_stop_total_bytes} "
+            "are accepted (send fewer, or start the gateway with a higher --max-stop-total-bytes)"
+        )
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -101,14 +110,15 @@ def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     if not num_tokens:
         raise ValueError("prompt is empty; send text, token ids or chat messages")
     if max_model_len and num_tokens >= max_model_len:
-        raise ValueError(f"prompt has {num_tokens} tokens but the model context is {max_model_len}; "
-                         "shorten the prompt")
+        raise ValueError(f"prompt has {num_tokens} tokens but the model context is {max_model_len}; shorten the prompt")
 
 
 def check_fits_context(num_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
     if max_tokens and max_model_len and num_tokens + max_tokens > max_model_len:
-        raise ValueError(f"prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model context of "
-                         f"{max_model_len}; lower max_tokens")
+        raise ValueError(
+            f"prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model context of "
+            f"{max_model_len}; lower max_tokens"
+        )
 
 
 def clip(text: str, num_chars: int = 64) -> str:
@@ -134,8 +144,13 @@ class RequestValidator:
         check_token_ids(token_ids, self._vocab_size(), "prompt token ids")
         check_fits_context(len(token_ids), params.max_tokens, max_model_len)
         return pb.WorkerGenerateRequest(
-            request_id=request.request_id or uuid.uuid4().hex, prompt_token_ids=token_ids,
-            sampling=request.sampling, stopping=request.stopping, priority=request.priority, logprobs=logprobs)
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt_token_ids=token_ids,
+            sampling=request.sampling,
+            stopping=request.stopping,
+            priority=request.priority,
+            logprobs=logprobs,
+        )
 
     async def tokenize(self, request: gen_pb.TokenizeRequest) -> list[int]:
         check_prompt_size(request, self.limits)
@@ -162,8 +177,9 @@ class RequestValidator:
         limit = max_len - 1 if max_len else None  # a prompt leaves room for one generated token
         try:
             if kind == "text" and request.text:
-                return await _off_loop_if_long(len(request.text), self.tokenizer.encode, request.text,
-                                               max_num_tokens=limit)
+                return await _off_loop_if_long(
+                    len(request.text), self.tokenizer.encode, request.text, max_num_tokens=limit
+                )
             if kind == "chat" and request.chat.messages:
                 return await _off_loop_if_long(request.chat.ByteSize(), self._encode_chat, request.chat, limit)
         except TooManyTokens as e:  # refused before its ids were built: give the usual message

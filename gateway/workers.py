@@ -15,6 +15,7 @@ from typing import Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from splitserve.common.roles import Role
 from splitserve.common.wire import PEER_CHANNEL_OPTIONS
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -83,9 +84,18 @@ class WorkerSet:
         if old is not None:  # a restarted worker on the same address
             asyncio.ensure_future(old.channel.close())
         channel = grpc.aio.insecure_channel(r.address, options=PEER_CHANNEL_OPTIONS)
-        handle = WorkerHandle(f"w{next(self._ids)}", r.address, Role.from_proto(r.role) or Role.UNIFIED, r.model,
-                              r.max_model_len, r.metrics_address, r.block_size, channel, pb_grpc.WorkerStub(channel),
-                              vocab_size=r.vocab_size)
+        handle = WorkerHandle(
+            f"w{next(self._ids)}",
+            r.address,
+            Role.from_proto(r.role) or Role.UNIFIED,
+            r.model,
+            r.max_model_len,
+            r.metrics_address,
+            r.block_size,
+            channel,
+            pb_grpc.WorkerStub(channel),
+            vocab_size=r.vocab_size,
+        )
         self._workers[r.address] = handle
         log.info("worker %s registered at %s (%s, %s)", handle.worker_id, r.address, handle.role_name, r.model)
         return handle
@@ -140,7 +150,8 @@ class WorkerSet:
     async def _check(self, handle: WorkerHandle) -> None:
         try:
             reply = await health_pb2_grpc.HealthStub(handle.channel).Check(
-                health_pb2.HealthCheckRequest(), timeout=self.check_timeout_s)
+                health_pb2.HealthCheckRequest(), timeout=self.check_timeout_s
+            )
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             if serving:
                 handle.load = await handle.stub.GetLoad(pb.GetLoadRequest(), timeout=self.check_timeout_s)
@@ -154,8 +165,12 @@ class WorkerSet:
             return
         handle.failures += 1
         if handle.failures >= self.FAILURES_BEFORE_UNHEALTHY and handle.healthy:
-            log.warning("worker %s at %s failed %d health checks; no more traffic to it",
-                        handle.worker_id, handle.address, handle.failures)
+            log.warning(
+                "worker %s at %s failed %d health checks; no more traffic to it",
+                handle.worker_id,
+                handle.address,
+                handle.failures,
+            )
             handle.healthy = False
 
     async def close(self) -> None:

@@ -12,10 +12,17 @@ from splitserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from splitserve.kernels.store_kv import store_kv, store_kv_ref
 
 __all__ = [
-    "paged_decode_attention", "paged_decode_attention_ref",
-    "paged_prefill_attention", "paged_prefill_attention_ref",
-    "rms_norm", "rms_norm_ref",
-    "rope_cos_sin", "rotary_embedding", "rotary_embedding_ref",
-    "silu_and_mul", "silu_and_mul_ref",
-    "store_kv", "store_kv_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "rms_norm",
+    "rms_norm_ref",
+    "rope_cos_sin",
+    "rotary_embedding",
+    "rotary_embedding_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
+    "store_kv",
+    "store_kv_ref",
 ]

@@ -14,8 +14,10 @@ from triton.runtime.interpreter import InterpretedFunction
 # Launching interpreted kernels also needs TRITON_INTERPRET=1 still set (nested calls are re-decorated).
 INTERPRETED: bool = bool(triton.knobs.runtime.interpret)
 if INTERPRETED != isinstance(tl.cdiv, InterpretedFunction):
-    raise RuntimeError("TRITON_INTERPRET changed between importing triton and splitserve.kernels; "
-                       "set it before triton is first imported")
+    raise RuntimeError(
+        "TRITON_INTERPRET changed between importing triton and splitserve.kernels; "
+        "set it before triton is first imported"
+    )
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)

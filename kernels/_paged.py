@@ -5,17 +5,31 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from splitserve.kernels._common import FLOAT_DTYPES, INDEX_DTYPES, check_same_dtype, check_tensor, mma
 
 
 @triton.jit
 def attend_range(
-    q, m_i, l_i, acc,  # q [R, BLOCK_D]; m_i, l_i [R] (log2 units); acc [R, BLOCK_D] float32
-    k_base, v_base, table_ptr, q_pos,  # q_pos [R]: each query row's position (used when CAUSAL)
-    start, end, qk_scale,
-    stride_cache_block, stride_cache_token,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,  # q [R, BLOCK_D]; m_i, l_i [R] (log2 units); acc [R, BLOCK_D] float32
+    k_base,
+    v_base,
+    table_ptr,
+    q_pos,  # q_pos [R]: each query row's position (used when CAUSAL)
+    start,
+    end,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_token,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """Online softmax over context tokens [start, end) of one sequence and one KV head.
 
@@ -47,8 +61,9 @@ def attend_range(
     return m_i, l_i, acc
 
 
-def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                       seq_lens: torch.Tensor) -> tuple[int, int, int]:
+def check_paged_inputs(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[int, int, int]:
     """Checks shared by decode and prefill; returns (num_heads, num_kv_heads, head_dim)."""
     check_tensor("q", q, 3, FLOAT_DTYPES)
     check_tensor("kv_cache", kv_cache, 5, FLOAT_DTYPES)
@@ -56,8 +71,9 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES)
     check_same_dtype(kv_cache.dtype, q=q)
     if kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], "
-                         f"got {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim], got {tuple(kv_cache.shape)}"
+        )
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
     if q.shape[2] != head_dim:
@@ -71,8 +87,9 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
     return num_heads, num_kv_heads, head_dim
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor,
-                   seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference helper: one sequence's K and V, each [seq_len, num_kv_heads, head_dim]."""
     block_size = kv_cache.shape[2]
     pos = torch.arange(seq_len, device=kv_cache.device)

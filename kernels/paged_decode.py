@@ -14,6 +14,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from splitserve.kernels._common import check_device, check_shape, dot_dtype
 from splitserve.kernels._paged import attend_range, attention_ref, check_paged_inputs, gather_context
 
@@ -26,13 +27,32 @@ _MAX_SPLITS = 32
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
     qk_scale,
-    stride_qs, stride_qh, stride_os, stride_oh, stride_bt,
-    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    stride_qs,
+    stride_qh,
+    stride_os,
+    stride_oh,
+    stride_bt,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -54,14 +74,33 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     k_base = cache_ptr + kv_head * stride_cache_head
     m_i, l_i, acc = attend_range(
-        q, m_i, l_i, acc, k_base, k_base + stride_cache_kv, block_tables_ptr + seq * stride_bt, 0,
-        start, end, qk_scale, stride_cache_block, stride_cache_token,
-        HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False, DOT_DTYPE,
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_base,
+        k_base + stride_cache_kv,
+        block_tables_ptr + seq * stride_bt,
+        0,
+        start,
+        end,
+        qk_scale,
+        stride_cache_block,
+        stride_cache_token,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        BLOCK_SIZE,
+        False,
+        DOT_DTYPE,
     )
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=hd_mask)
+        tl.store(
+            out_ptr + seq * stride_os + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=hd_mask,
+        )
     else:
         part = (seq * NUM_HEADS + heads) * NUM_SPLITS + split  # [BLOCK_H] row of the partials
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=hd_mask)
@@ -72,9 +111,16 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, stride_os, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    part_acc_ptr,
+    part_ml_ptr,
+    out_ptr,
+    stride_os,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -88,8 +134,9 @@ def _merge_splits_kernel(
     sd_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=sd_mask, other=0.0)
     out = tl.sum(acc * weight[:, None], 0) / tl.sum(l_sum * weight, 0)  # [BLOCK_D]
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM
+    )
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -137,25 +184,52 @@ def paged_decode_attention(
     else:
         part_acc = part_ml = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=_BLOCK_N,
-        BLOCK_SIZE=kv_cache.shape[2], NUM_SPLITS=num_splits, DOT_DTYPE=dot_dtype(q.dtype),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_SIZE=kv_cache.shape[2],
+        NUM_SPLITS=num_splits,
+        DOT_DTYPE=dot_dtype(q.dtype),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
         )
     return out
 
 
-def paged_decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_attention_ref(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
         k, v = gather_context(kv_cache, block_tables[i], seq_len)

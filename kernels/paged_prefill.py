@@ -18,6 +18,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from splitserve.kernels._common import INDEX_DTYPES, check_device, check_shape, check_tensor, dot_dtype
 from splitserve.kernels._paged import attend_range, attention_ref, check_paged_inputs, gather_context
 
@@ -29,12 +30,29 @@ _MIN_DOT = 16  # tl.dot needs >= 16 along each dimension on the GPU: pad head_di
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    out_ptr,
     qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -55,8 +73,9 @@ def _prefill_kernel(
     row_mask = (offs_m < query_len) & (offs_r % GROUP_PAD < GROUP)
     rd_mask = row_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     tokens = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=rd_mask, other=0.0)
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=rd_mask, other=0.0
+    )
     q_pos = prefix_len + offs_m  # padding rows (offs_m >= query_len) still see only real tokens
 
     m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
@@ -68,17 +87,54 @@ def _prefill_kernel(
     # Whole tiles that every row of this block sees: no causal mask needed there.
     full_end = (prefix_len + m_start + 1) // BLOCK_N * BLOCK_N
     m_i, l_i, acc = attend_range(
-        q, m_i, l_i, acc, k_base, v_base, table, q_pos, 0, full_end, qk_scale,
-        stride_cache_block, stride_cache_token, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, False, DOT_DTYPE,
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_base,
+        v_base,
+        table,
+        q_pos,
+        0,
+        full_end,
+        qk_scale,
+        stride_cache_block,
+        stride_cache_token,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        BLOCK_SIZE,
+        False,
+        DOT_DTYPE,
     )
     causal_end = tl.minimum(seq_len, prefix_len + m_start + BLOCK_M)
     m_i, l_i, acc = attend_range(
-        q, m_i, l_i, acc, k_base, v_base, table, q_pos, full_end, causal_end, qk_scale,
-        stride_cache_block, stride_cache_token, HEAD_DIM, BLOCK_D, BLOCK_N, BLOCK_SIZE, True, DOT_DTYPE,
+        q,
+        m_i,
+        l_i,
+        acc,
+        k_base,
+        v_base,
+        table,
+        q_pos,
+        full_end,
+        causal_end,
+        qk_scale,
+        stride_cache_block,
+        stride_cache_token,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        BLOCK_SIZE,
+        True,
+        DOT_DTYPE,
     )
     out = acc / l_i[:, None]
-    tl.store(out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rd_mask)
+    tl.store(
+        out_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=rd_mask,
+    )
 
 
 def paged_prefill_attention(
@@ -108,19 +164,42 @@ def paged_prefill_attention(
     block_m = max(1, _ROWS // group_pad)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        q, kv_cache, block_tables, seq_lens, query_start_loc, out,
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
         scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)), BLOCK_N=_BLOCK_N,
-        BLOCK_SIZE=kv_cache.shape[2], DOT_DTYPE=dot_dtype(q.dtype),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_N=_BLOCK_N,
+        BLOCK_SIZE=kv_cache.shape[2],
+        DOT_DTYPE=dot_dtype(q.dtype),
     )
     return out
 
 
-def paged_prefill_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                                seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     out = torch.empty_like(q)
     starts = (query_start_loc - query_start_loc[0]).tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):

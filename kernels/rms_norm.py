@@ -9,14 +9,23 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from splitserve.kernels._common import FLOAT_DTYPES, check_device, check_same_dtype, check_shape, check_tensor
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr,
-    stride_x, stride_r, stride_o, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -50,15 +59,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if num_tokens == 0:
         return out
     _rms_norm_kernel[(num_tokens,)](
-        x, x if residual is None else residual, weight, out,
-        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0), eps,
-        HIDDEN=hidden, BLOCK=triton.next_power_of_2(hidden), HAS_RESIDUAL=residual is not None,
+        x,
+        x if residual is None else residual,
+        weight,
+        out,
+        x.stride(0),
+        0 if residual is None else residual.stride(0),
+        out.stride(0),
+        eps,
+        HIDDEN=hidden,
+        BLOCK=triton.next_power_of_2(hidden),
+        HAS_RESIDUAL=residual is not None,
     )
     return out
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     if residual is not None:
         residual.add_(x)
         x = residual

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from splitserve.kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -22,8 +23,17 @@ from splitserve.kernels._common import (
 
 
 @triton.jit
-def _rotate_heads(base, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _rotate_heads(
+    base,
+    stride_h,
+    cos,
+    sin,
+    NUM_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
     offs_h = tl.arange(0, BLOCK_H)
     offs = tl.arange(0, BLOCK_HALF)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs < HALF)[None, :]
@@ -41,10 +51,24 @@ def _rotate_heads(base, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HALF: tl.co
 
 @triton.jit
 def _rotary_kernel(
-    pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cos,
+    stride_sin,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -63,8 +87,14 @@ def rope_cos_sin(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tens
     return freqs.cos(), freqs.sin()
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, interleaved: bool = False) -> None:
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+) -> None:
     """In place. positions: [num_tokens] int; q: [num_tokens, num_heads, head_dim]; k: [num_tokens,
     num_kv_heads, head_dim]; cos, sin: [max_positions, head_dim // 2] (rows may be strided).
     Positions must be < max_positions (not checked on the device: that would be a host sync)."""
@@ -86,16 +116,35 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         return
     half = head_dim // 2
     _rotary_kernel[(num_tokens,)](
-        positions, q, k, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
-        NUM_Q_HEADS=num_heads, NUM_K_HEADS=k.shape[1], HALF=half,
-        BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-        BLOCK_HALF=triton.next_power_of_2(half), INTERLEAVED=interleaved,
+        positions,
+        q,
+        k,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        NUM_Q_HEADS=num_heads,
+        NUM_K_HEADS=k.shape[1],
+        HALF=half,
+        BLOCK_QH=triton.next_power_of_2(num_heads),
+        BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+        BLOCK_HALF=triton.next_power_of_2(half),
+        INTERLEAVED=interleaved,
     )
 
 
-def rotary_embedding_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, interleaved: bool = False) -> None:
+def rotary_embedding_ref(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool = False,
+) -> None:
     c = cos[positions.long()].float()[:, None, :]  # [num_tokens, 1, half]
     s = sin[positions.long()].float()[:, None, :]
     for x in (q, k):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from splitserve.kernels._common import FLOAT_DTYPES, check_device, check_tensor
 
 _BLOCK = 1024

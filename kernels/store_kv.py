@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from splitserve.kernels._common import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -21,11 +22,23 @@ from splitserve.kernels._common import (
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cache_kv, stride_cache_block, stride_cache_token, stride_cache_head,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_kv,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -61,11 +74,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        k, v, kv_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
 

@@ -12,21 +12,33 @@ from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model", default=None, help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"
+    )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     g.add_argument("--attention-backend", default=None, help="attention backend name (default: per device)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
-    g.add_argument("--gpu-memory-fraction", type=float, default=0.85,
-                   help="CUDA: share of the device's total memory this worker may use (weights, activations, KV)")
+    g.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.85,
+        help="CUDA: share of the device's total memory this worker may use (weights, activations, KV)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-chunked-prefill", action="store_true",
-                   help="run each prompt in one step (requests over --max-num-batched-tokens are refused)")
-    g.add_argument("--kv-lease-s", type=float, default=30.0,
-                   help="prefill tier: release a finished prompt's KV blocks if no send claims them in this time")
+    g.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="run each prompt in one step (requests over --max-num-batched-tokens are refused)",
+    )
+    g.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=30.0,
+        help="prefill tier: release a finished prompt's KV blocks if no send claims them in this time",
+    )
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
@@ -35,13 +47,25 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, attention_backend=a.attention_backend,
-        max_model_len=a.max_model_len, seed=a.seed,
-        cache=CacheConfig(block_size=a.block_size, kv_cache_bytes=a.kv_cache_bytes,
-                          enable_prefix_caching=not a.no_prefix_caching, kv_lease_s=a.kv_lease_s,
-                          gpu_memory_fraction=a.gpu_memory_fraction),
-        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                                  policy=a.policy, enable_chunked_prefill=not a.no_chunked_prefill),
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        attention_backend=a.attention_backend,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        cache=CacheConfig(
+            block_size=a.block_size,
+            kv_cache_bytes=a.kv_cache_bytes,
+            enable_prefix_caching=not a.no_prefix_caching,
+            kv_lease_s=a.kv_lease_s,
+            gpu_memory_fraction=a.gpu_memory_fraction,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            policy=a.policy,
+            enable_chunked_prefill=not a.no_chunked_prefill,
+        ),
     )
 
 
@@ -51,8 +75,14 @@ def _generate(a: argparse.Namespace) -> int:
     from splitserve.common.sampling_params import SamplingParams
     from splitserve.engine.engine import Engine
 
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                            seed=a.sampling_seed, stop=a.stop or ())
+    params = SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        max_tokens=a.max_tokens,
+        seed=a.sampling_seed,
+        stop=a.stop or (),
+    )
     engine = Engine(engine_config_from_args(a))
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     start = time.monotonic()
@@ -66,20 +96,26 @@ def _generate(a: argparse.Namespace) -> int:
     elapsed = time.monotonic() - start
     if last is not None:
         assert last.finish_reason is not None  # the last output is the one that finished the request
-        print(f"\n[{last.num_output_tokens} tokens, {last.num_output_tokens / elapsed:.1f} tok/s, "
-              f"TTFT {last.timings.ttft_ms or 0:.0f} ms, finish: {last.finish_reason.value}]", file=sys.stderr)
+        print(
+            f"\n[{last.num_output_tokens} tokens, {last.num_output_tokens / elapsed:.1f} tok/s, "
+            f"TTFT {last.timings.ttft_ms or 0:.0f} ms, finish: {last.finish_reason.value}]",
+            file=sys.stderr,
+        )
     return 0
 
 
 def _generate_remote(a: argparse.Namespace) -> int:
     import grpc
+
     from splitserve.protos.v1 import generation_pb2 as pb
     from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 
     request = pb.GenerateRequest(
-        sampling=pb.SamplingParameters(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0,
-                                       seed=a.sampling_seed),
-        stopping=pb.StoppingCriteria(max_tokens=a.max_tokens, stop=a.stop or []))
+        sampling=pb.SamplingParameters(
+            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0, seed=a.sampling_seed
+        ),
+        stopping=pb.StoppingCriteria(max_tokens=a.max_tokens, stop=a.stop or []),
+    )
     if a.chat:
         request.chat.messages.add(role="user", content=a.prompt)
     else:
@@ -90,9 +126,11 @@ def _generate_remote(a: argparse.Namespace) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.finish_reason:
-                    print(f"\n[{chunk.usage.completion_tokens} tokens, TTFT {chunk.timings.ttft_ms:.0f} ms, "
-                          f"E2E {chunk.timings.e2e_ms:.0f} ms, finish: {pb.FinishReason.Name(chunk.finish_reason)}]",
-                          file=sys.stderr)
+                    print(
+                        f"\n[{chunk.usage.completion_tokens} tokens, TTFT {chunk.timings.ttft_ms:.0f} ms, "
+                        f"E2E {chunk.timings.e2e_ms:.0f} ms, finish: {pb.FinishReason.Name(chunk.finish_reason)}]",
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
@@ -105,6 +143,7 @@ def _worker(a: argparse.Namespace) -> int:
     import os
 
     import torch
+
     from splitserve.worker.server import EngineDied, WorkerConfig, serve_worker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -114,10 +153,16 @@ def _worker(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.num_threads or len(cores))
     elif a.num_threads:
         torch.set_num_threads(a.num_threads)
-    config = WorkerConfig(engine=engine_config_from_args(a), host=a.host, port=a.port,
-                          metrics_port=a.metrics_port, gateway=a.gateway, mode=a.mode,
-                          advertise_host=a.advertise_host,
-                          kv_transfer_timeout_s=a.kv_transfer_timeout)
+    config = WorkerConfig(
+        engine=engine_config_from_args(a),
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        gateway=a.gateway,
+        mode=a.mode,
+        advertise_host=a.advertise_host,
+        kv_transfer_timeout_s=a.kv_transfer_timeout,
+    )
     try:
         asyncio.run(serve_worker(config))
     except EngineDied as e:
@@ -134,11 +179,23 @@ def _gateway(a: argparse.Namespace) -> int:
     from splitserve.gateway.validation import RequestLimits
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    limits = RequestLimits(max_prompt_bytes=a.max_prompt_bytes, max_stop_bytes=a.max_stop_bytes,
-                           max_stop_total_bytes=a.max_stop_total_bytes, max_stops=a.max_stops)
-    config = GatewayConfig(model=a.model, host=a.host, port=a.port, metrics_port=a.metrics_port,
-                           workers=tuple(a.worker or ()), max_pending=a.max_pending, router=a.router,
-                           redis_url=a.redis_url, limits=limits)
+    limits = RequestLimits(
+        max_prompt_bytes=a.max_prompt_bytes,
+        max_stop_bytes=a.max_stop_bytes,
+        max_stop_total_bytes=a.max_stop_total_bytes,
+        max_stops=a.max_stops,
+    )
+    config = GatewayConfig(
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        workers=tuple(a.worker or ()),
+        max_pending=a.max_pending,
+        router=a.router,
+        redis_url=a.redis_url,
+        limits=limits,
+    )
     asyncio.run(serve_gateway(config))
     return 0
 
@@ -151,8 +208,17 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
     gateway_argv += [arg for flag in _LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
     from splitserve.launch.launcher import parse_devices
 
-    return run_up(workers, engine_argv, a.host, a.port, a.prefill, a.decode, gateway_argv,
-                  a.admin_port or a.port + 1, parse_devices(a.devices))
+    return run_up(
+        workers,
+        engine_argv,
+        a.host,
+        a.port,
+        a.prefill,
+        a.decode,
+        gateway_argv,
+        a.admin_port or a.port + 1,
+        parse_devices(a.devices),
+    )
 
 
 def _health(a: argparse.Namespace) -> int:
@@ -172,24 +238,29 @@ def _health(a: argparse.Namespace) -> int:
 
 def _workers(a: argparse.Namespace) -> int:
     import grpc
+
     from splitserve.protos.v1 import worker_pb2 as pb
     from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(a.url) as channel:
         reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5)
-    print(f"{'id':<5}{'role':<9}{'address':<22}{'healthy':<9}{'in flight':>10}{'running':>9}{'waiting':>9}"
-          f"{'KV used':>9}")
+    print(
+        f"{'id':<5}{'role':<9}{'address':<22}{'healthy':<9}{'in flight':>10}{'running':>9}{'waiting':>9}{'KV used':>9}"
+    )
     for w in reply.workers:
         total = w.load.num_total_blocks
         used = f"{1 - w.load.num_free_blocks / total:.0%}" if total else "-"
         role = (Role.from_proto(w.role) or Role.UNIFIED).value
-        print(f"{w.worker_id:<5}{role:<9}{w.address:<22}{str(w.healthy).lower():<9}{w.outstanding:>10}"
-              f"{w.load.num_running:>9}{w.load.num_waiting:>9}{used:>9}")
+        print(
+            f"{w.worker_id:<5}{role:<9}{w.address:<22}{str(w.healthy).lower():<9}{w.outstanding:>10}"
+            f"{w.load.num_running:>9}{w.load.num_waiting:>9}{used:>9}"
+        )
     return 0
 
 
 def _scale(a: argparse.Namespace) -> int:
     import grpc
+
     from splitserve.protos.v1 import launcher_pb2 as pb
     from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
 
@@ -242,14 +313,25 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="run one worker (an engine behind the Worker gRPC API)")
     _add_server_args(worker)
     worker.add_argument("--gateway", default=None, help="gateway HOST:PORT to register with")
-    worker.add_argument("--advertise-host", default=None,
-                        help="host the gateway and peers reach this worker at (default: --host, or this "
-                             "machine's IP when --host is 0.0.0.0)")
-    worker.add_argument("--mode", default=Role.UNIFIED.value, choices=MODES,
-                        help="unified: whole requests; prefill: prompts only, sends KV; decode: continues "
-                             "requests whose KV a prefill worker sends")
-    worker.add_argument("--kv-transfer-timeout", type=float, default=30.0,
-                        help="seconds any KV transfer step may take before it counts as failed")
+    worker.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host the gateway and peers reach this worker at (default: --host, or this "
+        "machine's IP when --host is 0.0.0.0)",
+    )
+    worker.add_argument(
+        "--mode",
+        default=Role.UNIFIED.value,
+        choices=MODES,
+        help="unified: whole requests; prefill: prompts only, sends KV; decode: continues "
+        "requests whose KV a prefill worker sends",
+    )
+    worker.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds any KV transfer step may take before it counts as failed",
+    )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
     add_engine_args(worker)
@@ -260,10 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
     gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
     gateway.add_argument("--max-pending", type=int, default=256)
-    gateway.add_argument("--router", default="kv-aware",
-                         help="kv-aware (prefix index + load), least-outstanding, round-robin, prefix-affinity")
-    gateway.add_argument("--redis-url", default=None,
-                         help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory")
+    gateway.add_argument(
+        "--router",
+        default="kv-aware",
+        help="kv-aware (prefix index + load), least-outstanding, round-robin, prefix-affinity",
+    )
+    gateway.add_argument(
+        "--redis-url",
+        default=None,
+        help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory",
+    )
     _add_limit_args(gateway)
     gateway.set_defaults(func=_gateway)
 
@@ -299,15 +387,23 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.set_defaults(func=_experiment)
 
     up = sub.add_parser("up", help="start a gateway and its workers as local processes")
-    up.add_argument("--workers", type=int, default=None,
-                    help="unified workers (default 1, or 0 with --prefill/--decode)")
+    up.add_argument(
+        "--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)"
+    )
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
-    up.add_argument("--devices", default=None,
-                    help="spread workers over devices round robin: 'cuda' (every visible GPU, one worker each "
-                         "in turn) or a list like cuda:0,cuda:1; default: every worker uses --device")
-    up.add_argument("--admin-port", type=int, default=0,
-                    help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)")
+    up.add_argument(
+        "--devices",
+        default=None,
+        help="spread workers over devices round robin: 'cuda' (every visible GPU, one worker each "
+        "in turn) or a list like cuda:0,cuda:1; default: every worker uses --device",
+    )
+    up.add_argument(
+        "--admin-port",
+        type=int,
+        default=0,
+        help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)",
+    )
     up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")
     up.add_argument("--redis-url", default=None, help="prefix index in Redis; default: in gateway memory")
     _add_limit_args(up)
@@ -326,13 +422,22 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 
     d = RequestLimits()
     g = p.add_argument_group("request limits (gateway)")
-    g.add_argument("--max-prompt-bytes", type=int, default=d.max_prompt_bytes,
-                   help="largest prompt text, or chat messages, in bytes (also raises gRPC's 4 MiB message limit)")
+    g.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=d.max_prompt_bytes,
+        help="largest prompt text, or chat messages, in bytes (also raises gRPC's 4 MiB message limit)",
+    )
     g.add_argument("--max-stop-bytes", type=int, default=d.max_stop_bytes, help="largest stop string in bytes")
-    g.add_argument("--max-stop-total-bytes", type=int, default=d.max_stop_total_bytes,
-                   help="all stop strings of a request together, in bytes")
-    g.add_argument("--max-stops", type=int, default=d.max_stops,
-                   help="most stop strings, and most stop token ids, per request")
+    g.add_argument(
+        "--max-stop-total-bytes",
+        type=int,
+        default=d.max_stop_total_bytes,
+        help="all stop strings of a request together, in bytes",
+    )
+    g.add_argument(
+        "--max-stops", type=int, default=d.max_stops, help="most stop strings, and most stop token ids, per request"
+    )
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from splitserve.common.serving import free_port
 
 
@@ -35,8 +36,14 @@ class Child:
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.launch.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.launch.cli", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        env=env,
+    )
 
     def echo() -> None:
         assert proc.stdout is not None  # stdout=PIPE
@@ -73,16 +80,27 @@ def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0
         raise ValueError("a disaggregated system needs both tiers: give --prefill and --decode (each >= 1)")
     if num_workers < 0 or num_prefill < 0 or num_decode < 0:
         raise ValueError("worker counts must be >= 0")
-    return ([(f"worker-{i}", "unified") for i in range(num_workers)]
-            + [(f"prefill-{i}", "prefill") for i in range(num_prefill)]
-            + [(f"decode-{i}", "decode") for i in range(num_decode)])
+    return (
+        [(f"worker-{i}", "unified") for i in range(num_workers)]
+        + [(f"prefill-{i}", "prefill") for i in range(num_prefill)]
+        + [(f"decode-{i}", "decode") for i in range(num_decode)]
+    )
 
 
-def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0.1", gateway_port: int = 0,
-                  timeout_s: float = 180.0, num_prefill: int = 0, num_decode: int = 0,
-                  worker_argv: list[str] | None = None, env: dict[str, str] | None = None,
-                  gateway_argv: list[str] | None = None, worker_cpus: list[str] | None = None,
-                  devices: list[str] | None = None) -> list[Child]:
+def start_cluster(
+    num_workers: int,
+    engine_argv: list[str],
+    host: str = "127.0.0.1",
+    gateway_port: int = 0,
+    timeout_s: float = 180.0,
+    num_prefill: int = 0,
+    num_decode: int = 0,
+    worker_argv: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    gateway_argv: list[str] | None = None,
+    worker_cpus: list[str] | None = None,
+    devices: list[str] | None = None,
+) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
     worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
@@ -99,9 +117,26 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     model = _model_argv(engine_argv)
     gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
-    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}",
-                    _spawn("gateway", ["gateway", "--host", host, "--port", str(gw_port),
-                                       "--metrics-port", str(gw_metrics), *model, *(gateway_argv or [])], env))
+    gateway = Child(
+        "gateway",
+        f"{host}:{gw_port}",
+        f"{host}:{gw_metrics}",
+        _spawn(
+            "gateway",
+            [
+                "gateway",
+                "--host",
+                host,
+                "--port",
+                str(gw_port),
+                "--metrics-port",
+                str(gw_metrics),
+                *model,
+                *(gateway_argv or []),
+            ],
+            env,
+        ),
+    )
     children = [gateway]
     try:
         wait_healthy(gateway.address, timeout_s, gateway.proc)
@@ -110,8 +145,9 @@ def start_cluster(num_workers: int, engine_argv: list[str], host: str = "127.0.0
             n = len(worker_cpus[i].split(",")) if worker_cpus else threads
             device = device_for(i, devices) if devices else ""
             wait_for_gpu_peer(children[1:], device, timeout_s)
-            children.append(spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host,
-                                         n, env, device))
+            children.append(
+                spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host, n, env, device)
+            )
         for child in children[1:]:
             wait_healthy(child.address, timeout_s, child.proc)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
@@ -139,7 +175,7 @@ def device_for(index: int, devices: list[str]) -> str:
 
 
 def parse_devices(text: str | None) -> list[str] | None:
-    """"cuda:0,cuda:1" -> the list; "cuda" -> every visible GPU (needs torch); None/"" -> None."""
+    """ "cuda:0,cuda:1" -> the list; "cuda" -> every visible GPU (needs torch); None/"" -> None."""
     if not text:
         return None
     if text == "cuda":
@@ -151,15 +187,37 @@ def parse_devices(text: str | None) -> list[str] | None:
     return [d.strip() for d in text.split(",") if d.strip()]
 
 
-def spawn_worker(name: str, mode: str, gateway: str, argv: list[str], host: str = "127.0.0.1",
-                 threads: int = 0, env: dict[str, str] | None = None, device: str = "") -> Child:
+def spawn_worker(
+    name: str,
+    mode: str,
+    gateway: str,
+    argv: list[str],
+    host: str = "127.0.0.1",
+    threads: int = 0,
+    env: dict[str, str] | None = None,
+    device: str = "",
+) -> Child:
     """Start one worker process. device (e.g. "cuda:3"; "" keeps argv's --device) binds it for life:
     see child_device."""
     port, metrics = free_port(host), free_port(host)
     device_arg, env = child_device(device, env or dict(os.environ, PYTHONUNBUFFERED="1"))
-    full = ["worker", "--mode", mode, "--host", host, "--port", str(port), "--metrics-port", str(metrics),
-            "--gateway", gateway, "--num-threads", str(threads), *argv,
-            *(["--device", device_arg] if device_arg else [])]
+    full = [
+        "worker",
+        "--mode",
+        mode,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(metrics),
+        "--gateway",
+        gateway,
+        "--num-threads",
+        str(threads),
+        *argv,
+        *(["--device", device_arg] if device_arg else []),
+    ]
     log: deque[str] = deque(maxlen=500)
     proc = _spawn(name, full, env, log)
     return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log, device)
@@ -202,23 +260,44 @@ def _model_argv(engine_argv: list[str]) -> list[str]:
     return []
 
 
-def run_up(num_workers: int, engine_argv: list[str], host: str, port: int, num_prefill: int = 0,
-           num_decode: int = 0, gateway_argv: list[str] | None = None, admin_port: int = 0,
-           devices: list[str] | None = None) -> int:
+def run_up(
+    num_workers: int,
+    engine_argv: list[str],
+    host: str,
+    port: int,
+    num_prefill: int = 0,
+    num_decode: int = 0,
+    gateway_argv: list[str] | None = None,
+    admin_port: int = 0,
+    devices: list[str] | None = None,
+) -> int:
     from splitserve.launch.supervisor import Supervisor, serve_launcher
 
-    children = start_cluster(num_workers, engine_argv, host, port, num_prefill=num_prefill, num_decode=num_decode,
-                             gateway_argv=gateway_argv, devices=devices)
+    children = start_cluster(
+        num_workers,
+        engine_argv,
+        host,
+        port,
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        gateway_argv=gateway_argv,
+        devices=devices,
+    )
     supervisor = Supervisor(children, engine_argv, host, devices=devices)
     admin = serve_launcher(supervisor, host, admin_port or free_port(host))
-    print(f"\nsplitserve is up: gateway grpc {children[0].address} "
-          f"(metrics http://{children[0].metrics}/metrics); launcher control {supervisor.admin_address}", flush=True)
+    print(
+        f"\nsplitserve is up: gateway grpc {children[0].address} "
+        f"(metrics http://{children[0].metrics}/metrics); launcher control {supervisor.admin_address}",
+        flush=True,
+    )
     for child in children[1:]:
         print(f"  {child.name}: grpc {child.address} metrics http://{child.metrics}/metrics", flush=True)
-    print(f"try: splitserve generate --url {children[0].address} --chat \"Hello!\"\n"
-          f"     splitserve workers --url {children[0].address}\n"
-          f"     splitserve scale --url {supervisor.admin_address} --prefill 1 --decode 2\nCtrl-C stops everything.",
-          flush=True)
+    print(
+        f'try: splitserve generate --url {children[0].address} --chat "Hello!"\n'
+        f"     splitserve workers --url {children[0].address}\n"
+        f"     splitserve scale --url {supervisor.admin_address} --prefill 1 --decode 2\nCtrl-C stops everything.",
+        flush=True,
+    )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

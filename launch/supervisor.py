@@ -16,6 +16,7 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from splitserve.common.roles import MODES
 from splitserve.launch.launcher import Child, spawn_worker, threads_per_worker, wait_for_gpu_peer, wait_healthy
 from splitserve.protos.v1 import launcher_pb2 as pb
@@ -27,8 +28,15 @@ RESTART_BACKOFF_S = 10.0  # a worker that crashes again this soon after a restar
 class Supervisor:
     """Owns the children of `splitserve up` after start; children[0] is the gateway."""
 
-    def __init__(self, children: list[Child], engine_argv: list[str], host: str, drain_timeout_s: float = 90.0,
-                 start_timeout_s: float = 180.0, devices: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        children: list[Child],
+        engine_argv: list[str],
+        host: str,
+        drain_timeout_s: float = 90.0,
+        start_timeout_s: float = 180.0,
+        devices: list[str] | None = None,
+    ) -> None:
         self.children = children
         self.devices = devices or []  # new workers take the device the fewest live workers use
         self.engine_argv, self.host = engine_argv, host
@@ -66,8 +74,17 @@ class Supervisor:
         for _ in range(n):
             device = self._least_used_device() if self.devices else ""
             wait_for_gpu_peer(new, device, self.start_timeout_s)  # one at a time per GPU
-            new.append(spawn_worker(f"{mode}-{next(self._ids[mode])}", mode, self.children[0].address,
-                                    self.engine_argv, self.host, threads, device=device))
+            new.append(
+                spawn_worker(
+                    f"{mode}-{next(self._ids[mode])}",
+                    mode,
+                    self.children[0].address,
+                    self.engine_argv,
+                    self.host,
+                    threads,
+                    device=device,
+                )
+            )
             self.children.append(new[-1])
         for child in new:
             wait_healthy(child.address, self.start_timeout_s, child.proc)
@@ -85,9 +102,15 @@ class Supervisor:
                 if code in (None, 0) or since_restart < RESTART_BACKOFF_S:
                     continue
                 print(f"{child.name} exited with code {code}; starting it again", flush=True)
-                self.children[i] = spawn_worker(child.name, child.mode, self.children[0].address, self.engine_argv,
-                                                self.host, threads_per_worker(len(self.children) - 1),
-                                                device=child.device)
+                self.children[i] = spawn_worker(
+                    child.name,
+                    child.mode,
+                    self.children[0].address,
+                    self.engine_argv,
+                    self.host,
+                    threads_per_worker(len(self.children) - 1),
+                    device=child.device,
+                )
                 self._restarted_at[child.name] = now
                 restarted.append(self.children[i])
             return restarted
@@ -123,8 +146,11 @@ class LauncherServicer(pb_grpc.LauncherServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (RuntimeError, TimeoutError) as e:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"a new worker did not come up: {e}")
-        return pb.ScaleResponse(started=[f"{c.name} {c.address}" for c in started],
-                                drained=[f"{c.name} {c.address}" for c in drained], shape=self.supervisor.shape())
+        return pb.ScaleResponse(
+            started=[f"{c.name} {c.address}" for c in started],
+            drained=[f"{c.name} {c.address}" for c in drained],
+            shape=self.supervisor.shape(),
+        )
 
 
 def serve_launcher(supervisor: Supervisor, host: str, port: int) -> grpc.Server:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from splitserve.common.model_files import ModelLoadError
 
 # HF architecture name -> whether q/k/v projections carry a bias.
@@ -47,8 +48,10 @@ class ModelArchConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ModelLoadError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                                 f"num_key_value_heads ({self.num_kv_heads})")
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -57,8 +60,10 @@ class ModelArchConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ModelLoadError(f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                                 f"splitserve supports {sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ModelLoadError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"splitserve supports {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
         try:
             num_heads = cfg["num_attention_heads"]
             hidden = cfg["hidden_size"]
@@ -90,8 +95,9 @@ def _parse_rope_scaling(raw: dict[str, Any] | None) -> RopeScaling:
     if rope_type == "default":
         return RopeScaling("default")
     if rope_type not in ("linear", "llama3"):
-        raise ModelLoadError(f"unsupported rope_scaling type {rope_type!r}; "
-                             "splitserve supports default, linear and llama3")
+        raise ModelLoadError(
+            f"unsupported rope_scaling type {rope_type!r}; splitserve supports default, linear and llama3"
+        )
     return RopeScaling(
         rope_type=rope_type,
         factor=float(raw.get("factor", 1.0)),
@@ -105,7 +111,7 @@ def rope_inv_freq(config: ModelArchConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], float32, computed as transformers does."""
     dim = config.head_dim
     exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponent)
+    inv_freq = 1.0 / (config.rope_theta**exponent)
     scaling = config.rope_scaling
     if config.rope_freq_factors is not None:
         return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from splitserve.common.gguf_tokenizer import load_gguf_tokenizer
 from splitserve.common.model_files import gguf_field, open_gguf
 from splitserve.common.tokenizer import Tokenizer
@@ -17,12 +18,21 @@ from splitserve.model.arch import ModelArchConfig, ModelLoadError, RopeScaling
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
 
 _LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 class GGUFModel:
@@ -31,8 +41,9 @@ class GGUFModel:
         self.path = path
         self.gguf_arch = self._get("general.architecture")
         if self.gguf_arch not in GGUF_ARCHITECTURES:
-            raise ModelLoadError(f"unsupported GGUF architecture {self.gguf_arch!r}; "
-                                 f"splitserve supports {sorted(GGUF_ARCHITECTURES)}")
+            raise ModelLoadError(
+                f"unsupported GGUF architecture {self.gguf_arch!r}; splitserve supports {sorted(GGUF_ARCHITECTURES)}"
+            )
         self.arch = self._arch_config()
 
     def _get(self, key: str, default=None):

@@ -11,6 +11,8 @@ added to it, so every norm after the first can fuse the add: layer(h, residual) 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
 from splitserve.model.arch import ModelArchConfig, rope_inv_freq
 from splitserve.model.attention.backend import (
     AttentionBackend,
@@ -18,7 +20,6 @@ from splitserve.model.attention.backend import (
     ModelOps,
     apply_rotary,  # noqa: F401  (the torch RoPE, re-exported)
 )
-from torch import nn
 
 
 class RMSNorm(nn.Module):

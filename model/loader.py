@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from splitserve.common.model_files import ModelLoadError, resolve_model_path
 from splitserve.common.tokenizer import Tokenizer, hf_eos_ids, load_hf_tokenizer
 from splitserve.model.arch import ModelArchConfig
@@ -69,8 +70,9 @@ def _read_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def build_model(source: ModelSource, backend: AttentionBackend, max_len: int,
-                dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+def build_model(
+    source: ModelSource, backend: AttentionBackend, max_len: int, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
     """Build on the meta device, cast there (free), allocate in the target dtype, then copy each
     checkpoint tensor in: peak memory ~ the weights in dtype plus one checkpoint tensor, never a
     float32 copy of the model (on a GPU its freed memory would stay in torch's cache)."""
@@ -96,8 +98,9 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
             raise ModelLoadError(f"checkpoint tensor {hf_name!r} has no place in {arch.architecture}")
         dest = params[name].data if rows is None else params[name].data[rows[0] : rows[1]]
         if tuple(dest.shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, "
-                                 f"config expects {tuple(dest.shape)}")
+            raise ModelLoadError(
+                f"shape mismatch for {hf_name!r}: checkpoint {tuple(tensor.shape)}, config expects {tuple(dest.shape)}"
+            )
         with torch.no_grad():
             dest.copy_(tensor.to(dest.dtype))  # cast on the host: no float32 copy on the device
         loaded.add(hf_name)
@@ -107,8 +110,13 @@ def load_weights(model: LlamaForCausalLM, tensors: Iterable[tuple[str, torch.Ten
         raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
 
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 def _target(hf_name: str, arch: ModelArchConfig) -> tuple[str, tuple[int, int] | None] | None:
@@ -131,9 +139,17 @@ def _expected_names(arch: ModelArchConfig) -> set[str]:
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     if not arch.tie_word_embeddings:
         names.add("lm_head.weight")
-    per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                 "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+    per_layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+    ]
     if arch.qkv_bias:
         per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     return {f"model.layers.{i}.{p}" for i in range(arch.num_layers) for p in per_layer} | names

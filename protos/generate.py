@@ -1,7 +1,7 @@
 """Regenerate the Python modules for protos/v1/*.proto (committed; a test checks they are current).
 
-    python -m splitserve.protos.generate          # rewrite protos/v1/*_pb2*.py
-    python -m splitserve.protos.generate --check  # exit 1 if they differ from the .proto files
+python -m splitserve.protos.generate          # rewrite protos/v1/*_pb2*.py
+python -m splitserve.protos.generate --check  # exit 1 if they differ from the .proto files
 """
 
 from __future__ import annotations
@@ -22,8 +22,14 @@ def generate(out_dir: Path) -> list[Path]:
 
     protos = sorted((PROTO_DIR / "v1").glob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{VIRTUAL_ROOT}={PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}"]
+    args = [
+        "protoc",
+        f"-I{VIRTUAL_ROOT}={PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+    ]
     args += [f"{VIRTUAL_ROOT}/v1/{p.name}" for p in protos]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
@@ -36,8 +42,11 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files = generate(Path(tmp))
-        stale = [f.name for f in files if not (PROTO_DIR / "v1" / f.name).exists()
-                 or not filecmp.cmp(f, PROTO_DIR / "v1" / f.name, shallow=False)]
+        stale = [
+            f.name
+            for f in files
+            if not (PROTO_DIR / "v1" / f.name).exists() or not filecmp.cmp(f, PROTO_DIR / "v1" / f.name, shallow=False)
+        ]
         if args.check:
             if stale:
                 print(f"generated code is stale: {stale}; run python -m splitserve.protos.generate")

@@ -11,6 +11,7 @@ import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from splitserve.launch.launcher import (
     Child,
     spawn_worker,
@@ -35,9 +36,11 @@ def stub(address: str) -> pb_grpc.GenerationStub:
 
 
 def greedy_request(ids: list[int], max_tokens: int, **sampling) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
-                              sampling=pb.SamplingParameters(**{"temperature": 0.0, **sampling}),
-                              stopping=pb.StoppingCriteria(max_tokens=max_tokens))
+    return pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParameters(**{"temperature": 0.0, **sampling}),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens),
+    )
 
 
 def collect(stub_, request, timeout=60.0) -> list[pb.GenerateResponse]:
@@ -54,8 +57,9 @@ def load(worker_address: str) -> wpb.LoadReport:
 
 def all_blocks_free(worker_address: str) -> bool:
     r = load(worker_address)
-    return (r.num_free_blocks == r.num_total_blocks and r.num_running == 0 and r.num_waiting == 0
-            and r.num_awaiting_kv == 0)
+    return (
+        r.num_free_blocks == r.num_total_blocks and r.num_running == 0 and r.num_waiting == 0 and r.num_awaiting_kv == 0
+    )
 
 
 def wait_all_free(addresses: list[str], timeout_s: float = 15.0) -> bool:
@@ -87,24 +91,43 @@ def engine_config(folder):
 
 def load_is_idle(r: wpb.LoadReport) -> bool:
     """All KV blocks free and nothing running, waiting, awaiting KV or held for a transfer."""
-    return (r.num_free_blocks == r.num_total_blocks and r.num_running == 0 and r.num_waiting == 0
-            and r.num_awaiting_kv == 0 and r.num_held_blocks == 0 and r.num_held_requests == 0)
+    return (
+        r.num_free_blocks == r.num_total_blocks
+        and r.num_running == 0
+        and r.num_waiting == 0
+        and r.num_awaiting_kv == 0
+        and r.num_held_blocks == 0
+        and r.num_held_requests == 0
+    )
 
 
 class Cluster:
     """Gateway + P prefill + D decode workers (+ a redis-server for the prefix index when redis) on
     the tiny model; kills workers with SIGKILL and restarts them by name, knows who is ready."""
 
-    def __init__(self, model, num_prefill: int = 2, num_decode: int = 2, redis: bool = False,
-                 worker_argv: list[str] | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        num_prefill: int = 2,
+        num_decode: int = 2,
+        redis: bool = False,
+        worker_argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         from redis_helpers import RedisServer
 
         self.model, self.worker_argv, self.env = str(model), worker_argv or [], env or {}
         self.redis = RedisServer().start() if redis else None
         try:
-            children = start_cluster(0, engine_argv(self.model), num_prefill=num_prefill, num_decode=num_decode,
-                                     worker_argv=self.worker_argv, env=self.env,
-                                     gateway_argv=["--redis-url", self.redis.url] if self.redis else [])
+            children = start_cluster(
+                0,
+                engine_argv(self.model),
+                num_prefill=num_prefill,
+                num_decode=num_decode,
+                worker_argv=self.worker_argv,
+                env=self.env,
+                gateway_argv=["--redis-url", self.redis.url] if self.redis else [],
+            )
         except BaseException:
             if self.redis:
                 self.redis.stop()
@@ -141,8 +164,11 @@ class Cluster:
     def unexpected_exits(self) -> list[Child]:
         """Live-listed workers whose process ended without being killed here; taken out of ready."""
         with self.lock:
-            dead = [c for name, c in self.workers.items() if name in self.ready and c.proc.poll() is not None
-                    and c.proc.pid not in self.killed]
+            dead = [
+                c
+                for name, c in self.workers.items()
+                if name in self.ready and c.proc.poll() is not None and c.proc.pid not in self.killed
+            ]
             self.ready.difference_update(c.name for c in dead)
         return dead
 
@@ -151,8 +177,14 @@ class Cluster:
         argv = engine_argv(self.model) + self.worker_argv
         if same_address:  # the worker's argparse keeps the last --port: the new process takes old's ports
             argv += ["--port", old.address.rsplit(":", 1)[1], "--metrics-port", old.metrics.rsplit(":", 1)[1]]
-        new = spawn_worker(old.name, old.mode, self.gateway.address, argv, threads=self._threads,
-                           env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env))
+        new = spawn_worker(
+            old.name,
+            old.mode,
+            self.gateway.address,
+            argv,
+            threads=self._threads,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **self.env),
+        )
         if same_address:
             new = dataclasses.replace(new, address=old.address, metrics=old.metrics)
         with self.lock:
@@ -184,9 +216,12 @@ class Cluster:
             self.redis.stop()
         for channel in [self._registry_channel, *self._load_channels.values()]:
             channel.close()
-        return [f"{c.name} (pid {c.proc.pid}) ended with exit code {c.proc.returncode} after SIGTERM (-9: still "
-                f"running {timeout_s:.0f} s later, so killed); its last lines:\n  " + "\n  ".join(list(c.log)[-6:])
-                for c in children if c.proc.returncode != 0]
+        return [
+            f"{c.name} (pid {c.proc.pid}) ended with exit code {c.proc.returncode} after SIGTERM (-9: still "
+            f"running {timeout_s:.0f} s later, so killed); its last lines:\n  " + "\n  ".join(list(c.log)[-6:])
+            for c in children
+            if c.proc.returncode != 0
+        ]
 
 
 def wait_serving(address: str, proc, timeout_s: float) -> None:

@@ -24,11 +24,16 @@ SUITES = frozenset({"unit", "integration"})
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so a test without its suite fails every run
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    wrong = [f"{item.nodeid}: {sorted(found) or 'none'}" for item in items
-             if len(found := SUITES & {mark.name for mark in item.iter_markers()}) != 1]
+    wrong = [
+        f"{item.nodeid}: {sorted(found) or 'none'}"
+        for item in items
+        if len(found := SUITES & {mark.name for mark in item.iter_markers()}) != 1
+    ]
     if wrong:
-        raise pytest.UsageError("every test needs exactly one of the markers unit or integration "
-                                "(see tests/conftest.py); these have:\n  " + "\n  ".join(wrong))
+        raise pytest.UsageError(
+            "every test needs exactly one of the markers unit or integration "
+            "(see tests/conftest.py); these have:\n  " + "\n  ".join(wrong)
+        )
 
 
 def _train_tokenizer(folder: Path) -> None:
@@ -37,10 +42,14 @@ def _train_tokenizer(folder: Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    text = ["the quick brown fox jumps over the lazy dog", "paged attention splits the cache into blocks",
-            "prefill and decode run on separate workers"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    text = [
+        "the quick brown fox jumps over the lazy dog",
+        "paged attention splits the cache into blocks",
+        "prefill and decode run on separate workers",
+    ] * 20
     tok.train_from_iterator(text, trainer)
     tok.save(str(folder / "tokenizer.json"))
 
@@ -49,10 +58,20 @@ def _save_tiny(folder: Path, architecture: str) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-5, initializer_range=0.2, eos_token_id=None, bos_token_id=None,
-                  pad_token_id=None)
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     if architecture == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = LlamaForCausalLM(config)

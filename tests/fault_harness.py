@@ -45,6 +45,7 @@ from fault_report import (
     counters,
     traceback_summary,
 )
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
 from splitserve.launch.launcher import Child
@@ -182,13 +183,20 @@ class Run:
         return time.monotonic() - self.log.start
 
     def fault(self, kind: str, child: Child | None = None, detail: str = "") -> None:
-        f = Fault(round(self.now(), 2), kind, child.name if child else "", child.address if child else "",
-                  child.proc.pid if child else 0, detail)
+        f = Fault(
+            round(self.now(), 2),
+            kind,
+            child.name if child else "",
+            child.address if child else "",
+            child.proc.pid if child else 0,
+            detail,
+        )
         self.faults.append(f)
         self.log.write(f"[soak] fault: {f.kind} {f.worker} {f.address} pid={f.pid} {f.detail}\n")
 
     def thread(self, target, *args) -> threading.Thread:
         """A thread whose crash is a harness failure (recorded), not a silent stop."""
+
         def guarded() -> None:
             try:
                 target(*args)
@@ -218,15 +226,29 @@ def client_loop(run: Run, client: int) -> None:
 def random_request(run: Run, stub, sender: str, request_id: str, rng: random.Random) -> Outcome:
     """A random workload entry; a share cancelled (0: 0-0.3 s in, else after N tokens), a share on a short deadline."""
     cfg, index, roll = run.cfg, rng.randrange(len(run.specs)), rng.random()
-    kind = "cancel" if roll < cfg.cancel_share else "deadline" if roll < cfg.cancel_share + cfg.short_deadline_share \
+    kind = (
+        "cancel"
+        if roll < cfg.cancel_share
+        else "deadline"
+        if roll < cfg.cancel_share + cfg.short_deadline_share
         else "normal"
+    )
     deadline = round(rng.uniform(0.05, 1.0), 3) if kind == "deadline" else cfg.deadline_s
     cancel_after = rng.randrange(0, run.specs[index].max_tokens) if kind == "cancel" else None
     return send(run, stub, sender, request_id, index, kind, deadline, cancel_after, rng.uniform(0.0, 0.3))
 
 
-def send(run: Run, stub, sender: str, request_id: str, index: int, kind: str, deadline: float,
-         cancel_after: int | None = None, cancel_delay_s: float = 0.0) -> Outcome:
+def send(
+    run: Run,
+    stub,
+    sender: str,
+    request_id: str,
+    index: int,
+    kind: str,
+    deadline: float,
+    cancel_after: int | None = None,
+    cancel_delay_s: float = 0.0,
+) -> Outcome:
     begin = run.now()
     call = stub.Generate(run.specs[index].request(request_id), timeout=deadline)
     timer = threading.Timer(cancel_delay_s, call.cancel) if cancel_after == 0 else None
@@ -243,8 +265,9 @@ def send(run: Run, stub, sender: str, request_id: str, index: int, kind: str, de
     finally:
         if timer:
             timer.cancel()
-    return Outcome(sender, request_id, index, kind, deadline, round(begin, 3), round(run.now() - begin, 3), status,
-                   details, got)
+    return Outcome(
+        sender, request_id, index, kind, deadline, round(begin, 3), round(run.now() - begin, 3), status, details, got
+    )
 
 
 def kill_loop(run: Run) -> None:
@@ -266,8 +289,10 @@ def kill_loop(run: Run) -> None:
 
 
 def exited_by_itself(child: Child) -> str:
-    return (f"{child.name} (pid {child.proc.pid}, {child.address}) exited by itself with code "
-            f"{child.proc.returncode}; its last lines:\n  " + "\n  ".join(list(child.log)[-15:]))
+    return (
+        f"{child.name} (pid {child.proc.pid}, {child.address}) exited by itself with code "
+        f"{child.proc.returncode}; its last lines:\n  " + "\n  ".join(list(child.log)[-15:])
+    )
 
 
 def pick_victim(run: Run, mode: str, busy: bool, rng: random.Random) -> tuple[Child | None, str]:
@@ -306,13 +331,14 @@ def activity(r: wpb.LoadReport, transfer_only: bool) -> str:
 
 def restart(run: Run, old: Child, same_address: bool) -> None:
     """Start old's role again; if its old ports are gone (taken meanwhile), on new ones."""
-    for same in ([True, False] if same_address else [False]):
+    for same in [True, False] if same_address else [False]:
         try:
             new = run.cluster.restart(old, same)
         except (RuntimeError, TimeoutError) as e:
             tail = "\n  ".join(list(run.cluster.workers[old.name].log)[-15:])
             (run.notes if same else run.failures).append(
-                f"restart of {old.name} ({'same' if same else 'new'} address) failed: {e}; its last lines:\n  {tail}")
+                f"restart of {old.name} ({'same' if same else 'new'} address) failed: {e}; its last lines:\n  {tail}"
+            )
             continue
         run.fault("restart " + ("same address" if same else "new address"), new)
         return
@@ -345,8 +371,14 @@ def run_soak(cfg: SoakConfig) -> Report:
     log, stdout = LogTee(cfg.log_path), sys.stdout
     sys.stdout = log  # the launcher's echo threads write every child's output here
     try:
-        cluster = Cluster(cfg.model, 2, 2, cfg.redis, ["--kv-transfer-timeout", str(cfg.kv_transfer_timeout_s)],
-                          {SEND_DELAY_ENV: str(cfg.send_delay_s)})
+        cluster = Cluster(
+            cfg.model,
+            2,
+            2,
+            cfg.redis,
+            ["--kv-transfer-timeout", str(cfg.kv_transfer_timeout_s)],
+            {SEND_DELAY_ENV: str(cfg.send_delay_s)},
+        )
         phases.lap("startup")
         try:
             run = Run(cfg, cluster, specs, log)
@@ -382,8 +414,10 @@ def drive(run: Run, phases: Phases) -> None:
     for t in clients + injectors:
         t.join(run.cfg.deadline_s + 30)
         if t.is_alive():
-            run.failures.append(f"harness thread {t.name} still running {run.cfg.deadline_s + 30:.0f} s after the "
-                                "load stopped (a client call outlived its deadline?)")
+            run.failures.append(
+                f"harness thread {t.name} still running {run.cfg.deadline_s + 30:.0f} s after the "
+                "load stopped (a client call outlived its deadline?)"
+            )
     phases.lap("load")
     for t in list(run.restarts):
         t.join(180)
@@ -392,8 +426,15 @@ def drive(run: Run, phases: Phases) -> None:
 
 def settle_and_check(run: Run, want: list[list[int]]) -> Report:
     """After the load: the outcomes, then the live processes (registered, idle, serving right again)."""
-    report = Report(run.cfg.label, dataclasses.asdict(run.cfg), requests=len(run.outcomes), faults=run.faults,
-                    outcomes=run.outcomes, failures=run.failures, notes=run.notes)
+    report = Report(
+        run.cfg.label,
+        dataclasses.asdict(run.cfg),
+        requests=len(run.outcomes),
+        faults=run.faults,
+        outcomes=run.outcomes,
+        failures=run.failures,
+        notes=run.notes,
+    )
     check_outcomes(report, want, run.outcomes)
     cluster, current = run.cluster, list(run.cluster.workers.values())
     report.failures += [exited_by_itself(child) for child in cluster.unexpected_exits()]
@@ -415,5 +456,9 @@ def probe(run: Run) -> list[Outcome]:
     """Every workload entry once more, four at a time, with the faults over: all must come back right."""
     with grpc.insecure_channel(run.cluster.gateway.address) as channel, ThreadPoolExecutor(4) as pool:
         stub = pb_grpc.GenerationStub(channel)
-        return list(pool.map(lambda i: send(run, stub, f"probe-{i}", f"probe-{i}", i, "probe", run.cfg.deadline_s),
-                             range(len(run.specs))))
+        return list(
+            pool.map(
+                lambda i: send(run, stub, f"probe-{i}", f"probe-{i}", i, "probe", run.cfg.deadline_s),
+                range(len(run.specs)),
+            )
+        )

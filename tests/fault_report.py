@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 from cluster_helpers import load_is_idle, metric
+
 from splitserve.launch.launcher import wait_healthy
 from splitserve.protos.v1 import worker_pb2 as wpb
 
@@ -82,7 +83,7 @@ class Report:
 def check_outcomes(report: Report, want: list[list[int]], outcomes: list[Outcome]) -> None:
     for o in outcomes:
         expected = want[o.spec]
-        wrong = o.tokens != expected if o.status == "OK" else o.tokens != expected[:len(o.tokens)]
+        wrong = o.tokens != expected if o.status == "OK" else o.tokens != expected[: len(o.tokens)]
         if wrong:
             report.wrong_tokens += 1
             report.failures.append(f"wrong tokens: {_describe(o)}\n  got  {o.tokens}\n  want {expected}")
@@ -95,8 +96,10 @@ def check_outcomes(report: Report, want: list[list[int]], outcomes: list[Outcome
 
 
 def _describe(o: Outcome) -> str:
-    return (f"{o.sender} (id {o.request_id}, workload {o.spec}, {o.kind}, deadline {o.deadline_s} s) started at "
-            f"{o.start_s:.2f} s, took {o.elapsed_s:.2f} s, {o.status} {o.details!r}, {len(o.tokens)} tokens")
+    return (
+        f"{o.sender} (id {o.request_id}, workload {o.spec}, {o.kind}, deadline {o.deadline_s} s) started at "
+        f"{o.start_s:.2f} s, took {o.elapsed_s:.2f} s, {o.status} {o.details!r}, {len(o.tokens)} tokens"
+    )
 
 
 def check_idle(cluster, report: Report, workers: list, timeout_s: float, when: str, tally: bool = True) -> None:
@@ -121,12 +124,16 @@ def check_idle(cluster, report: Report, workers: list, timeout_s: float, when: s
                 report.leaked_blocks += r.num_total_blocks - r.num_free_blocks
                 report.held_blocks += r.num_held_blocks
                 report.held_requests += r.num_held_requests
-            r = (f"free {r.num_free_blocks}/{r.num_total_blocks} blocks, running {r.num_running}, waiting "
-                 f"{r.num_waiting}, awaiting_kv {r.num_awaiting_kv}, held {r.num_held_blocks} blocks of "
-                 f"{r.num_held_requests} requests")
+            r = (
+                f"free {r.num_free_blocks}/{r.num_total_blocks} blocks, running {r.num_running}, waiting "
+                f"{r.num_waiting}, awaiting_kv {r.num_awaiting_kv}, held {r.num_held_blocks} blocks of "
+                f"{r.num_held_requests} requests"
+            )
         tail = "\n  ".join(list(child.log)[-10:])
-        report.failures.append(f"{child.name} ({child.mode}, {child.address}, pid {child.proc.pid}) not idle "
-                               f"{timeout_s:.0f} s {when}: {r}; its last lines:\n  {tail}")
+        report.failures.append(
+            f"{child.name} ({child.mode}, {child.address}, pid {child.proc.pid}) not idle "
+            f"{timeout_s:.0f} s {when}: {r}; its last lines:\n  {tail}"
+        )
 
 
 def check_gateway(cluster, report: Report) -> None:
@@ -151,14 +158,17 @@ def check_gateway(cluster, report: Report) -> None:
 
 def counters(cluster, workers: list) -> dict[str, float]:
     """Diagnostics for the table: live workers' counters (killed ones took theirs along), the gateway's."""
+
     def total(name: str, children, **labels) -> float:
         return sum(metric(c.metrics, name, **labels) for c in children)
 
-    info = {"recompute fallbacks (live workers)": total("splitserve:kv_transfer_recompute_fallbacks_total", workers),
-            "transfer failures (live workers)": total("splitserve:kv_transfer_failures_total", workers),
-            "lease expiries (live workers)": total("splitserve:kv_lease_expiries_total", workers),
-            "engine failed requests (live workers)": total("splitserve:engine_failed_requests_total", workers),
-            "gateway retries": total("splitserve:gateway_retries_total", [cluster.gateway])}
+    info = {
+        "recompute fallbacks (live workers)": total("splitserve:kv_transfer_recompute_fallbacks_total", workers),
+        "transfer failures (live workers)": total("splitserve:kv_transfer_failures_total", workers),
+        "lease expiries (live workers)": total("splitserve:kv_lease_expiries_total", workers),
+        "engine failed requests (live workers)": total("splitserve:engine_failed_requests_total", workers),
+        "gateway retries": total("splitserve:gateway_retries_total", [cluster.gateway]),
+    }
     for code in ("UNKNOWN", "INTERNAL"):
         info[f"gateway replies {code}"] = total("splitserve:gateway_requests_total", [cluster.gateway], code=code)
     return info
@@ -174,16 +184,22 @@ def format_table(reports: list[Report]) -> str:
     for status in sorted(set().union(*(r.status_counts() for r in reports))):
         rows.append((f"outcome: {status}", [r.status_counts()[status] for r in reports]))
     probes_ok = [f"{sum(p.status == 'OK' for p in r.probes)}/{len(r.probes)}" for r in reports]
-    rows += [("probes OK after faults", probes_ok),
-             ("wrong tokens (must be 0)", [r.wrong_tokens for r in reports]),
-             ("leaked blocks (must be 0)", [r.leaked_blocks for r in reports]),
-             ("held blocks/requests (must be 0)", [f"{r.held_blocks}/{r.held_requests}" for r in reports])]
+    rows += [
+        ("probes OK after faults", probes_ok),
+        ("wrong tokens (must be 0)", [r.wrong_tokens for r in reports]),
+        ("leaked blocks (must be 0)", [r.leaked_blocks for r in reports]),
+        ("held blocks/requests (must be 0)", [f"{r.held_blocks}/{r.held_requests}" for r in reports]),
+    ]
     for key in sorted(set().union(*(r.info for r in reports))):
         rows.append((key, [_number(r.info.get(key, "")) for r in reports]))
-    rows += [("slowest OK stream s", [max((o.elapsed_s for o in r.outcomes if o.status == "OK"), default=0)
-                                      for r in reports]),
-             ("tracebacks in logs", [sum(r.tracebacks.values()) for r in reports]),
-             ("FAILURES", [len(r.failures) for r in reports])]
+    rows += [
+        (
+            "slowest OK stream s",
+            [max((o.elapsed_s for o in r.outcomes if o.status == "OK"), default=0) for r in reports],
+        ),
+        ("tracebacks in logs", [sum(r.tracebacks.values()) for r in reports]),
+        ("FAILURES", [len(r.failures) for r in reports]),
+    ]
     width = max(len(name) for name, _ in rows) + 2
     lines = [" " * width + "".join(f"{r.label:>12}" for r in reports)]
     lines += [name.ljust(width) + "".join(f"{str(v):>12}" for v in values) for name, values in rows]
@@ -219,8 +235,12 @@ def traceback_summary(lines: list[str]) -> dict[str, int]:
         name = name.rsplit("[", 1)[-1]
         if text.startswith("Traceback (most recent call last)"):
             pending.add(name)
-        elif name in pending and text and not text[0].isspace() and not text.startswith(("During handling",
-                                                                                        "The above exception")):
+        elif (
+            name in pending
+            and text
+            and not text[0].isspace()
+            and not text.startswith(("During handling", "The above exception"))
+        ):
             found[f"{name}: {text[:200]}"] += 1
             pending.discard(name)
     return dict(found)

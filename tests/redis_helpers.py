@@ -10,6 +10,7 @@ import time
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+
 from splitserve.common.serving import free_port
 
 
@@ -66,8 +67,9 @@ class RedisServer:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.2,
-                         retry=Retry(NoBackoff(), 0)) as probe:
+        with redis.Redis(
+            port=self.port, socket_connect_timeout=0.2, socket_timeout=0.2, retry=Retry(NoBackoff(), 0)
+        ) as probe:
             while time.monotonic() < deadline:
                 if self._process.poll() is not None:
                     raise RuntimeError(f"redis-server on port {self.port} exited with {self._process.returncode}")

@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+
 from splitserve.model.attention import default_backend_name, get_backend, triton_backend
 from splitserve.model.attention.torch_backend import TorchAttention
 
@@ -47,8 +48,11 @@ def test_old_triton_falls_back_to_torch_with_a_logged_reason(old_triton, caplog)
 
 
 def test_old_triton_asked_for_by_name_is_a_clear_error(old_triton):
-    with pytest.raises(RuntimeError, match=r"--attention-backend triton cannot run: triton 3\.1\.0 is too old.*"
-                                           r"Pass --attention-backend torch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"--attention-backend triton cannot run: triton 3\.1\.0 is too old.*"
+        r"Pass --attention-backend torch",
+    ):
         get_backend("triton", CUDA)
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from splitserve.experiments.stats import SLO, RequestRecord, percentile, summarize
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, arrival_offsets, make_requests
 
@@ -16,8 +17,9 @@ def _record(ttft: float, gaps: list[float], code: str = "OK", queue_ms: float = 
     times = [ttft]
     for g in gaps:
         times.append(times[-1] + g)
-    return RequestRecord(10, len(times), code=code, ttft_s=ttft, token_times_s=times, e2e_s=times[-1],
-                         queue_ms=queue_ms)
+    return RequestRecord(
+        10, len(times), code=code, ttft_s=ttft, token_times_s=times, e2e_s=times[-1], queue_ms=queue_ms
+    )
 
 
 def test_tpot_itl_and_e2e_of_one_request():
@@ -62,9 +64,16 @@ def test_slo_parsing():
 
 
 def test_workload_lengths_prefixes_and_arrivals_are_deterministic():
-    cfg = WorkloadConfig(num_requests=200, prompt_len=LengthDist.parse("uniform:20:40"),
-                         output_len=LengthDist.parse("normal:16:4"), shared_prefix_fraction=0.5, prefix_len=12,
-                         num_prefixes=3, seed=7, vocab_high=300)
+    cfg = WorkloadConfig(
+        num_requests=200,
+        prompt_len=LengthDist.parse("uniform:20:40"),
+        output_len=LengthDist.parse("normal:16:4"),
+        shared_prefix_fraction=0.5,
+        prefix_len=12,
+        num_prefixes=3,
+        seed=7,
+        vocab_high=300,
+    )
     a, b = make_requests(cfg), make_requests(cfg)
     assert a == b
     assert all(20 <= len(s.prompt_token_ids) <= 40 for s in a)
@@ -82,8 +91,10 @@ def test_workload_lengths_prefixes_and_arrivals_are_deterministic():
 
 def test_trace_replay(tmp_path):
     trace = tmp_path / "trace.jsonl"
-    trace.write_text('{"prompt_len": 30, "output_len": 5}\n{"prompt_len": 50, "output_len": 7, "prefix_id": 1}\n'
-                     '{"prompt_len": 40, "output_len": 3, "prefix_id": 1}\n')
+    trace.write_text(
+        '{"prompt_len": 30, "output_len": 5}\n{"prompt_len": 50, "output_len": 7, "prefix_id": 1}\n'
+        '{"prompt_len": 40, "output_len": 3, "prefix_id": 1}\n'
+    )
     specs = make_requests(WorkloadConfig(trace=str(trace), prefix_len=20, vocab_high=300))
     assert [len(s.prompt_token_ids) for s in specs] == [30, 50, 40] and [s.max_tokens for s in specs] == [5, 7, 3]
     assert specs[1].prompt_token_ids[:20] == specs[2].prompt_token_ids[:20]
@@ -94,8 +105,15 @@ def test_trace_replay(tmp_path):
 
 
 def test_balanced_prefixes_get_equal_shares_in_random_order():
-    cfg = WorkloadConfig(num_requests=24, prompt_len=LengthDist.parse("20"), shared_prefix_fraction=1.0,
-                         prefix_len=12, num_prefixes=4, prefix_assignment="balanced", vocab_high=300)
+    cfg = WorkloadConfig(
+        num_requests=24,
+        prompt_len=LengthDist.parse("20"),
+        shared_prefix_fraction=1.0,
+        prefix_len=12,
+        num_prefixes=4,
+        prefix_assignment="balanced",
+        vocab_high=300,
+    )
     ids = [s.prefix_id for s in make_requests(cfg)]
     assert sorted(ids) == sorted(list(range(4)) * 6) and ids != [i % 4 for i in range(24)]
     with pytest.raises(ValueError, match="prefix_assignment"):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from splitserve.common.block_hash import (
     HASH_NUM_BYTES,
     HASH_VERSION,
@@ -64,8 +65,14 @@ def test_hash_is_the_same_in_a_fresh_process():
         "print(hash_block(None, [1, 2, 3, 4], ('lora-a', 7)).hex())\n"
         "print(','.join(h.hex() for h in hash_block_tokens(list(range(100, 130)), 8)))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "PYTHONHASHSEED": "12345"}, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+        check=True,
+    )
     lines = result.stdout.split()
     expected_chain = ",".join(h.hex() for h in hash_block_tokens(list(range(100, 130)), 8))
     assert lines == [PINNED_FIRST, PINNED_SECOND, PINNED_EXTRA, expected_chain]

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from splitserve.common.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from splitserve.engine.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
@@ -30,6 +31,7 @@ def _cache_one(pool: BlockPool, tokens: list[int]) -> tuple[list[KVBlock], list[
 
 
 # -- FreeBlockQueue -------------------------------------------------------------------------------
+
 
 def test_free_queue_starts_in_block_order():
     blocks = [KVBlock(BlockId(i)) for i in range(5)]
@@ -76,6 +78,7 @@ def test_free_queue_errors():
 
 
 # -- BlockPool ------------------------------------------------------------------------------------
+
 
 def test_pool_needs_a_block():
     with pytest.raises(ValueError, match="at least one block"):
@@ -239,6 +242,7 @@ def test_reset_prefix_cache():
 
 # -- KVCacheManager ---------------------------------------------------------------------------------
 
+
 class FakeRequest:
     """The KVRequest protocol, nothing more."""
 
@@ -393,8 +397,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def events_mirror_the_cache(self):
         for event in self.kv.pool.drain_events():
             if isinstance(event, BlockStored):
-                assert event.block_hashes == tuple(
-                    hash_block_tokens(event.token_ids, BS, event.parent_hash))
+                assert event.block_hashes == tuple(hash_block_tokens(event.token_ids, BS, event.parent_hash))
                 assert self.index.isdisjoint(event.block_hashes)
                 self.index.update(event.block_hashes)
             else:
@@ -413,7 +416,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=25, deadline=None,
+    max_examples=200,
+    stateful_step_count=25,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_kv_cache_manager_properties = KVCacheMachine.TestCase

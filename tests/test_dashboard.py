@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
+
 from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.gateway.server import GatewayMetrics
 from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics

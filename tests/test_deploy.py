@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml  # PyYAML: installed with gguf, a core dependency
+
 from splitserve.launch.cli import build_parser
 
 pytestmark = pytest.mark.integration
@@ -50,8 +51,11 @@ def resolved(compose_file: Path, tmp_path: Path, profile: str | None = None) -> 
 @pytest.fixture(scope="module")
 def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("models")
-    return {"cpu": resolved(COMPOSE_FILE, tmp, "cpu"), "gpu": resolved(COMPOSE_FILE, tmp, "gpu"),
-            "gpus-8": resolved(GPUS_8_FILE, tmp)}
+    return {
+        "cpu": resolved(COMPOSE_FILE, tmp, "cpu"),
+        "gpu": resolved(COMPOSE_FILE, tmp, "gpu"),
+        "gpus-8": resolved(GPUS_8_FILE, tmp),
+    }
 
 
 def workers(config: dict) -> dict[str, dict]:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.request import Request, RequestId
@@ -49,6 +50,7 @@ def _stream(tok, ids: list[int], params: SamplingParams) -> tuple[list[str], str
 
 
 # -- IncrementalDetokenizer -----------------------------------------------------------------------
+
 
 def test_texts_really_split_characters_across_tokens(tok):
     # Otherwise the streaming tests below would not exercise partial UTF-8 sequences.
@@ -97,7 +99,7 @@ def test_flush_releases_an_incomplete_character_at_the_end(tok):
     detok.add_tokens(ids[:-1])  # the emoji's last byte is missing
     assert "\ufffd" not in detok.take_delta(finished=False)
     detok.flush()
-    assert detok.take_delta(finished=True) == tok.decode(ids[:-1])[len("a"):]
+    assert detok.take_delta(finished=True) == tok.decode(ids[:-1])[len("a") :]
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -113,11 +115,14 @@ def test_stop_string_inside_one_token(tok, include):
 
 
 @pytest.mark.parametrize("include", [False, True])
-@pytest.mark.parametrize(("text", "stop", "before"), [
-    ("stop here END now", "re EN", "stop he"),  # " here" + " END"
-    ("Hello 👋 world 🌍!", "👋 wor", "Hello "),  # an emoji of 3 tokens, then " world"
-    ("你好，世界。中文测试", "界。中", "你好，世"),
-])
+@pytest.mark.parametrize(
+    ("text", "stop", "before"),
+    [
+        ("stop here END now", "re EN", "stop he"),  # " here" + " END"
+        ("Hello 👋 world 🌍!", "👋 wor", "Hello "),  # an emoji of 3 tokens, then " world"
+        ("你好，世界。中文测试", "界。中", "你好，世"),
+    ],
+)
 def test_stop_string_spanning_tokens_is_never_partially_streamed(tok, include, text, stop, before):
     ids = _encode(tok, text)
     params = SamplingParams(stop=[stop], include_stop_str_in_output=include)
@@ -175,8 +180,14 @@ EOS = 3
 
 
 def make_request(rid: str, params: SamplingParams, prompt: list[int] | None = None) -> Request:
-    return Request(RequestId(rid), prompt or [10, 11, 12], params, max_tokens=params.max_tokens or 100,
-                   eos_token_ids=frozenset({EOS}), block_size=4)
+    return Request(
+        RequestId(rid),
+        prompt or [10, 11, 12],
+        params,
+        max_tokens=params.max_tokens or 100,
+        eos_token_ids=frozenset({EOS}),
+        block_size=4,
+    )
 
 
 def random_logits(num_rows: int, seed: int) -> torch.Tensor:
@@ -193,9 +204,11 @@ def test_greedy_is_argmax():
 
 def test_greedy_row_in_a_mixed_batch_is_still_argmax():
     logits = random_logits(3, 1)
-    requests = [make_request("r", SamplingParams(temperature=1.0)),
-                make_request("g", SamplingParams(temperature=0.0)),
-                make_request("s", SamplingParams(temperature=0.7, seed=5))]
+    requests = [
+        make_request("r", SamplingParams(temperature=1.0)),
+        make_request("g", SamplingParams(temperature=0.0)),
+        make_request("s", SamplingParams(temperature=0.7, seed=5)),
+    ]
     for _ in range(5):
         assert Sampler(seed=0).sample(logits, requests).token_ids[1] == int(logits[1].argmax())
 
@@ -204,8 +217,10 @@ def _seeded_run(batch_with_others: bool, seed: int = 1234, num_steps: int = 40) 
     """Tokens of one seeded request over num_steps; optionally batched among other requests."""
     sampler = Sampler(seed=99)
     target = make_request("target", SamplingParams(temperature=1.0, seed=seed))
-    others = [make_request("unseeded", SamplingParams(temperature=1.0)),
-              make_request("other-seed", SamplingParams(temperature=0.8, seed=7, top_k=10))]
+    others = [
+        make_request("unseeded", SamplingParams(temperature=1.0)),
+        make_request("other-seed", SamplingParams(temperature=0.8, seed=7, top_k=10)),
+    ]
     target_rows = random_logits(num_steps, 42) * 0.5  # flat enough that sampling is not argmax
     noise_rows = random_logits(num_steps * 2, 43)
     tokens = []
@@ -343,8 +358,10 @@ def test_penalties_change_the_greedy_choice_without_touching_the_input():
 def test_logprobs_top_n_sorted_and_sampled_token_logprob():
     logits = random_logits(2, 8)
     expected = torch.log_softmax(logits, dim=-1)
-    requests = [make_request("lp", SamplingParams(temperature=1.0, seed=3, logprobs=5, repetition_penalty=1.5)),
-                make_request("none", SamplingParams(temperature=1.0, seed=3))]
+    requests = [
+        make_request("lp", SamplingParams(temperature=1.0, seed=3, logprobs=5, repetition_penalty=1.5)),
+        make_request("none", SamplingParams(temperature=1.0, seed=3)),
+    ]
     result = Sampler(seed=0).sample(logits, requests)
     lp = result.logprobs[0]
     assert result.logprobs[1] is None
@@ -369,6 +386,7 @@ def test_logprobs_zero_gives_only_the_sampled_token():
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     import torch
+
     from splitserve.engine.sampler import _filtered_probs
 
     probs = _filtered_probs(torch.log(torch.tensor([0.5, 0.25, 0.25])), None, 0.5, 0.0)

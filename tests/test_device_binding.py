@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine import async_engine, model_runner
 from splitserve.engine.async_engine import AsyncEngine
@@ -37,6 +38,7 @@ def spawned(monkeypatch) -> list[tuple[str, list[str], dict[str, str]]]:
     def fake_spawn(name, argv, env, log=None):
         calls.append((name, argv, env))
         return FakeProc()
+
     monkeypatch.setattr(launcher, "_spawn", fake_spawn)
     return calls
 
@@ -53,9 +55,15 @@ def test_child_device_gives_one_gpu():
 
 
 def test_spawned_worker_sees_only_its_gpu(spawned):
-    child = spawn_worker("decode-0", "decode", "127.0.0.1:1", ["--model", "m", "--device", "auto"],
-                         env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"}, device="cuda:3")
-    (_, argv, env), = spawned
+    child = spawn_worker(
+        "decode-0",
+        "decode",
+        "127.0.0.1:1",
+        ["--model", "m", "--device", "auto"],
+        env={"CUDA_VISIBLE_DEVICES": "0,1,2,3,4"},
+        device="cuda:3",
+    )
+    ((_, argv, env),) = spawned
     assert env["CUDA_VISIBLE_DEVICES"] == "3"
     assert argv[-2:] == ["--device", "cuda"]  # the last --device wins over the one in argv
     assert child.device == "cuda:3"  # what the supervisor counts and restarts with
@@ -66,14 +74,16 @@ def test_spawned_worker_sees_only_its_gpu(spawned):
 
 def test_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
     events = []
-    monkeypatch.setattr(launcher, "wait_healthy",
-                        lambda address, timeout_s, proc=None: events.append(f"wait {address}"))
+    monkeypatch.setattr(
+        launcher, "wait_healthy", lambda address, timeout_s, proc=None: events.append(f"wait {address}")
+    )
     monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
     original = launcher.spawn_worker
 
     def spawn(name, *args, **kwargs):
         events.append(f"spawn {name}")
         return original(name, *args, **kwargs)
+
     monkeypatch.setattr(launcher, "spawn_worker", spawn)
     children = start_cluster(3, ["--model", "m"], devices=["cuda:0", "cuda:1"])
     w0, w1, w2 = children[1:]
@@ -81,14 +91,15 @@ def test_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
     assert [env["CUDA_VISIBLE_DEVICES"] for _, _, env in spawned[1:]] == ["0", "1", "0"]
     # worker-1 (another GPU) starts at once; worker-2 waits until worker-0, on its GPU, is healthy.
     start = events.index("spawn worker-0")
-    assert events[start:start + 4] == ["spawn worker-0", "spawn worker-1", f"wait {w0.address}", "spawn worker-2"]
+    assert events[start : start + 4] == ["spawn worker-0", "spawn worker-1", f"wait {w0.address}", "spawn worker-2"]
 
 
 def test_scaled_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
     waited = []
     monkeypatch.setattr(supervisor, "wait_healthy", lambda address, timeout_s, proc=None: waited.append(address))
-    monkeypatch.setattr(launcher, "wait_healthy",
-                        lambda address, timeout_s, proc=None: waited.append(f"before next: {address}"))
+    monkeypatch.setattr(
+        launcher, "wait_healthy", lambda address, timeout_s, proc=None: waited.append(f"before next: {address}")
+    )
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
     gateway = Child("gateway", "127.0.0.1:1", "127.0.0.1:2", FakeProc())
     sup = Supervisor([gateway], ["--model", "m"], "127.0.0.1", devices=["cuda:0"])
@@ -123,6 +134,7 @@ def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
     def step():
         step_threads.add(threading.current_thread())
         return real_step()
+
     monkeypatch.setattr(engine, "step", step)
 
     async def main():
@@ -130,10 +142,12 @@ def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
 
         async def one(prompt):
             return [o async for o in aengine.generate(prompt, SamplingParams(temperature=0, max_tokens=6))]
+
         await asyncio.gather(one([1, 2, 3]), one([4, 5]), one([6]))
         await aengine.shutdown()
+
     asyncio.run(main())
-    (thread, device), = bound
+    ((thread, device),) = bound
     assert device == engine.runner.device and step_threads == {thread} and thread is not threading.main_thread()
     thread.join(timeout=5)  # shutdown ends it
     assert not thread.is_alive()

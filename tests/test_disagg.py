@@ -18,6 +18,7 @@ from cluster_helpers import (
     tokens,
     wait_all_free,
 )
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.llm import LLM
@@ -66,14 +67,25 @@ def test_1p1d_equals_unified_worker_and_in_process_engine(one_p_one_d, tiny_llam
     assert got_greedy == _in_process(tiny_llama_dir, PROMPTS, SamplingParams(temperature=0.0, max_tokens=16))
     assert got_seeded == _in_process(tiny_llama_dir, PROMPTS, SamplingParams(max_tokens=16, **SEEDED))
     worker = wpb_grpc.WorkerStub(grpc.insecure_channel(unified.address))  # the unified worker, directly
-    direct = [[t for c in worker.Generate(wpb.WorkerGenerateRequest(
-        request_id=f"u{i}", prompt_token_ids=r.token_ids.ids, sampling=r.sampling, stopping=r.stopping), timeout=60)
-        for t in c.token_ids] for i, r in enumerate(seeded)]
+    direct = [
+        [
+            t
+            for c in worker.Generate(
+                wpb.WorkerGenerateRequest(
+                    request_id=f"u{i}", prompt_token_ids=r.token_ids.ids, sampling=r.sampling, stopping=r.stopping
+                ),
+                timeout=60,
+            )
+            for t in c.token_ids
+        ]
+        for i, r in enumerate(seeded)
+    ]
     assert direct == got_seeded
     # Every disaggregated request moved its KV: all through the decode worker, none unified.
     assert metric(decode.metrics, "splitserve:kv_transfer_blocks_total", direction="received") > 0
-    assert metric(prefill.metrics, "splitserve:kv_transfer_bytes_total", direction="sent") == \
-        metric(decode.metrics, "splitserve:kv_transfer_bytes_total", direction="received")
+    assert metric(prefill.metrics, "splitserve:kv_transfer_bytes_total", direction="sent") == metric(
+        decode.metrics, "splitserve:kv_transfer_bytes_total", direction="received"
+    )
     # Every transfer's CRC matched (a mismatch would count as a failure and recompute).
     assert metric(decode.metrics, "splitserve:kv_transfer_failures_total") == 0
     assert metric(decode.metrics, "splitserve:kv_transfer_recompute_fallbacks_total") == 0
@@ -115,8 +127,14 @@ def test_2p2d_concurrent_requests_equal_in_process_engine(tiny_llama_dir):
 @pytest.fixture(scope="module")
 def faulty(tiny_llama_dir):
     """1P2D whose prefill worker waits 3 s before each send, with 1.5 s transfer timeouts."""
-    children = start_cluster(0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=2,
-                             worker_argv=["--kv-transfer-timeout", "1.5"], env={SEND_DELAY_ENV: "3"})
+    children = start_cluster(
+        0,
+        engine_argv(tiny_llama_dir),
+        num_prefill=1,
+        num_decode=2,
+        worker_argv=["--kv-transfer-timeout", "1.5"],
+        env={SEND_DELAY_ENV: "3"},
+    )
     try:
         yield children
     finally:
@@ -146,8 +164,10 @@ def test_killed_decode_worker_ends_stream_unavailable_and_traffic_moves(faulty):
     deadline = time.monotonic() + 10
     busy = None
     while busy is None and time.monotonic() < deadline:
-        busy = next((d for d in _workers(faulty, "decode") if load(d.address).num_running
-                     or load(d.address).num_awaiting_kv), None)
+        busy = next(
+            (d for d in _workers(faulty, "decode") if load(d.address).num_running or load(d.address).num_awaiting_kv),
+            None,
+        )
     busy.proc.send_signal(signal.SIGKILL)
     with pytest.raises(grpc.RpcError) as err:
         for _ in stream:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
@@ -16,29 +17,37 @@ pytestmark = pytest.mark.unit
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_llama_dir), max_model_len=256,
-                               cache=CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2)))
+    return Engine(
+        EngineConfig(
+            model=str(tiny_llama_dir), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2)
+        )
+    )
 
 
 def _all_free(engine: Engine) -> bool:
     return engine.kv.num_free_blocks == engine.runner.num_blocks and not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("prompt, params, message", [
-    ("", SamplingParams(), "prompt is empty"),
-    ([], SamplingParams(), "prompt is empty"),
-    ([1] * 300, SamplingParams(), "model context is 256"),
-    ([1] * 200, SamplingParams(max_tokens=100), "exceeds the model context"),
-    ([1, 99999], SamplingParams(), "token ids must be in"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", SamplingParams(), "prompt is empty"),
+        ([], SamplingParams(), "prompt is empty"),
+        ([1] * 300, SamplingParams(), "model context is 256"),
+        ([1] * 200, SamplingParams(max_tokens=100), "exceeds the model context"),
+        ([1, 99999], SamplingParams(), "token ids must be in"),
+    ],
+)
 def test_bad_input_is_rejected_without_leaks(engine, prompt, params, message):
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
     assert _all_free(engine)
 
 
-@pytest.mark.parametrize("kwargs", [dict(max_tokens=0), dict(max_tokens=-3), dict(top_p=0.0),
-                                    dict(top_p=1.5), dict(stop=5), dict(stop=[1, 2])])
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(max_tokens=0), dict(max_tokens=-3), dict(top_p=0.0), dict(top_p=1.5), dict(stop=5), dict(stop=[1, 2])],
+)
 def test_bad_sampling_params_raise_value_error(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
@@ -103,6 +112,7 @@ def test_async_engine_streams_and_cancel_frees_blocks(engine):
                 n += 1
                 if n == 2:
                     await asyncio.sleep(10)  # cancelled here
+
         task = asyncio.create_task(consume_two())
         await asyncio.sleep(0.3)
         task.cancel()
@@ -113,6 +123,7 @@ def test_async_engine_streams_and_cancel_frees_blocks(engine):
                 break
             await asyncio.sleep(0.02)
         await aengine.shutdown()
+
     asyncio.run(main())
     assert _all_free(engine)
 
@@ -124,6 +135,7 @@ def test_async_engine_rejects_bad_input(engine):
             async for _ in aengine.generate("", SamplingParams()):
                 pass
         await aengine.shutdown()
+
     asyncio.run(main())
     assert _all_free(engine)
 
@@ -137,6 +149,7 @@ def test_async_engine_merges_outputs_when_the_consumer_falls_behind(engine):
             await asyncio.sleep(0.2)  # a slow client: several steps queue up meanwhile
         await aengine.shutdown()
         return chunks
+
     chunks = asyncio.run(main())
     tokens = [t for c in chunks for t in c.new_token_ids]
     assert len(tokens) == 24 and len(chunks) < 24  # nothing lost, fewer messages

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 from conftest import VOCAB_SIZE
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.engine import Engine
@@ -25,9 +26,14 @@ def _hf_greedy(folder, prompts: list[list[int]], max_new: int) -> list[list[int]
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                 min_new_tokens=max_new, do_sample=False)
-            outs.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+            )
+            outs.append(gen[0, len(p) :].tolist())
     return outs
 
 

@@ -7,6 +7,7 @@ import json
 
 import pytest
 from cluster_helpers import engine_argv
+
 from splitserve.experiments.experiment import load_config, run_experiment
 from splitserve.launch.cli import main
 from splitserve.launch.launcher import start_cluster, stop_cluster
@@ -26,10 +27,36 @@ def system(tiny_llama_dir):
 @pytest.mark.parametrize("arrival", ["poisson", "concurrency"])
 def test_bench_reports_every_request(system, tmp_path, arrival, capsys):
     out = tmp_path / "bench.json"
-    rc = main(["bench", "--url", system[0].address, "--num-requests", "12", "--arrival", arrival, "--rate", "20",
-               "--concurrency", "3", "--prompt-len", "uniform:4:60", "--output-len", "normal:8:2",
-               "--shared-prefix-fraction", "0.5", "--prefix-len", "16", "--vocab-size", "300",
-               "--slo", "ttft_ms=60000,tpot_ms=60000", "--json", str(out), "--no-progress"])
+    rc = main(
+        [
+            "bench",
+            "--url",
+            system[0].address,
+            "--num-requests",
+            "12",
+            "--arrival",
+            arrival,
+            "--rate",
+            "20",
+            "--concurrency",
+            "3",
+            "--prompt-len",
+            "uniform:4:60",
+            "--output-len",
+            "normal:8:2",
+            "--shared-prefix-fraction",
+            "0.5",
+            "--prefix-len",
+            "16",
+            "--vocab-size",
+            "300",
+            "--slo",
+            "ttft_ms=60000,tpot_ms=60000",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "12/12 ok" in table and "TTFT" in table and "goodput" in table
@@ -76,16 +103,22 @@ vocab_high = 300
 """)
     out = tmp_path / "report"
     runs = run_experiment(load_config(config), out)
-    assert [(r["deployment"], r["rate"]) for r in runs] == [("unified x1", 4.0), ("unified x1", 8.0),
-                                                            ("1P1D", 4.0), ("1P1D", 8.0)]
+    assert [(r["deployment"], r["rate"]) for r in runs] == [
+        ("unified x1", 4.0),
+        ("unified x1", 8.0),
+        ("1P1D", 4.0),
+        ("1P1D", 8.0),
+    ]
     assert all(r["summary"]["num_ok"] == 4 for r in runs)
     assert all(r["goodput"]["impossible"] == 0 and r["goodput"]["loose"] > 0 for r in runs)
     assert runs[0]["cpu_sets"] and runs[2]["cpu_sets"] is None
     saved = json.loads((out / "runs.json").read_text())
     assert len(saved["runs"]) == 4 and saved["settings"]["config"]["name"] == "tiny"
     pngs = sorted(p.name for p in out.glob("*.png"))
-    assert pngs == sorted(f"short-{n}.png" for n in ("ttft_vs_rate", "tpot_vs_rate", "itl_vs_rate", "e2e_vs_rate",
-                                                     "goodput_vs_rate", "latency_cdf"))
+    assert pngs == sorted(
+        f"short-{n}.png"
+        for n in ("ttft_vs_rate", "tpot_vs_rate", "itl_vs_rate", "e2e_vs_rate", "goodput_vs_rate", "latency_cdf")
+    )
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     summary = (out / "summary.md").read_text()
     assert "Best for SLO `loose`" in summary and "| 1P1D | 8.0 | 4/4 |" in summary

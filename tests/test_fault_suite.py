@@ -22,12 +22,14 @@ from fault_report import (
 def _coverage_gaps(report: Report) -> list[str]:
     """What the run was meant to inject but did not: a pass would then prove less than it says."""
     faults, kinds = report.fault_counts(), {o.kind for o in report.outcomes}
-    wanted = {"a prefill kill": any(k.startswith("kill prefill") for k in faults),
-              "a decode kill": any(k.startswith("kill decode") for k in faults),
-              "two restarts": sum(n for k, n in faults.items() if k.startswith("restart")) >= 2,
-              "cancelled and short-deadline requests": {"cancel", "deadline"} <= kinds,
-              "a reused request id": any(o.sender != o.request_id for o in report.outcomes),
-              "20 streams that ended OK": report.status_counts()["OK"] >= 20}
+    wanted = {
+        "a prefill kill": any(k.startswith("kill prefill") for k in faults),
+        "a decode kill": any(k.startswith("kill decode") for k in faults),
+        "two restarts": sum(n for k, n in faults.items() if k.startswith("restart")) >= 2,
+        "cancelled and short-deadline requests": {"cancel", "deadline"} <= kinds,
+        "a reused request id": any(o.sender != o.request_id for o in report.outcomes),
+        "20 streams that ended OK": report.status_counts()["OK"] >= 20,
+    }
     if report.label == "redis":
         wanted["a Redis fault"] = any(k.startswith("redis") for k in faults)
     return [name for name, seen in wanted.items() if not seen]
@@ -53,20 +55,38 @@ def _outcome(kind: str, status: str, tokens: list[int], details: str = "", elaps
 @pytest.mark.unit
 def test_the_checks_flag_what_they_must_and_nothing_else():
     want = [[5, 6, 7, 8]]
-    fine = [_outcome("normal", "OK", [5, 6, 7, 8]), _outcome("cancel", "CANCELLED", [5, 6]),
-            _outcome("deadline", "DEADLINE_EXCEEDED", []), _outcome("normal", "RESOURCE_EXHAUSTED", []),
-            _outcome("normal", "UNAVAILABLE", [5], "decode worker w1 failed during the request (UNAVAILABLE: failed "
-                     "to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused)")]
+    fine = [
+        _outcome("normal", "OK", [5, 6, 7, 8]),
+        _outcome("cancel", "CANCELLED", [5, 6]),
+        _outcome("deadline", "DEADLINE_EXCEEDED", []),
+        _outcome("normal", "RESOURCE_EXHAUSTED", []),
+        _outcome(
+            "normal",
+            "UNAVAILABLE",
+            [5],
+            "decode worker w1 failed during the request (UNAVAILABLE: failed "
+            "to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused)",
+        ),
+    ]
     report = Report("unit", {})
     check_outcomes(report, want, fine)
     assert report.failures == [] and report.wrong_tokens == 0
-    bad = [_outcome("normal", "OK", [5, 6, 7, 9]), _outcome("normal", "UNAVAILABLE", [6]),
-           _outcome("normal", "CANCELLED", []), _outcome("normal", "DEADLINE_EXCEEDED", []),
-           _outcome("cancel", "UNKNOWN", []), _outcome("probe", "UNAVAILABLE", []),
-           _outcome("normal", "UNAVAILABLE", [], "decode worker w2 failed during the request (INTERNAL: boom)"),
-           _outcome("deadline", "OK", [5, 6, 7, 8], elapsed_s=9.0)]
+    bad = [
+        _outcome("normal", "OK", [5, 6, 7, 9]),
+        _outcome("normal", "UNAVAILABLE", [6]),
+        _outcome("normal", "CANCELLED", []),
+        _outcome("normal", "DEADLINE_EXCEEDED", []),
+        _outcome("cancel", "UNKNOWN", []),
+        _outcome("probe", "UNAVAILABLE", []),
+        _outcome("normal", "UNAVAILABLE", [], "decode worker w2 failed during the request (INTERNAL: boom)"),
+        _outcome("deadline", "OK", [5, 6, 7, 8], elapsed_s=9.0),
+    ]
     check_outcomes(report, want, bad)
     assert report.wrong_tokens == 2 and len(report.failures) == len(bad)
-    lines = ["1.0 [decode-0] Traceback (most recent call last):", '1.0 [gateway] INFO ok', '1.1 [decode-0]   File "x"',
-             "1.1 [decode-0] RuntimeError: engine step failed"]
+    lines = [
+        "1.0 [decode-0] Traceback (most recent call last):",
+        "1.0 [gateway] INFO ok",
+        '1.1 [decode-0]   File "x"',
+        "1.1 [decode-0] RuntimeError: engine step failed",
+    ]
     assert traceback_summary(lines) == {"decode-0: RuntimeError: engine step failed": 1}

@@ -18,9 +18,10 @@ import pytest
 from cluster_helpers import engine_argv, greedy_request, stub, tokens
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
+from test_gateway_limits import VOCAB_SIZE, write_chat_model
+
 from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
-from test_gateway_limits import VOCAB_SIZE, write_chat_model
 
 pytestmark = pytest.mark.integration
 
@@ -34,17 +35,27 @@ REFERENCE = greedy_request([3, 1, 4, 1, 5, 9, 2, 6], 8)
 UINT32 = st.one_of(st.sampled_from([0, 1, 2, VOCAB_SIZE - 1, VOCAB_SIZE, 2**31, 2**32 - 1]), st.integers(0, 2**32 - 1))
 UINT64 = st.one_of(st.sampled_from([0, 1, 2**63, 2**64 - 1]), st.integers(0, 2**64 - 1))
 INT32 = st.one_of(st.sampled_from([-(2**31), -1, 0, 1, 2**31 - 1]), st.integers(-(2**31), 2**31 - 1))
-WILD_FLOAT = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-45, 1e-6, -1.0, 2.0001, 1e39]),
-                       st.floats(width=32))
+WILD_FLOAT = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf, -0.0, 1e-45, 1e-6, -1.0, 2.0001, 1e39]), st.floats(width=32)
+)
 ODD = [
-    "", "\x00", "a\x00b", "e\u0301\u0302\u0303\u0304" * 20, "\u202eevil\u202c", "\u05e9\u05dc\u05d5\u05dd",
-    "\U0001f469\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466\U0001f3f3\ufe0f\u200d\U0001f308", "\ufeff\u200b\u2028",
-    "\U0010ffff", "the quick brown fox", "x" * 5000,
+    "",
+    "\x00",
+    "a\x00b",
+    "e\u0301\u0302\u0303\u0304" * 20,
+    "\u202eevil\u202c",
+    "\u05e9\u05dc\u05d5\u05dd",
+    "\U0001f469\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466\U0001f3f3\ufe0f\u200d\U0001f308",
+    "\ufeff\u200b\u2028",
+    "\U0010ffff",
+    "the quick brown fox",
+    "x" * 5000,
 ]
 ODD_STRINGS = st.sampled_from(ODD)
 TEXT = st.one_of(ODD_STRINGS, st.text(st.characters(exclude_categories=("Cs",)), max_size=40))
-PROMPT_TEXT = st.one_of(st.sampled_from(ODD[1:]), st.text(st.characters(exclude_categories=("Cs",)), min_size=1,
-                                                          max_size=40))
+PROMPT_TEXT = st.one_of(
+    st.sampled_from(ODD[1:]), st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=40)
+)
 IDS = st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=40)
 ROLES = st.sampled_from(["system", "user", "assistant"])
 BAD_ROLES = st.sampled_from(["tool", "ghost"])  # the template rejects them (test_gateway_limits.CHAT_TEMPLATE)
@@ -62,8 +73,10 @@ def _prompt(kind: str, value) -> dict:
 # Each field: (a value a careful client sends, a wild one). An example makes a few fields wild.
 FIELDS = {
     "model": (st.sampled_from(["", MODEL]), st.sampled_from(["gpt-9", "m" * 10_000, "\x00", MODEL + " "])),
-    "request_id": (st.sampled_from(["", "dup", "dup", "other", "\x00id", "\u00e9" * 10, "\U0001f642"]),
-                   st.one_of(st.just("r" * 257), TEXT)),
+    "request_id": (
+        st.sampled_from(["", "dup", "dup", "other", "\x00id", "\u00e9" * 10, "\U0001f642"]),
+        st.one_of(st.just("r" * 257), TEXT),
+    ),
     "priority": (INT32, INT32),
     "logprobs": (st.sampled_from([None, None, 0, 1, 5, 20]), st.one_of(st.just(21), UINT32)),
     "temperature": (st.sampled_from([None, 0.0, 0.0, 0.7, 1.0, 1e-6]), WILD_FLOAT),
@@ -77,19 +90,40 @@ FIELDS = {
     "max_tokens": (st.sampled_from([1, 2, 4, 8, 16]), st.one_of(st.none(), UINT32)),  # None: to the context's end
     "min_tokens": (st.sampled_from([0, 0, 1]), UINT32),
     "stop": (st.lists(TEXT, max_size=3), st.sampled_from([["s" * 1025], ["s"] * 257, ["s" * 1000] * 17])),
-    "stop_token_ids": (st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=4),
-                       st.one_of(st.lists(UINT32, min_size=1, max_size=4), st.just([1] * 257))),
+    "stop_token_ids": (
+        st.lists(st.integers(0, VOCAB_SIZE - 1), max_size=4),
+        st.one_of(st.lists(UINT32, min_size=1, max_size=4), st.just([1] * 257)),
+    ),
     "ignore_eos": (st.booleans(), st.booleans()),
-    "prompt": (st.one_of(st.tuples(st.just("text"), PROMPT_TEXT), st.tuples(st.just("token_ids"), IDS),
-                         st.tuples(st.just("chat"), _chat(ROLES, min_size=1))),
-               st.one_of(st.tuples(st.just("none"), st.none()),
-                         st.tuples(st.just("text"), st.sampled_from(["x" * ((1 << 20) + 1), "ab " * 60_000])),
-                         st.tuples(st.just("token_ids"), st.one_of(st.lists(UINT32, max_size=40), st.sampled_from(
-                             [[1] * 300, [5] * 100_000, [1 << 21] * 1_100_000]))),  # the last: over gRPC's 4 MiB
-                         st.tuples(st.just("chat"), _chat(st.one_of(BAD_ROLES, ODD_STRINGS))))),
+    "prompt": (
+        st.one_of(
+            st.tuples(st.just("text"), PROMPT_TEXT),
+            st.tuples(st.just("token_ids"), IDS),
+            st.tuples(st.just("chat"), _chat(ROLES, min_size=1)),
+        ),
+        st.one_of(
+            st.tuples(st.just("none"), st.none()),
+            st.tuples(st.just("text"), st.sampled_from(["x" * ((1 << 20) + 1), "ab " * 60_000])),
+            st.tuples(
+                st.just("token_ids"),
+                st.one_of(
+                    st.lists(UINT32, max_size=40), st.sampled_from([[1] * 300, [5] * 100_000, [1 << 21] * 1_100_000])
+                ),
+            ),  # the last: over gRPC's 4 MiB
+            st.tuples(st.just("chat"), _chat(st.one_of(BAD_ROLES, ODD_STRINGS))),
+        ),
+    ),
 }
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                   "frequency_penalty")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 STOPPING_FIELDS = ("max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos")
 
 
@@ -102,10 +136,14 @@ def requests(draw) -> pb.GenerateRequest:
         return {n: v[n] for n in names if v[n] is not None}
 
     return pb.GenerateRequest(
-        model=v["model"], request_id=v["request_id"], priority=v["priority"], logprobs=v["logprobs"],
+        model=v["model"],
+        request_id=v["request_id"],
+        priority=v["priority"],
+        logprobs=v["logprobs"],
         sampling=pb.SamplingParameters(**given_(SAMPLING_FIELDS)),
         stopping=pb.StoppingCriteria(**given_(STOPPING_FIELDS)),
-        **_prompt(*v["prompt"]))
+        **_prompt(*v["prompt"]),
+    )
 
 
 # -- the property ---------------------------------------------------------------------------------------
@@ -142,8 +180,15 @@ def _call(address: str, request: pb.GenerateRequest) -> tuple[grpc.StatusCode, s
     return grpc.StatusCode.OK, ""
 
 
-@settings(max_examples=60, deadline=None, derandomize=True, database=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=list(HealthCheck),
+    report_multiple_bugs=False,
+)
 @given(batch=st.lists(requests(), min_size=1, max_size=3))
 def test_fuzzed_requests_end_ok_or_as_client_errors(gateway, batch):
     address, reference = gateway

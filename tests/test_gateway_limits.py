@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from cluster_helpers import collect, engine_argv, greedy_request, stub, tokens
+
 from splitserve.common.tokenizer import TooManyTokens, load_tokenizer
 from splitserve.gateway.validation import RequestLimits
 from splitserve.launch.launcher import start_cluster, stop_cluster
@@ -98,8 +99,10 @@ def test_tokenizer_batch_path_equals_encode_and_refuses_long_prompts(chat_model_
         tokenizer.encode(text, max_num_tokens=len(ids) - 1)
     assert err.value.num_tokens == len(ids)
     chat = [{"role": "user", "content": text}]
-    assert tokenizer.encode_chat(chat) == tokenizer.backend.encode(tokenizer.apply_chat_template(chat),
-                                                                    add_special_tokens=False).ids
+    assert (
+        tokenizer.encode_chat(chat)
+        == tokenizer.backend.encode(tokenizer.apply_chat_template(chat), add_special_tokens=False).ids
+    )
     with pytest.raises(ValueError, match="chat template rejected"):
         tokenizer.encode_chat([{"role": "tool", "content": "hi"}])
 
@@ -109,19 +112,22 @@ def _stopping(**kw) -> pb.StoppingCriteria:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("make_request, message", [  # built lazily: some are megabytes
-    (lambda: pb.GenerateRequest(text="x" * ((1 << 20) + 1)), "--max-prompt-bytes"),
-    (lambda: pb.GenerateRequest(text="é" * ((1 << 19) + 1)), "prompt text is 1048578 bytes"),  # bytes, not chars
-    (lambda: pb.GenerateRequest(text=big_text(FOUR_MB)), "--max-prompt-bytes"),
-    (lambda: _chat(("user", "x" * (1 << 20))), "--max-prompt-bytes"),
-    (lambda: _chat(*[("user", "")] * 300_000), "--max-prompt-bytes"),  # many short messages: framing counts
-    (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop=["s" * 1025])), "--max-stop-bytes"),
-    (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop=["s" * 1000] * 17)), "--max-stop-total-bytes"),
-    (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop=["s"] * 257)), "--max-stops"),
-    (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop_token_ids=[1] * 257)), "--max-stops"),
-    (lambda: pb.GenerateRequest(text="hi", request_id="r" * 257), "request_id is 257 bytes"),
-], ids=["text", "text-utf8", "text-4MB", "chat", "chat-many", "stop", "stop-total", "stops", "stop-ids",
-        "request-id"])
+@pytest.mark.parametrize(
+    "make_request, message",
+    [  # built lazily: some are megabytes
+        (lambda: pb.GenerateRequest(text="x" * ((1 << 20) + 1)), "--max-prompt-bytes"),
+        (lambda: pb.GenerateRequest(text="é" * ((1 << 19) + 1)), "prompt text is 1048578 bytes"),  # bytes, not chars
+        (lambda: pb.GenerateRequest(text=big_text(FOUR_MB)), "--max-prompt-bytes"),
+        (lambda: _chat(("user", "x" * (1 << 20))), "--max-prompt-bytes"),
+        (lambda: _chat(*[("user", "")] * 300_000), "--max-prompt-bytes"),  # many short messages: framing counts
+        (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop=["s" * 1025])), "--max-stop-bytes"),
+        (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop=["s" * 1000] * 17)), "--max-stop-total-bytes"),
+        (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop=["s"] * 257)), "--max-stops"),
+        (lambda: pb.GenerateRequest(text="hi", stopping=_stopping(stop_token_ids=[1] * 257)), "--max-stops"),
+        (lambda: pb.GenerateRequest(text="hi", request_id="r" * 257), "request_id is 257 bytes"),
+    ],
+    ids=["text", "text-utf8", "text-4MB", "chat", "chat-many", "stop", "stop-total", "stops", "stop-ids", "request-id"],
+)
 def test_oversize_fields_are_invalid_argument(cluster, make_request, message):
     s = stub(cluster[0].address)
     err = _error(s, make_request())
@@ -145,14 +151,24 @@ def test_oversize_messages_and_names_fail_cleanly(cluster):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("request_, message", [
-    (pb.GenerateRequest(text="hi", stopping=_stopping(min_tokens=1, stop_token_ids=[2**32 - 1])),
-     f"stop token ids must be in [0, {VOCAB_SIZE})"),
-    (pb.GenerateRequest(text="hi", stopping=_stopping(stop_token_ids=[3, VOCAB_SIZE])),
-     f"stop token ids must be in [0, {VOCAB_SIZE}) (the model's vocabulary); got [320]"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, VOCAB_SIZE, 2**32 - 1])),
-     f"prompt token ids must be in [0, {VOCAB_SIZE}) (the model's vocabulary); got [320, 4294967295]"),
-], ids=["stop-id-2**32-1-min-tokens", "stop-id-vocab-size", "prompt-ids"])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (
+            pb.GenerateRequest(text="hi", stopping=_stopping(min_tokens=1, stop_token_ids=[2**32 - 1])),
+            f"stop token ids must be in [0, {VOCAB_SIZE})",
+        ),
+        (
+            pb.GenerateRequest(text="hi", stopping=_stopping(stop_token_ids=[3, VOCAB_SIZE])),
+            f"stop token ids must be in [0, {VOCAB_SIZE}) (the model's vocabulary); got [320]",
+        ),
+        (
+            pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, VOCAB_SIZE, 2**32 - 1])),
+            f"prompt token ids must be in [0, {VOCAB_SIZE}) (the model's vocabulary); got [320, 4294967295]",
+        ),
+    ],
+    ids=["stop-id-2**32-1-min-tokens", "stop-id-vocab-size", "prompt-ids"],
+)
 def test_token_ids_are_checked_against_the_workers_vocabulary(cluster, request_, message):
     s = stub(cluster[0].address)
     err = _error(s, request_)
@@ -165,13 +181,15 @@ def test_token_ids_are_checked_against_the_workers_vocabulary(cluster, request_,
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                                   "frequency_penalty"])
+@pytest.mark.parametrize(
+    "field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, 1e39])  # 1e39 is inf as a float32
 def test_non_finite_sampling_values_are_invalid_argument(cluster, field, value):
     s = stub(cluster[0].address)
-    err = _error(s, pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(**{field: value}),
-                                       stopping=_stopping()))
+    err = _error(
+        s, pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(**{field: value}), stopping=_stopping())
+    )
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.details(), err.details()
     _still_serving(s)
 
@@ -242,8 +260,10 @@ def test_big_prompts_do_not_stall_other_streams(cluster, chat_model_dir):
     text = big_text(FOUR_MB)
     before, during, errors = _max_gap_while(cluster[0].address, [pb.GenerateRequest(text=text)] * 3)
     assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in e.details() for e in errors)
-    print(f"\nlargest inter-chunk gap: {before * 1e3:.0f} ms before, {during * 1e3:.0f} ms while 3 x 4 MB "
-          "prompts are refused by size")
+    print(
+        f"\nlargest inter-chunk gap: {before * 1e3:.0f} ms before, {during * 1e3:.0f} ms while 3 x 4 MB "
+        "prompts are refused by size"
+    )
     assert during < 1.0
     raised = start_cluster(1, engine_argv(chat_model_dir), gateway_argv=["--max-prompt-bytes", str(FOUR_MB + 1)])
     try:
@@ -254,8 +274,11 @@ def test_big_prompts_do_not_stall_other_streams(cluster, chat_model_dir):
         elapsed = time.monotonic() - started
     finally:
         stop_cluster(raised)
-    assert all(e.code() == grpc.StatusCode.INVALID_ARGUMENT and "model context is 256" in e.details()
-               for e in errors), [e.details() for e in errors]  # so they were tokenized
-    print(f"largest inter-chunk gap: {before * 1e3:.0f} ms before, {during * 1e3:.0f} ms while a 4 MB text and "
-          f"a 4 MB chat prompt are tokenized ({elapsed:.1f} s)")
+    assert all(
+        e.code() == grpc.StatusCode.INVALID_ARGUMENT and "model context is 256" in e.details() for e in errors
+    ), [e.details() for e in errors]  # so they were tokenized
+    print(
+        f"largest inter-chunk gap: {before * 1e3:.0f} ms before, {during * 1e3:.0f} ms while a 4 MB text and "
+        f"a 4 MB chat prompt are tokenized ({elapsed:.1f} s)"
+    )
     assert during < 1.0

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.disagg.decode import DecodeHandoff, PrefillClient
 from splitserve.disagg.handoff import HandoffError, HandoffEvent, HandoffJob
@@ -45,8 +46,9 @@ class DirectClient(PrefillClient):
         if self.fail_before_first:
             raise ConnectionError("prefill worker is gone")
         engine = self.prefills[peer]
-        copy = HandoffPort(engine).make_prefill_request(request.all_token_ids, request.sampling_params,
-                                                        label=request.request_id)
+        copy = HandoffPort(engine).make_prefill_request(
+            request.all_token_ids, request.sampling_params, label=request.request_id
+        )
         async for event in prefill_and_send(engine, copy, self.sender, job, send_delay_s=self.send_delay_s):
             yield event
 
@@ -74,8 +76,11 @@ async def _run(handoff: DecodeHandoff, prompt: list[int], params: SamplingParams
 
 
 def _all_free(engine: Engine) -> bool:
-    return (engine.kv.num_free_blocks == engine.runner.num_blocks and not engine.has_unfinished_requests()
-            and not engine.scheduler.held)
+    return (
+        engine.kv.num_free_blocks == engine.runner.num_blocks
+        and not engine.has_unfinished_requests()
+        and not engine.scheduler.held
+    )
 
 
 async def _settle(*engines: AsyncEngine) -> None:
@@ -88,11 +93,15 @@ async def _settle(*engines: AsyncEngine) -> None:
 PROMPTS = [[(5 * i + j) % 300 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens, ragged
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.0, max_tokens=12),
-    SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12),
-    SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5),
-], ids=["greedy", "seeded", "penalties"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5),
+    ],
+    ids=["greedy", "seeded", "penalties"],
+)
 def test_disaggregated_output_equals_unified(engines, tiny_llama_dir, params):
     want = [o.token_ids for o in LLM(_config(tiny_llama_dir)).generate(PROMPTS, params)]
 

@@ -25,15 +25,21 @@ from splitserve.model.arch import ModelArchConfig, RopeScaling, rope_inv_freq  #
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Kernels and references both compute in float32; the outputs differ by rounding of the result (and
 # on the GPU by fp16/bf16 tl.dot operands): about one ulp of the dtype.
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
-       torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+}
 NUM_KV_HEADS = 2
 # (dtype, group, head_dim, block_size) of the attention tests. Compiled on CUDA: every combination. Under
 # the interpreter (about 0.5 s a case) every shape with one dtype in turn, so each dtype still meets each
 # group, head_dim and block size, and `pytest -m unit` stays under a minute on two cores.
 ATTENTION_SHAPES = list(itertools.product([1, 3, 8], [64, 128], [8, 16]))
-ATTENTION_CASES = ([(dtype, *shape) for dtype in DTYPES for shape in ATTENTION_SHAPES] if DEVICE == "cuda" else
-                   [(DTYPES[i % len(DTYPES)], *shape) for i, shape in enumerate(ATTENTION_SHAPES)])
+ATTENTION_CASES = (
+    [(dtype, *shape) for dtype in DTYPES for shape in ATTENTION_SHAPES]
+    if DEVICE == "cuda"
+    else [(DTYPES[i % len(DTYPES)], *shape) for i, shape in enumerate(ATTENTION_SHAPES)]
+)
 
 
 def _case_id(value) -> str | None:
@@ -87,7 +93,7 @@ def test_paged_decode_attention(dtype, group, head_dim, block_size):
     kv_cache, block_tables = _paged_context(DECODE_LENS, block_size, head_dim, dtype)
     seq_lens = torch.tensor(DECODE_LENS, dtype=torch.int32)
     q = torch.randn(len(DECODE_LENS), NUM_KV_HEADS * group, head_dim).to(dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     expected = K.paged_decode_attention_ref(q, kv_cache, block_tables, seq_lens, scale)
     # One split, and split-K with 3 splits (the shortest sequences leave some splits empty).
     for num_splits in (1, 3):
@@ -107,13 +113,15 @@ def test_paged_prefill_attention(dtype, group, head_dim, block_size):
     kv_cache, block_tables = _paged_context(seq_lens_list, block_size, head_dim, dtype)
     query_lens = [n for _, n in PREFILL_SEQS]
     offset = 4  # the prefill part of a batch whose 4 decode tokens come first
-    query_start_loc = torch.tensor([offset] + [offset + sum(query_lens[: i + 1]) for i in range(len(query_lens))],
-                                   dtype=torch.int32)
+    query_start_loc = torch.tensor(
+        [offset] + [offset + sum(query_lens[: i + 1]) for i in range(len(query_lens))], dtype=torch.int32
+    )
     seq_lens = torch.tensor(seq_lens_list, dtype=torch.int32)
     q = torch.randn(sum(query_lens), NUM_KV_HEADS * group, head_dim).to(dtype)
-    scale = head_dim ** -0.5
-    out = K.paged_prefill_attention(q, kv_cache, block_tables, seq_lens, query_start_loc, scale,
-                                    max_query_len=max(query_lens))
+    scale = head_dim**-0.5
+    out = K.paged_prefill_attention(
+        q, kv_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len=max(query_lens)
+    )
     expected = K.paged_prefill_attention_ref(q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
     torch.testing.assert_close(out, expected, **TOL[dtype])
 
@@ -135,8 +143,9 @@ def test_attention_wrappers_reject_bad_inputs():
     with pytest.raises(ValueError, match="one device"):
         K.paged_decode_attention(q, kv_cache, block_tables, seq_lens.to("meta"), 0.125)
     with pytest.raises(ValueError, match="query_start_loc must have shape"):
-        K.paged_prefill_attention(q, kv_cache, block_tables, seq_lens, torch.tensor([0, 1], dtype=torch.int32),
-                                  0.125, max_query_len=1)
+        K.paged_prefill_attention(
+            q, kv_cache, block_tables, seq_lens, torch.tensor([0, 1], dtype=torch.int32), 0.125, max_query_len=1
+        )
     with pytest.raises(ValueError, match="k must have shape"):
         K.store_kv(torch.randn(3, 2, 32), torch.randn(3, 2, 64), kv_cache, torch.tensor([0, 1, 2]))
 
@@ -158,10 +167,21 @@ def test_rms_norm(dtype, fused_residual):
 
 def _llama3_cos_sin(head_dim: int, max_positions: int):
     arch = ModelArchConfig(
-        architecture="LlamaForCausalLM", vocab_size=8, hidden_size=head_dim * 2, intermediate_size=8,
-        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=head_dim, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=max_positions, tie_word_embeddings=False, qkv_bias=False,
-        rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64))
+        architecture="LlamaForCausalLM",
+        vocab_size=8,
+        hidden_size=head_dim * 2,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        qkv_bias=False,
+        rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64),
+    )
     return K.rope_cos_sin(rope_inv_freq(arch), max_positions)
 
 

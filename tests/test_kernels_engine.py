@@ -10,20 +10,28 @@ import random
 import pytest
 import torch
 from conftest import VOCAB_SIZE
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.llm import LLM
 from splitserve.model.attention import default_backend_name, get_backend, triton_backend
 
-pytestmark = [pytest.mark.unit,
-              pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")]
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed"),
+]
 
 
 def _generate(folder, backend: str, prompts: list[list[list[int]]], max_tokens: int, **sched):
     """Greedy tokens of each prompt, groups one after another (later groups can hit the prefix
     cache), and how many prompt tokens each found cached."""
-    config = EngineConfig(model=str(folder), attention_backend=backend, dtype="float32",
-                          scheduler=SchedulerConfig(**sched), cache=CacheConfig(block_size=8, kv_cache_bytes=1024**2))
+    config = EngineConfig(
+        model=str(folder),
+        attention_backend=backend,
+        dtype="float32",
+        scheduler=SchedulerConfig(**sched),
+        cache=CacheConfig(block_size=8, kv_cache_bytes=1024**2),
+    )
     llm = LLM(config)
     runner = llm.engine.runner
     assert runner.backend.name == backend
@@ -40,8 +48,10 @@ def test_triton_backend_matches_torch_backend(model_dir, request):
     folder = request.getfixturevalue(model_dir)
     rng = random.Random(7)
     shared = [rng.randrange(1, VOCAB_SIZE) for _ in range(20)]
-    prompts = [[[rng.randrange(1, VOCAB_SIZE) for _ in range(n)] for n in (1, 9, 30)] + [shared],
-               [shared + [5, 6], shared + [7]]]  # the second group hits the first's cached blocks
+    prompts = [
+        [[rng.randrange(1, VOCAB_SIZE) for _ in range(n)] for n in (1, 9, 30)] + [shared],
+        [shared + [5, 6], shared + [7]],
+    ]  # the second group hits the first's cached blocks
     # 16 tokens a step: the 30- and 20-token prompts are prefilled in chunks next to running decodes.
     sched = dict(max_num_batched_tokens=16, max_num_seqs=8)
     expected, _ = _generate(folder, "torch", prompts, 6, **sched)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 from redis_helpers import RedisServer
+
 from splitserve.common.block_hash import BlockHash, hash_block_tokens
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from splitserve.engine.kv_cache.block_pool import BlockPool, KVBlock
@@ -79,8 +80,9 @@ def run():
 
 
 # In-process for the memory backend, a redis-server process for Redis.
-@pytest.fixture(params=[pytest.param("memory", marks=pytest.mark.unit),
-                        pytest.param("redis", marks=pytest.mark.integration)])
+@pytest.fixture(
+    params=[pytest.param("memory", marks=pytest.mark.unit), pytest.param("redis", marks=pytest.mark.integration)]
+)
 def backend(request, run):
     server = request.getfixturevalue("redis_server") if request.param == "redis" else None
     backend = Backend(request.param, server, run)
@@ -232,8 +234,9 @@ class SimWorker:
         new = self.pool.allocate(num_new)  # may evict cached blocks: BlockRemoved
         start = len(hits)
         parent = hashes[start - 1] if start else None
-        self.pool.cache_full_blocks(new[: len(hashes) - start], hashes[start:],
-                                    tokens[start * BLOCK_SIZE :], parent, BLOCK_SIZE)
+        self.pool.cache_full_blocks(
+            new[: len(hashes) - start], hashes[start:], tokens[start * BLOCK_SIZE :], parent, BLOCK_SIZE
+        )
         self.running.append(hits + new)
 
     def finish_request(self) -> None:
@@ -321,8 +324,13 @@ def test_redis_outage_raises_quickly_and_the_same_index_recovers(run):
         try:
             assert run(index.apply(snapshot(A, 1, H[0]))) is APPLIED
             server.stop()
-            calls = [index.apply(batch(A, 2)), index.lookup(H[:1], [A]), index.purge_dead(),
-                     index.blocks_of(A), index.remove_worker(A)]
+            calls = [
+                index.apply(batch(A, 2)),
+                index.lookup(H[:1], [A]),
+                index.purge_dead(),
+                index.blocks_of(A),
+                index.remove_worker(A),
+            ]
             for call in calls:
                 started = time.monotonic()
                 with pytest.raises(IndexUnavailable, match=f"redis index at {server.url}: .* failed"):

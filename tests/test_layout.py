@@ -11,10 +11,12 @@ pytestmark = pytest.mark.unit
 
 
 def test_gateway_and_kv_bookkeeping_do_not_import_torch():
-    code = ("import sys, splitserve.gateway, splitserve.common.block_hash, "
-            "splitserve.engine.kv_cache.manager, splitserve.engine.request, "
-            "splitserve.engine.scheduler, splitserve.gateway.server; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, splitserve.gateway, splitserve.common.block_hash, "
+        "splitserve.engine.kv_cache.manager, splitserve.engine.request, "
+        "splitserve.engine.scheduler, splitserve.gateway.server; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -22,8 +24,18 @@ def test_gateway_and_kv_bookkeeping_do_not_import_torch():
 def test_subpackages_live_under_one_root():
     import importlib
 
-    for name in ("common", "engine", "model", "disagg", "worker", "launch", "gateway", "experiments", "kernels",
-                 "protos"):
+    for name in (
+        "common",
+        "engine",
+        "model",
+        "disagg",
+        "worker",
+        "launch",
+        "gateway",
+        "experiments",
+        "kernels",
+        "protos",
+    ):
         assert importlib.import_module(f"splitserve.{name}").__name__ == f"splitserve.{name}"
 
 
@@ -40,8 +52,9 @@ def test_the_gateway_imports_only_the_common_layer_and_protos():
 
 
 def test_generated_proto_code_is_current():
-    out = subprocess.run([sys.executable, "-m", "splitserve.protos.generate", "--check"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.protos.generate", "--check"], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 

@@ -12,19 +12,31 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 from splitserve.model.arch import ModelArchConfig
 from splitserve.model.attention.torch_backend import TorchAttention
 from splitserve.model.loader import ModelSource, build_model
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 pytestmark = pytest.mark.unit
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS = 256, 1024, 8, 1024, 4, 2
-ARCH = ModelArchConfig.from_hf_config(dict(
-    architectures=["LlamaForCausalLM"], vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER,
-    num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-    max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False))
+ARCH = ModelArchConfig.from_hf_config(
+    dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+)
 
 
 class LiveBytes(TorchDispatchMode):
@@ -59,13 +71,22 @@ class LiveBytes(TorchDispatchMode):
 def checkpoint() -> dict[str, tuple[int, ...]]:
     """HF tensor names and shapes of ARCH."""
     q, kv = HEADS * (HIDDEN // HEADS), KV_HEADS * (HIDDEN // HEADS)
-    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,),
-              "lm_head.weight": (VOCAB, HIDDEN)}
-    per_layer = {"self_attn.q_proj.weight": (q, HIDDEN), "self_attn.k_proj.weight": (kv, HIDDEN),
-                 "self_attn.v_proj.weight": (kv, HIDDEN), "self_attn.o_proj.weight": (HIDDEN, q),
-                 "mlp.gate_proj.weight": (INTER, HIDDEN), "mlp.up_proj.weight": (INTER, HIDDEN),
-                 "mlp.down_proj.weight": (HIDDEN, INTER), "input_layernorm.weight": (HIDDEN,),
-                 "post_attention_layernorm.weight": (HIDDEN,)}
+    shapes = {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        "model.norm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+    }
+    per_layer = {
+        "self_attn.q_proj.weight": (q, HIDDEN),
+        "self_attn.k_proj.weight": (kv, HIDDEN),
+        "self_attn.v_proj.weight": (kv, HIDDEN),
+        "self_attn.o_proj.weight": (HIDDEN, q),
+        "mlp.gate_proj.weight": (INTER, HIDDEN),
+        "mlp.up_proj.weight": (INTER, HIDDEN),
+        "mlp.down_proj.weight": (HIDDEN, INTER),
+        "input_layernorm.weight": (HIDDEN,),
+        "post_attention_layernorm.weight": (HIDDEN,),
+    }
     for i in range(LAYERS):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in per_layer.items()})
     return shapes
@@ -80,8 +101,9 @@ def float32_tensors():
 def test_bf16_load_peaks_near_two_bytes_per_parameter():
     source = ModelSource(None, ARCH, None, float32_tensors)
     with LiveBytes() as live:
-        model = build_model(source, TorchAttention(HEADS, KV_HEADS, HIDDEN // HEADS, 8), 64, torch.bfloat16,
-                            torch.device("cpu"))
+        model = build_model(
+            source, TorchAttention(HEADS, KV_HEADS, HIDDEN // HEADS, 8), 64, torch.bfloat16, torch.device("cpu")
+        )
     num_params = sum(p.numel() for p in model.parameters())
     largest = max(torch.Size(s).numel() for s in checkpoint().values())
     # The bf16 weights; in flight, two float32 checkpoint tensors (the last one read and the next) and
@@ -93,14 +115,23 @@ def test_bf16_load_peaks_near_two_bytes_per_parameter():
 
 
 def test_loaded_values_are_the_checkpoint_rounded_once():
-    model = build_model(ModelSource(None, ARCH, None, float32_tensors),
-                        TorchAttention(HEADS, KV_HEADS, HIDDEN // HEADS, 8), 64, torch.bfloat16, torch.device("cpu"))
+    model = build_model(
+        ModelSource(None, ARCH, None, float32_tensors),
+        TorchAttention(HEADS, KV_HEADS, HIDDEN // HEADS, 8),
+        64,
+        torch.bfloat16,
+        torch.device("cpu"),
+    )
     tensors = dict(float32_tensors())
     params = dict(model.named_parameters())
     assert torch.equal(params["embed_tokens.weight"], tensors["model.embed_tokens.weight"].bfloat16())
     q = tensors["model.layers.3.self_attn.q_proj.weight"].bfloat16()
     assert torch.equal(params["layers.3.self_attn.qkv_proj.weight"][: q.shape[0]], q)
-    in_float32 = build_model(ModelSource(None, ARCH, None, float32_tensors),
-                             TorchAttention(HEADS, KV_HEADS, HIDDEN // HEADS, 8), 64, torch.float32,
-                             torch.device("cpu"))
+    in_float32 = build_model(
+        ModelSource(None, ARCH, None, float32_tensors),
+        TorchAttention(HEADS, KV_HEADS, HIDDEN // HEADS, 8),
+        64,
+        torch.float32,
+        torch.device("cpu"),
+    )
     assert torch.equal(model.rotary.cos, in_float32.rotary.cos)  # RoPE tables stay float32

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+
 from splitserve.common.model_files import ModelLoadError
 from splitserve.model.gguf_loader import _unpermute
 from splitserve.model.loader import open_model

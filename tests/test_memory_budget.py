@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.memory import MemorySnapshot, profile_memory
@@ -48,13 +49,15 @@ class FakeGpu:
         self.peak = self.allocated
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        for name, fn in {"mem_get_info": lambda device=None: (self.free, self.total),
-                         "memory_allocated": lambda device=None: self.allocated,
-                         "memory_reserved": lambda device=None: self.reserved,
-                         "max_memory_allocated": lambda device=None: self.peak,
-                         "reset_peak_memory_stats": self.reset_peak,
-                         "synchronize": lambda device=None: None,
-                         "empty_cache": self.empty_cache}.items():
+        for name, fn in {
+            "mem_get_info": lambda device=None: (self.free, self.total),
+            "memory_allocated": lambda device=None: self.allocated,
+            "memory_reserved": lambda device=None: self.reserved,
+            "max_memory_allocated": lambda device=None: self.peak,
+            "reset_peak_memory_stats": self.reset_peak,
+            "synchronize": lambda device=None: None,
+            "empty_cache": self.empty_cache,
+        }.items():
             monkeypatch.setattr(torch.cuda, name, fn)
 
 
@@ -67,6 +70,7 @@ def start_worker(gpu: FakeGpu, weights: int, activations: int, outside_torch: in
         gpu.alloc(activations)
         gpu.take_outside_torch(outside_torch)  # e.g. cuBLAS workspace, Triton modules
         gpu.release(activations)
+
     return profile_memory(DEVICE, before, forward)
 
 
@@ -84,8 +88,11 @@ def test_too_small_a_fraction_is_a_clear_error(monkeypatch):
     gpu = FakeGpu(total=80 * GIB, free=80 * GIB)
     gpu.install(monkeypatch)
     profile = start_worker(gpu, weights=16 * GIB, activations=3 * GIB, outside_torch=0)
-    with pytest.raises(ValueError, match=r"no GPU memory left for the KV cache: 0.2 x 80.00 GiB total.*"
-                                         r"Raise --gpu-memory-fraction"):
+    with pytest.raises(
+        ValueError,
+        match=r"no GPU memory left for the KV cache: 0.2 x 80.00 GiB total.*"
+        r"Raise --gpu-memory-fraction",
+    ):
         profile.kv_cache_bytes(0.2)
 
 
@@ -127,10 +134,13 @@ def test_model_runner_sizes_blocks_from_the_profile_and_logs_them(runner, monkey
         profiled.append((num_tokens, max_num_seqs, max_model_len))
         gpu.alloc(GIB)
         gpu.release(GIB)
+
     monkeypatch.setattr(runner, "profile_forward", fake_profile_forward)
     monkeypatch.setattr(runner, "device", DEVICE)  # only the budget code runs with it
-    config = EngineConfig(cache=CacheConfig(block_size=8, gpu_memory_fraction=0.5),
-                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512))
+    config = EngineConfig(
+        cache=CacheConfig(block_size=8, gpu_memory_fraction=0.5),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+    )
     before = MemorySnapshot.take(DEVICE)
     gpu.alloc(2 * GIB)  # the weights
     with caplog.at_level(logging.INFO, logger="splitserve.engine"):
@@ -148,6 +158,7 @@ def test_profile_forward_runs_at_the_token_budget(runner):
     def forward(input_ids, positions, kv_caches, meta):
         calls.append((input_ids.shape[0], meta.query_lens_cpu))
         return real(input_ids, positions, kv_caches, meta)
+
     runner.model.forward = forward
     try:
         runner.profile_forward(100, 8, 32)
@@ -156,9 +167,10 @@ def test_profile_forward_runs_at_the_token_budget(runner):
     assert calls == [(100, [1] * 7 + [32, 32, 29])]
 
 
-@pytest.mark.parametrize("num_tokens,max_num_seqs,max_model_len", [(2048, 64, 8192), (100, 8, 32), (5, 64, 4),
-                                                                     (64, 64, 4), (1, 1, 2)])
+@pytest.mark.parametrize(
+    "num_tokens,max_num_seqs,max_model_len", [(2048, 64, 8192), (100, 8, 32), (5, 64, 4), (64, 64, 4), (1, 1, 2)]
+)
 def test_profile_seq_lens(num_tokens, max_num_seqs, max_model_len):
     lens = _profile_seq_lens(num_tokens, max_num_seqs, max_model_len)
     assert sum(lens) == num_tokens and max(lens) <= max_model_len and min(lens) >= 1
-    assert lens[:min(max_num_seqs, num_tokens) - 1] == [1] * (min(max_num_seqs, num_tokens) - 1)
+    assert lens[: min(max_num_seqs, num_tokens) - 1] == [1] * (min(max_num_seqs, num_tokens) - 1)

@@ -9,6 +9,9 @@ import asyncio
 import math
 
 import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
@@ -17,8 +20,6 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.engine import Engine
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import Request
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers
 
 pytestmark = pytest.mark.unit
 
@@ -36,8 +37,11 @@ def engine(tiny_llama_dir) -> Engine:
 
 
 def _all_free(engine: Engine) -> bool:
-    return (engine.kv.num_free_blocks == engine.runner.num_blocks and not engine.has_unfinished_requests()
-            and not engine.scheduler.held)
+    return (
+        engine.kv.num_free_blocks == engine.runner.num_blocks
+        and not engine.has_unfinished_requests()
+        and not engine.scheduler.held
+    )
 
 
 def _run(engine: Engine, prompt, params: SamplingParams) -> list[int]:
@@ -53,14 +57,22 @@ def _run(engine: Engine, prompt, params: SamplingParams) -> list[int]:
 def _unvalidated(engine: Engine, params: SamplingParams, prompt=PROMPT) -> Request:
     """A request that skipped make_request's checks: how a bug or a new parameter reaches step()."""
     rt = engine.runtime
-    return Request(engine.make_request(prompt, SamplingParams()).request_id, list(prompt), params,
-                   max_tokens=params.max_tokens, eos_token_ids=rt.eos_token_ids, block_size=rt.block_size)
+    return Request(
+        engine.make_request(prompt, SamplingParams()).request_id,
+        list(prompt),
+        params,
+        max_tokens=params.max_tokens,
+        eos_token_ids=rt.eos_token_ids,
+        block_size=rt.block_size,
+    )
 
 
 # -- sampling parameters ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                                  "frequency_penalty"])
+
+@pytest.mark.parametrize(
+    "name", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_sampling_values_are_rejected(name, value):
     with pytest.raises(ValueError, match=f"{name} must be a finite number"):
@@ -83,10 +95,12 @@ def test_stop_token_ids_outside_the_vocabulary_are_rejected(engine):
 
 # -- a failing step fails only what it concerns ----------------------------------------------------
 
+
 def test_request_whose_sampling_raises_fails_alone(engine):
     good = engine.make_request(PROMPT, SamplingParams(temperature=0.0, max_tokens=10))
-    bad = _unvalidated(engine, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3,
-                                              stop_token_ids=[4294967295]))
+    bad = _unvalidated(
+        engine, SamplingParams(temperature=0.0, max_tokens=10, min_tokens=3, stop_token_ids=[4294967295])
+    )
     engine.add_request(good)
     engine.add_request(bad)
     outputs = {good.request_id: [], bad.request_id: []}
@@ -123,13 +137,15 @@ def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_llama_dir, m
 def test_async_engine_fails_the_request_and_keeps_serving(engine):
     async def main():
         aengine = AsyncEngine(engine)
-        bad = _unvalidated(engine, SamplingParams(temperature=0.0, max_tokens=5, min_tokens=2,
-                                                  stop_token_ids=[10**9]))
+        bad = _unvalidated(engine, SamplingParams(temperature=0.0, max_tokens=5, min_tokens=2, stop_token_ids=[10**9]))
         with pytest.raises(RequestFailed, match="the worker goes on"):
             async for _ in aengine.generate_request(bad):
                 pass
-        tokens = [t async for out in aengine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=5))
-                  for t in out.new_token_ids]
+        tokens = [
+            t
+            async for out in aengine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=5))
+            for t in out.new_token_ids
+        ]
         assert not aengine.died.is_set()
         await aengine.shutdown()
         return tokens
@@ -160,6 +176,7 @@ def test_dead_loop_fails_every_stream_and_refuses_new_requests(tiny_llama_dir, m
 
 
 # -- prefill tier: held blocks under a lease -------------------------------------------------------
+
 
 def _hold(engine: Engine) -> str:
     """Run a prefill-tier request to its first token; its blocks stay held."""
@@ -200,6 +217,7 @@ def test_abort_before_the_send_releases_held_blocks(engine):
 
 def test_prefill_cancelled_during_its_first_token_step_leaks_nothing(engine, monkeypatch):
     """The Prefill RPC is cancelled while the step that samples its first token runs."""
+
     async def main():
         aengine = AsyncEngine(engine)
         stepping = asyncio.Event()
@@ -209,6 +227,7 @@ def test_prefill_cancelled_during_its_first_token_step_leaks_nothing(engine, mon
         def slow_step():
             loop.call_soon_threadsafe(stepping.set)
             import time
+
             time.sleep(0.3)
             return real_step()
 
@@ -233,6 +252,7 @@ def test_prefill_cancelled_during_its_first_token_step_leaks_nothing(engine, mon
 
 
 # -- ids, stop strings, queue, tokenizer -----------------------------------------------------------
+
 
 def test_an_id_in_use_by_a_held_request_cannot_be_reused(engine):
     rid = _hold(engine)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from cluster_helpers import engine_argv, greedy_request, load, stub, tokens, wait_all_free
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.llm import LLM
@@ -77,9 +78,12 @@ def test_out_of_vocab_stop_id_is_refused_and_the_worker_lives_on(slow_1p1d, tiny
     and killed the worker's engine loop for good."""
     decode = _worker(slow_1p1d, "decode")
     worker = wpb_grpc.WorkerStub(grpc.insecure_channel(decode.address))
-    bad = wpb.WorkerGenerateRequest(request_id="x", prompt_token_ids=P, sampling=pb.SamplingParameters(temperature=0),
-                                    stopping=pb.StoppingCriteria(max_tokens=4, min_tokens=2,
-                                                                 stop_token_ids=[4294967295]))
+    bad = wpb.WorkerGenerateRequest(
+        request_id="x",
+        prompt_token_ids=P,
+        sampling=pb.SamplingParameters(temperature=0),
+        stopping=pb.StoppingCriteria(max_tokens=4, min_tokens=2, stop_token_ids=[4294967295]),
+    )
     with pytest.raises(grpc.RpcError) as e:
         list(worker.Generate(bad, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in e.value.details()
@@ -104,10 +108,19 @@ sys.exit(main(sys.argv[1:]))
 def test_worker_whose_engine_loop_dies_leaves_the_cluster_and_exits(tiny_llama_dir):
     children = start_cluster(1, engine_argv(tiny_llama_dir))
     port = free_port("127.0.0.1")
-    argv = ["worker", "--port", str(port), "--metrics-port", str(free_port("127.0.0.1")), "--gateway",
-            children[0].address, *engine_argv(tiny_llama_dir)]
-    poisoned = subprocess.Popen([sys.executable, "-c", _POISONED_WORKER, *argv], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)
+    argv = [
+        "worker",
+        "--port",
+        str(port),
+        "--metrics-port",
+        str(free_port("127.0.0.1")),
+        "--gateway",
+        children[0].address,
+        *engine_argv(tiny_llama_dir),
+    ]
+    poisoned = subprocess.Popen(
+        [sys.executable, "-c", _POISONED_WORKER, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     address = f"127.0.0.1:{port}"
     try:
         wait_healthy(address, 60, poisoned)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+
 from splitserve.common.roles import Role
 from splitserve.gateway.router import SPREAD_MARGIN, RouteInput, make_router
 from splitserve.gateway.workers import WorkerHandle, WorkerSet
@@ -15,9 +16,19 @@ pytestmark = pytest.mark.unit
 
 
 def _worker(address: str, outstanding: int = 0, free: int = 100, total: int = 100) -> WorkerHandle:
-    return WorkerHandle(worker_id=address, address=address, role=Role.PREFILL, model="m", max_model_len=1024,
-                        metrics_address="", block_size=16, channel=None, stub=None, outstanding=outstanding,
-                        load=pb.LoadReport(num_free_blocks=free, num_total_blocks=total, block_size=16))
+    return WorkerHandle(
+        worker_id=address,
+        address=address,
+        role=Role.PREFILL,
+        model="m",
+        max_model_len=1024,
+        metrics_address="",
+        block_size=16,
+        channel=None,
+        stub=None,
+        outstanding=outstanding,
+        load=pb.LoadReport(num_free_blocks=free, num_total_blocks=total, block_size=16),
+    )
 
 
 def _route(matched: dict[str, int] | None, num_blocks: int = 10) -> RouteInput:

@@ -5,29 +5,33 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+
 from splitserve.common.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
-    ({"max_tokens": -5}, "max_tokens must be >= 1, got -5"),
-    ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
-    ({"top_p": -0.1}, r"top_p must be in \(0, 1\]"),
-    ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
-    ({"top_k": 0}, "top_k must be >= 1 or None, got 0"),
-    ({"top_k": -1}, "top_k must be >= 1 or None, got -1"),
-    ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must not exceed max_tokens \(4\)"),
-    ({"min_tokens": -1}, "min_tokens must be >= 0"),
-    ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
-    ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
-    ({"frequency_penalty": -3.0}, r"frequency_penalty must be in \[-2, 2\]"),
-    ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
-    ({"logprobs": -1}, r"logprobs must be in \[0, 20\]"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_tokens": 0}, "max_tokens must be >= 1, got 0"),
+        ({"max_tokens": -5}, "max_tokens must be >= 1, got -5"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
+        ({"top_p": -0.1}, r"top_p must be in \(0, 1\]"),
+        ({"temperature": -0.5}, "temperature must be >= 0, got -0.5"),
+        ({"top_k": 0}, "top_k must be >= 1 or None, got 0"),
+        ({"top_k": -1}, "top_k must be >= 1 or None, got -1"),
+        ({"min_tokens": 5, "max_tokens": 4}, r"min_tokens \(5\) must not exceed max_tokens \(4\)"),
+        ({"min_tokens": -1}, "min_tokens must be >= 0"),
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\]"),
+        ({"frequency_penalty": -3.0}, r"frequency_penalty must be in \[-2, 2\]"),
+        ({"logprobs": 21}, r"logprobs must be in \[0, 20\]"),
+        ({"logprobs": -1}, r"logprobs must be in \[0, 20\]"),
+    ],
+)
 def test_bad_values_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

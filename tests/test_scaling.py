@@ -13,6 +13,7 @@ import time
 import grpc
 import pytest
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
+
 from splitserve.common.serving import free_port
 from splitserve.launch.launcher import start_cluster, stop_cluster, wait_healthy
 from splitserve.launch.supervisor import Supervisor
@@ -96,9 +97,23 @@ def test_add_workers_then_drain_the_originals_under_load(tiny_llama_dir):
 
 def test_up_scale_and_workers_commands(tiny_llama_dir):
     port, admin = free_port(), free_port()
-    up = subprocess.Popen([sys.executable, "-m", "splitserve.launch.cli", "up", "--workers", "1", "--port", str(port),
-                           "--admin-port", str(admin), *engine_argv(tiny_llama_dir)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.launch.cli",
+            "up",
+            "--workers",
+            "1",
+            "--port",
+            str(port),
+            "--admin-port",
+            str(admin),
+            *engine_argv(tiny_llama_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     cli = [sys.executable, "-m", "splitserve.launch.cli"]
     try:
         wait_healthy(f"127.0.0.1:{port}", 120, up)
@@ -107,19 +122,28 @@ def test_up_scale_and_workers_commands(tiny_llama_dir):
             if subprocess.run([*cli, "health", f"127.0.0.1:{admin}"], capture_output=True).returncode == 0:
                 break
             time.sleep(0.5)
-        out = subprocess.run([*cli, "scale", "--url", f"127.0.0.1:{admin}", "--prefill", "1", "--decode", "1"],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--prefill", "1", "--decode", "1"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr
         assert "now: 1 unified, 1 prefill, 1 decode" in out.stdout
         time.sleep(1.5)
         listing = subprocess.run([*cli, "workers", "--url", f"127.0.0.1:{port}"], capture_output=True, text=True)
         roles = sorted(line.split()[1] for line in listing.stdout.splitlines()[1:])
         assert roles == ["decode", "prefill", "unified"], listing.stdout
-        out = subprocess.run([*cli, "scale", "--url", f"127.0.0.1:{admin}", "--workers", "0"],
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--workers", "0"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0 and "drained worker-0" in out.stdout, out
-        bad = subprocess.run([*cli, "scale", "--url", f"127.0.0.1:{admin}", "--decode", "0"], capture_output=True,
-                             text=True, timeout=60)
+        bad = subprocess.run(
+            [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--decode", "0"], capture_output=True, text=True, timeout=60
+        )
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     finally:
         up.terminate()

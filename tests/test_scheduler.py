@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import RuntimeInfo, SchedulerConfig
 from splitserve.engine.kv_cache.manager import KVCacheManager
@@ -16,19 +17,38 @@ EOS = 999
 NEXT_TOKEN = 7  # what the fake model always samples (never EOS)
 
 
-def make_scheduler(num_blocks: int = 64, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64,
-                   policy: str = "fcfs", chunked: bool = True, max_model_len: int = 1024) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             enable_chunked_prefill=chunked, policy=policy)
-    runtime = RuntimeInfo(num_kv_blocks=num_blocks, block_size=BS, max_model_len=max_model_len,
-                          eos_token_ids=frozenset({EOS}))
+def make_scheduler(
+    num_blocks: int = 64,
+    *,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    policy: str = "fcfs",
+    chunked: bool = True,
+    max_model_len: int = 1024,
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=chunked,
+        policy=policy,
+    )
+    runtime = RuntimeInfo(
+        num_kv_blocks=num_blocks, block_size=BS, max_model_len=max_model_len, eos_token_ids=frozenset({EOS})
+    )
     return Scheduler(config, runtime, KVCacheManager(num_blocks, BS))
 
 
 def make_request(rid: str, prompt: list[int] | int, *, max_tokens: int = 4, priority: int = 0) -> Request:
     prompt_ids = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt
-    return Request(RequestId(rid), prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                   max_tokens=max_tokens, eos_token_ids=frozenset({EOS}), block_size=BS, priority=priority)
+    return Request(
+        RequestId(rid),
+        prompt_ids,
+        SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        max_tokens=max_tokens,
+        eos_token_ids=frozenset({EOS}),
+        block_size=BS,
+        priority=priority,
+    )
 
 
 def step(sched: Scheduler, token: int = NEXT_TOKEN) -> SchedulerOutput:
@@ -72,6 +92,7 @@ def all_blocks_free(sched: Scheduler) -> bool:
 
 # -- ordering and budgets ---------------------------------------------------------------------------
 
+
 def test_first_step_prefills_then_decodes_one_token_each():
     sched = make_scheduler()
     a, b = make_request("a", 6), make_request("b", 9)
@@ -98,8 +119,7 @@ def test_decodes_are_scheduled_before_prefills():
     sched.add_request(d)
     out = sched.schedule()
     # Scheduled in the order a, b, c; the output puts the one-token entries first, stably.
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
-        ("a", 1), ("c", 1), ("b", 8)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("c", 1), ("b", 8)]
     assert d.status == RequestStatus.WAITING  # the budget (1 + 8 + 1 = 10) is spent
 
 
@@ -180,6 +200,7 @@ def test_priority_admits_lowest_value_first_then_arrival():
 
 
 # -- preemption -------------------------------------------------------------------------------------
+
 
 def test_preemption_picks_latest_arrival_frees_its_blocks_and_it_completes():
     sched = make_scheduler(num_blocks=4)
@@ -263,6 +284,7 @@ def test_no_admission_in_a_step_that_preempts():
 
 # -- finishing --------------------------------------------------------------------------------------
 
+
 def test_finish_request_frees_blocks_at_once():
     sched = make_scheduler(num_blocks=16)
     running, waiting = make_request("running", 10, max_tokens=50), make_request("waiting", 10)
@@ -324,8 +346,10 @@ def test_duplicate_request_id_is_rejected():
 
 def test_pool_is_all_free_after_a_mixed_workload():
     sched = make_scheduler(num_blocks=12, max_num_seqs=3, max_num_batched_tokens=12, policy="priority")
-    reqs = [make_request(f"r{i}", [1 + (i * j) % 5 for j in range(3 + 5 * i % 17)],
-                         max_tokens=1 + i % 7, priority=i % 3) for i in range(10)]
+    reqs = [
+        make_request(f"r{i}", [1 + (i * j) % 5 for j in range(3 + 5 * i % 17)], max_tokens=1 + i % 7, priority=i % 3)
+        for i in range(10)
+    ]
     for r in reqs:
         sched.add_request(r)
     outs = run_until_done(sched)
@@ -335,6 +359,7 @@ def test_pool_is_all_free_after_a_mixed_workload():
 
 
 # -- prefix cache -------------------------------------------------------------------------------------
+
 
 def test_prefix_hit_sets_cached_and_computed_tokens():
     sched = make_scheduler()
@@ -402,8 +427,9 @@ def test_abort_between_schedule_and_update_is_harmless():
 
     kv = KVCacheManager(8, 4)
     sched = Scheduler(SchedulerConfig(), RuntimeInfo(8, 4, 64, frozenset()), kv)
-    r = Request("r", list(range(8)), SamplingParams(max_tokens=4), max_tokens=4,
-                eos_token_ids=frozenset(), block_size=4)
+    r = Request(
+        "r", list(range(8)), SamplingParams(max_tokens=4), max_tokens=4, eos_token_ids=frozenset(), block_size=4
+    )
     sched.add_request(r)
     out = sched.schedule()
     sched.finish_request("r", RequestStatus.FINISHED_ABORTED)
@@ -425,6 +451,7 @@ def test_fcfs_preempts_the_latest_arrival_whatever_its_priority():
 
 
 # -- decode tier: KV transferred from a prefill worker -----------------------------------------------
+
 
 def land(sched: Scheduler, request: Request, first_token: int = NEXT_TOKEN) -> None:
     """What the decode worker does: the first token arrives (Engine.accept_first_token), then the KV."""

@@ -17,12 +17,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from test_scheduler import check_output
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import RuntimeInfo, SchedulerConfig
 from splitserve.engine.kv_cache.manager import KVCacheManager
 from splitserve.engine.request import Request, RequestId, RequestStatus
 from splitserve.engine.scheduler import Scheduler
-from test_scheduler import check_output
 
 pytestmark = pytest.mark.unit
 
@@ -44,12 +45,19 @@ class SimConfig:
     def draw(rng: random.Random) -> SimConfig:
         max_num_seqs = rng.randint(1, 6)
         chunked = rng.random() < 0.75
-        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs,
-                                    max_num_batched_tokens=rng.randint(max(max_num_seqs, 8), 32),
-                                    enable_chunked_prefill=chunked,
-                                    policy=rng.choice(["fcfs", "priority"]))
-        return SimConfig(rng.randint(8, 32), rng.randint(2, 4), scheduler,
-                         enable_caching=rng.random() < 0.8, eos_chance=rng.choice([0.0, 0.05, 0.2]))
+        scheduler = SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=rng.randint(max(max_num_seqs, 8), 32),
+            enable_chunked_prefill=chunked,
+            policy=rng.choice(["fcfs", "priority"]),
+        )
+        return SimConfig(
+            rng.randint(8, 32),
+            rng.randint(2, 4),
+            scheduler,
+            enable_caching=rng.random() < 0.8,
+            eos_chance=rng.choice([0.0, 0.05, 0.2]),
+        )
 
 
 class Sim:
@@ -58,8 +66,12 @@ class Sim:
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
         self.cfg = SimConfig.draw(self.rng)
-        runtime = RuntimeInfo(num_kv_blocks=self.cfg.num_blocks, block_size=self.cfg.block_size,
-                              max_model_len=1024, eos_token_ids=frozenset({EOS}))
+        runtime = RuntimeInfo(
+            num_kv_blocks=self.cfg.num_blocks,
+            block_size=self.cfg.block_size,
+            max_model_len=1024,
+            eos_token_ids=frozenset({EOS}),
+        )
         kv = KVCacheManager(self.cfg.num_blocks, self.cfg.block_size, self.cfg.enable_caching)
         self.sched = Scheduler(self.cfg.scheduler, runtime, kv)
         self.all_requests: list[Request] = []
@@ -75,10 +87,15 @@ class Sim:
         num_prompt = rng.randint(1, min(capacity - 1, 24))
         max_tokens = rng.randint(1, min(capacity - num_prompt, 8))
         prompt = [rng.choice(VOCAB) for _ in range(num_prompt)]
-        request = Request(RequestId(f"r{len(self.all_requests)}"), prompt,
-                          SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens,
-                          eos_token_ids=frozenset({EOS}), block_size=cfg.block_size,
-                          priority=rng.randint(0, 2))
+        request = Request(
+            RequestId(f"r{len(self.all_requests)}"),
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset({EOS}),
+            block_size=cfg.block_size,
+            priority=rng.randint(0, 2),
+        )
         self.all_requests.append(request)
         return request
 
@@ -157,7 +174,8 @@ class Sim:
         assert not self.sched.has_unfinished(), (
             f"deadlock: {len(self.sched.requests)} requests unfinished after {bound} steps, "
             f"{self.sched.kv.num_free_blocks} blocks free, {len(self.sched.running)} running, "
-            f"waiting starts {stuck}")
+            f"waiting starts {stuck}"
+        )
         pool = self.sched.kv.pool
         assert pool.num_free_blocks == pool.num_blocks
 
@@ -195,14 +213,15 @@ class Sim:
         waiting, running, awaiting = list(sched.waiting), sched.running, sched.awaiting_kv
         assert len(waiting) + len(running) + len(awaiting) == len(sched.requests)
         for request in sched.requests.values():
-            in_queue = {RequestStatus.RUNNING: request in running,
-                        RequestStatus.AWAITING_KV: request.request_id in awaiting,
-                        RequestStatus.WAITING: request in waiting,
-                        RequestStatus.PREEMPTED: request in waiting}[request.status]
+            in_queue = {
+                RequestStatus.RUNNING: request in running,
+                RequestStatus.AWAITING_KV: request.request_id in awaiting,
+                RequestStatus.WAITING: request in waiting,
+                RequestStatus.PREEMPTED: request in waiting,
+            }[request.status]
             assert in_queue, f"{request} is not in its queue"
             if request.status == RequestStatus.RUNNING:
-                assert sched.kv.num_blocks_of(request.request_id) >= sched.kv.blocks_needed(
-                    request.num_computed_tokens)
+                assert sched.kv.num_blocks_of(request.request_id) >= sched.kv.blocks_needed(request.num_computed_tokens)
         assert len(running) <= sched.config.max_num_seqs
 
 

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from cluster_helpers import all_blocks_free, collect, engine_argv, greedy_request, stub, tokens
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.serving import free_port
 from splitserve.engine.config import CacheConfig, EngineConfig
@@ -85,16 +86,19 @@ def test_cancel_frees_the_workers_kv_blocks(cluster):
     assert all(_all_blocks_free(w.address) for w in cluster[1:])
 
 
-@pytest.mark.parametrize("request_, message", [
-    (pb.GenerateRequest(text=""), "prompt is empty"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
-    (pb.GenerateRequest(model="gpt-9", text="hi"), "unknown model 'gpt-9'"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 300)), "model context is 256"),
-    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(top_p=1.5)), "top_p must be in"),
-    (pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(temperature=-1)), "temperature must be"),
-    (pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_tokens=0)), "max_tokens must be >= 1"),
-    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])), "token ids must be in"),
-])
+@pytest.mark.parametrize(
+    "request_, message",
+    [
+        (pb.GenerateRequest(text=""), "prompt is empty"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[])), "prompt is empty"),
+        (pb.GenerateRequest(model="gpt-9", text="hi"), "unknown model 'gpt-9'"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1] * 300)), "model context is 256"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(top_p=1.5)), "top_p must be in"),
+        (pb.GenerateRequest(text="hi", sampling=pb.SamplingParameters(temperature=-1)), "temperature must be"),
+        (pb.GenerateRequest(text="hi", stopping=pb.StoppingCriteria(max_tokens=0)), "max_tokens must be >= 1"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])), "token ids must be in"),
+    ],
+)
 def test_bad_input_gets_invalid_argument(cluster, request_, message):
     stub = _stub(cluster[0].address)
     with pytest.raises(grpc.RpcError) as err:
@@ -112,22 +116,37 @@ def test_health_reflection_and_metrics(cluster):
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
         assert status == health_pb2.HealthCheckResponse.SERVING
         replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
         names = {s.name for r in replies for s in r.list_services_response.service}
         assert "grpc.health.v1.Health" in names
         assert ("splitserve.v1.Generation" if child.name == "gateway" else "splitserve.v1.Worker") in names
     _collect(_stub(cluster[0].address), _greedy_request([3, 4, 5], 8))
-    text = "".join(urllib.request.urlopen(f"http://{w.metrics}/metrics", timeout=5).read().decode()
-                   for w in cluster[1:])
-    for series in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                   "request_time_per_output_token_seconds", "e2e_request_latency_seconds",
-                   "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                   "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                   "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total",
-                   "prompt_tokens_total", "generation_tokens_total", "request_success_total"):
+    text = "".join(
+        urllib.request.urlopen(f"http://{w.metrics}/metrics", timeout=5).read().decode() for w in cluster[1:]
+    )
+    for series in (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "request_time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "num_preemptions_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+    ):
         assert f"splitserve:{series}" in text, series
-    generated = sum(float(line.split()[-1]) for line in text.splitlines()
-                    if line.startswith("splitserve:generation_tokens_total"))
+    generated = sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("splitserve:generation_tokens_total")
+    )
     assert generated >= 8
     gateway = urllib.request.urlopen(f"http://{cluster[0].metrics}/metrics", timeout=5).read().decode()
     assert 'splitserve:gateway_requests_total{code="OK"}' in gateway
@@ -136,8 +155,9 @@ def test_health_reflection_and_metrics(cluster):
 
 def _start_gateway(extra: list[str]):
     port, metrics = free_port(), free_port()
-    proc = _spawn("gateway-x", ["gateway", "--port", str(port), "--metrics-port", str(metrics), *extra],
-                  dict(os.environ))
+    proc = _spawn(
+        "gateway-x", ["gateway", "--port", str(port), "--metrics-port", str(metrics), *extra], dict(os.environ)
+    )
     wait_healthy(f"127.0.0.1:{port}", 60, proc)
     return proc, f"127.0.0.1:{port}"
 

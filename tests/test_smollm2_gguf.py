@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.llm import LLM
@@ -13,8 +14,10 @@ pytestmark = pytest.mark.integration
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You answer briefly."},
-     {"role": "user", "content": "Why is the sky blue? Explain like I am five."}],
+    [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Why is the sky blue? Explain like I am five."},
+    ],
 ]
 NUM_TOKENS = 32
 
@@ -45,9 +48,14 @@ def test_chat_prompts_match_transformers(llm, hf):
     with torch.no_grad():
         for ids, got in zip(prompts, ours):
             x = torch.tensor([ids])
-            ref = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NUM_TOKENS,
-                                    min_new_tokens=NUM_TOKENS, do_sample=False)
-            assert got == ref[0, len(ids):].tolist()
+            ref = hf_model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=NUM_TOKENS,
+                min_new_tokens=NUM_TOKENS,
+                do_sample=False,
+            )
+            assert got == ref[0, len(ids) :].tolist()
     assert all(len(t) == NUM_TOKENS for t in ours)
 
 

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+
 from splitserve.model.attention.backend import AttentionMetadata
 from splitserve.model.attention.torch_backend import TorchAttention, length_groups
 
@@ -44,10 +45,15 @@ def test_paged_attention_matches_dense_with_length_groups():
         slots += [blocks[p // bs] * bs + p % bs for p in range(seq_len - ql, seq_len)]
     width = max(map(len, tables))
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         query_start_loc=torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32),
-        num_decodes=24, max_seq_len=max(seq_lens), seq_lens_cpu=seq_lens, query_lens_cpu=query_lens)
+        num_decodes=24,
+        max_seq_len=max(seq_lens),
+        seq_lens_cpu=seq_lens,
+        query_lens_cpu=query_lens,
+    )
     q = torch.randn(sum(query_lens), h, d)
     new_k = torch.cat([k[-ql:] for (k, _), ql in zip(history, query_lens)])
     new_v = torch.cat([v[-ql:] for (_, v), ql in zip(history, query_lens)])
@@ -55,8 +61,9 @@ def test_paged_attention_matches_dense_with_length_groups():
     out = backend.forward(q, new_k, new_v, kv_cache, meta)
     start = 0
     for (k, v), ql in zip(history, query_lens):
-        torch.testing.assert_close(out[start:start + ql], _dense_reference(q[start:start + ql], k, v, ql),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            out[start : start + ql], _dense_reference(q[start : start + ql], k, v, ql), rtol=1e-5, atol=1e-5
+        )
         start += ql
 
 

@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 import torch
+
 from splitserve.disagg.transfer.base import TransferError, TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import grpc
+
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -24,8 +25,16 @@ log = logging.getLogger("splitserve.worker")
 
 
 class KVEventPublisher:
-    def __init__(self, port: HandoffPort, gateway: str, address: str, model: str,
-                 register: Callable[[], Awaitable[None]], interval_s: float = 0.1, heartbeat_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        port: HandoffPort,
+        gateway: str,
+        address: str,
+        model: str,
+        register: Callable[[], Awaitable[None]],
+        interval_s: float = 0.1,
+        heartbeat_s: float = 1.0,
+    ) -> None:
         self.port, self.gateway, self.address, self.model = port, gateway, address, model
         self.register = register  # called when the gateway no longer knows this worker (it restarted)
         self.interval_s, self.heartbeat_s = interval_s, heartbeat_s
@@ -60,8 +69,9 @@ class KVEventPublisher:
 
     def _request(self, **fields) -> pb.PublishKVEventsRequest:
         self.seq += 1
-        return pb.PublishKVEventsRequest(address=self.address, instance_id=self.instance_id, seq=self.seq,
-                                         model=self.model, **fields)
+        return pb.PublishKVEventsRequest(
+            address=self.address, instance_id=self.instance_id, seq=self.seq, model=self.model, **fields
+        )
 
     async def _send(self, stub: pb_grpc.RegistryStub, request: pb.PublishKVEventsRequest) -> None:
         try:

@@ -14,8 +14,27 @@ if TYPE_CHECKING:
     from splitserve.disagg.transfer.base import TransferFailure
 
 PREFIX = "splitserve:"
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,20 +65,44 @@ class _EngineCollector:
         for name, doc, value, family in (
             ("num_requests_running", "Requests in the running batch.", s.num_running, GaugeMetricFamily),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting, GaugeMetricFamily),
-            ("num_requests_awaiting_kv", "Decode tier: requests whose KV is in flight.", s.num_awaiting_kv,
-             GaugeMetricFamily),
+            (
+                "num_requests_awaiting_kv",
+                "Decode tier: requests whose KV is in flight.",
+                s.num_awaiting_kv,
+                GaugeMetricFamily,
+            ),
             ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage, GaugeMetricFamily),
-            ("num_kv_blocks", "KV blocks in this worker's cache (chosen at start).", s.num_kv_blocks,
-             GaugeMetricFamily),
-            ("num_held_kv_blocks", "Prefill tier: KV blocks held for finished prompts until sent.",
-             s.num_held_blocks, GaugeMetricFamily),
-            ("kv_lease_expiries", "Prefill tier: held prompts released because no sender claimed them in time.",
-             s.num_lease_expiries, CounterMetricFamily),
-            ("engine_failed_requests", "Requests stopped with an error by a failed engine step.",
-             s.num_failed_requests, CounterMetricFamily),
+            (
+                "num_kv_blocks",
+                "KV blocks in this worker's cache (chosen at start).",
+                s.num_kv_blocks,
+                GaugeMetricFamily,
+            ),
+            (
+                "num_held_kv_blocks",
+                "Prefill tier: KV blocks held for finished prompts until sent.",
+                s.num_held_blocks,
+                GaugeMetricFamily,
+            ),
+            (
+                "kv_lease_expiries",
+                "Prefill tier: held prompts released because no sender claimed them in time.",
+                s.num_lease_expiries,
+                CounterMetricFamily,
+            ),
+            (
+                "engine_failed_requests",
+                "Requests stopped with an error by a failed engine step.",
+                s.num_failed_requests,
+                CounterMetricFamily,
+            ),
             ("num_preemptions", "Preemptions (recompute) so far.", s.num_preemptions, CounterMetricFamily),
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_cache_queries,
-             CounterMetricFamily),
+            (
+                "prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                s.prefix_cache_queries,
+                CounterMetricFamily,
+            ),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits, CounterMetricFamily),
         ):
             metric = family(PREFIX + name, doc, labels=names)
@@ -70,8 +113,9 @@ class _EngineCollector:
 class WorkerMetrics:
     """Per-request latency histograms and token counters, plus the engine collector."""
 
-    def __init__(self, model: str, role: str, snapshot: Callable[[], EngineSnapshot],
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, model: str, role: str, snapshot: Callable[[], EngineSnapshot], registry: CollectorRegistry | None = None
+    ) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model, "role": role}
         names = list(self.labels)
@@ -94,14 +138,21 @@ class WorkerMetrics:
         self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
         self.kv_bytes = counter("kv_transfer_bytes", "KV bytes moved between tiers.", ("direction",))
         self.kv_blocks = counter("kv_transfer_blocks", "KV blocks moved between tiers.", ("direction",))
-        self.kv_seconds = Histogram(PREFIX + "kv_transfer_seconds", "Time of one KV transfer.", names + ["direction"],
-                                    buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.kv_seconds = Histogram(
+            PREFIX + "kv_transfer_seconds",
+            "Time of one KV transfer.",
+            names + ["direction"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.kv_failures = counter("kv_transfer_failures", "Failed KV handoffs, by reason.", ("reason",))
-        self.kv_skipped = counter("kv_transfer_blocks_skipped",
-                                  "Prompt blocks not transferred because the decode worker held them.")
-        self.kv_recomputes = counter("kv_transfer_recompute_fallbacks",
-                                     "Requests whose prompt was recomputed on the decode worker after a failed "
-                                     "transfer.")
+        self.kv_skipped = counter(
+            "kv_transfer_blocks_skipped", "Prompt blocks not transferred because the decode worker held them."
+        )
+        self.kv_recomputes = counter(
+            "kv_transfer_recompute_fallbacks",
+            "Requests whose prompt was recomputed on the decode worker after a failed transfer.",
+        )
         self.registry.register(_EngineCollector(snapshot, self.labels))
 
     def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
@@ -118,8 +169,9 @@ class WorkerMetrics:
     def observe_recompute_fallback(self) -> None:
         self.kv_recomputes.labels(**self.labels).inc()
 
-    def observe_finished(self, t: RequestTiming, num_prompt_tokens: int, num_output_tokens: int,
-                         finish_reason: str) -> None:
+    def observe_finished(
+        self, t: RequestTiming, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str
+    ) -> None:
         lab = self.labels
         self.e2e.labels(**lab).observe(t.finished - t.arrival)
         self.queue.labels(**lab).observe(t.queue_s)

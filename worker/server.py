@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
 from splitserve.common.model_files import model_name
 from splitserve.common.roles import MODES, Role
 from splitserve.common.serving import start_metrics_server
@@ -81,8 +82,9 @@ def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMet
     if role is Role.DECODE:
         receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
         log.info("KV channels meet at TCPStore %s", receiver.address)
-        handoff = DecodeHandoff(engine, receiver, GrpcPrefillClient(), metrics, config.kv_reserve_timeout_s,
-                                config.kv_transfer_timeout_s)
+        handoff = DecodeHandoff(
+            engine, receiver, GrpcPrefillClient(), metrics, config.kv_reserve_timeout_s, config.kv_transfer_timeout_s
+        )
         return WorkerServicer(engine, metrics, role, handoff=handoff)
     return WorkerServicer(engine, metrics, role)
 
@@ -113,6 +115,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     print(f"worker ready: grpc {address} metrics http://{config.public_host}:{metrics_port}/metrics", flush=True)
     publisher = None
     if config.gateway:
+
         async def register() -> None:
             await _register(config, address, f"{config.public_host}:{metrics_port}", name, port)
 
@@ -139,9 +142,15 @@ async def serve_worker(config: WorkerConfig) -> None:
 
 
 async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: HandoffPort) -> None:
-    request = pb.RegisterWorkerRequest(address=address, role=config.role.proto, model=name,
-                                       max_model_len=port.max_model_len, metrics_address=metrics_address,
-                                       block_size=port.block_size, vocab_size=port.vocab_size)
+    request = pb.RegisterWorkerRequest(
+        address=address,
+        role=config.role.proto,
+        model=name,
+        max_model_len=port.max_model_len,
+        metrics_address=metrics_address,
+        block_size=port.block_size,
+        vocab_size=port.vocab_size,
+    )
     assert config.gateway is not None
     async with grpc.aio.insecure_channel(config.gateway) as channel:
         stub = pb_grpc.RegistryStub(channel)
@@ -170,7 +179,8 @@ async def _deregister(config: WorkerConfig, address: str) -> None:
     try:
         async with grpc.aio.insecure_channel(config.gateway) as channel:
             await pb_grpc.RegistryStub(channel).DeregisterWorker(
-                pb.DeregisterWorkerRequest(address=address), timeout=2.0)
+                pb.DeregisterWorkerRequest(address=address), timeout=2.0
+            )
     except grpc.aio.AioRpcError:
         pass  # the gateway's health checks drop us anyway
 
@@ -188,9 +198,11 @@ async def _drain(config, servicer, health_servicer, engine: AsyncEngine, address
 def _pool_report(port: HandoffPort) -> str:
     """One line the launcher's tests read: the KV pool must be empty when a drained worker exits."""
     load = port.load()
-    return (f"free_blocks={load.num_free_blocks} total_blocks={load.num_total_blocks} running={load.num_running} "
-            f"waiting={load.num_waiting} awaiting_kv={load.num_awaiting_kv} held={load.num_held_requests} "
-            f"held_blocks={load.num_held_blocks} lease_expiries={load.num_lease_expiries}")
+    return (
+        f"free_blocks={load.num_free_blocks} total_blocks={load.num_total_blocks} running={load.num_running} "
+        f"waiting={load.num_waiting} awaiting_kv={load.num_awaiting_kv} held={load.num_held_requests} "
+        f"held_blocks={load.num_held_blocks} lease_expiries={load.num_lease_expiries}"
+    )
 
 
 def _busy(servicer: WorkerServicer) -> bool:

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+
 from splitserve.common.roles import Role
 from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
 from splitserve.disagg.decode import DecodeHandoff
@@ -25,17 +26,31 @@ from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetri
 
 def engine_snapshot(port: HandoffPort) -> EngineSnapshot:
     load = port.load()
-    return EngineSnapshot(num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_usage,
-                          num_preemptions=load.num_preemptions, prefix_cache_queries=load.prefix_cache_queries,
-                          prefix_cache_hits=load.prefix_cache_hits, num_awaiting_kv=load.num_awaiting_kv,
-                          num_held_blocks=load.num_held_blocks, num_lease_expiries=load.num_lease_expiries,
-                          num_failed_requests=load.num_failed_requests, num_kv_blocks=load.num_total_blocks)
+    return EngineSnapshot(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_cache_usage=load.kv_usage,
+        num_preemptions=load.num_preemptions,
+        prefix_cache_queries=load.prefix_cache_queries,
+        prefix_cache_hits=load.prefix_cache_hits,
+        num_awaiting_kv=load.num_awaiting_kv,
+        num_held_blocks=load.num_held_blocks,
+        num_lease_expiries=load.num_lease_expiries,
+        num_failed_requests=load.num_failed_requests,
+        num_kv_blocks=load.num_total_blocks,
+    )
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, role: Role = Role.UNIFIED,
-                 sender: KVSender | None = None, handoff: DecodeHandoff | None = None,
-                 send_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: WorkerMetrics,
+        role: Role = Role.UNIFIED,
+        sender: KVSender | None = None,
+        handoff: DecodeHandoff | None = None,
+        send_delay_s: float = 0.0,
+    ) -> None:
         self.engine, self.metrics, self.role = engine, metrics, role
         self.port = HandoffPort(engine)
         self.sender, self.handoff = sender, handoff
@@ -62,21 +77,28 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(e.code, e.message)
 
     async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
-        params = sampling_params_from_proto(request.sampling, request.stopping,
-                                            request.logprobs if request.HasField("logprobs") else None)
+        params = sampling_params_from_proto(
+            request.sampling, request.stopping, request.logprobs if request.HasField("logprobs") else None
+        )
         # The client's id is a label only: the engine names the request itself, so a reused id can
         # never reach another request's blocks.
         prompt, label = list(request.prompt_token_ids), request.request_id
         if request.prefill_address:
             if self.handoff is None:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker is not a decode worker; "
-                                    "send requests with a prefill_address to one started with --mode decode")
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this worker is not a decode worker; "
+                    "send requests with a prefill_address to one started with --mode decode",
+                )
                 return  # abort raised; this keeps type checkers from assuming it returns
             engine_request = self.engine.make_request(prompt, params, priority=request.priority, label=label)
             stream = self.handoff.generate(engine_request, request.prefill_address, wire=request)
         elif self.role is Role.PREFILL:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a prefill worker runs prompts only (the "
-                                "Prefill RPC); send whole requests to a unified or decode worker")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a prefill worker runs prompts only (the "
+                "Prefill RPC); send whole requests to a unified or decode worker",
+            )
         else:
             stream = self.engine.generate(prompt, params, priority=request.priority, label=label)
         async for out in stream:
@@ -89,17 +111,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         elif timing.last_token is not None:
             self.metrics.observe_token_gap(now - timing.last_token)
         timing.last_token = now
-        msg = pb.WorkerGenerateResponse(text=out.new_text, token_ids=out.new_token_ids,
-                                        logprobs=logprobs_to_proto(out.new_logprobs))
+        msg = pb.WorkerGenerateResponse(
+            text=out.new_text, token_ids=out.new_token_ids, logprobs=logprobs_to_proto(out.new_logprobs)
+        )
         if out.finished:
             timing.finished, timing.queue_s = now, out.timings.queue_ms / 1e3
             reason = out.finish_reason.value if out.finish_reason else "abort"
             self.metrics.observe_finished(timing, out.num_prompt_tokens, out.num_output_tokens, reason)
             msg.finish_reason = FINISH_REASONS[reason]
             msg.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
-            msg.usage.CopyFrom(gen_pb.Usage(prompt_tokens=out.num_prompt_tokens,
-                                            completion_tokens=out.num_output_tokens,
-                                            cached_prompt_tokens=out.num_cached_tokens))
+            msg.usage.CopyFrom(
+                gen_pb.Usage(
+                    prompt_tokens=out.num_prompt_tokens,
+                    completion_tokens=out.num_output_tokens,
+                    cached_prompt_tokens=out.num_cached_tokens,
+                )
+            )
             msg.queue_ms = out.timings.queue_ms
         return msg
 
@@ -109,14 +136,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
         r = request.request
-        job = HandoffJob(ChannelSpec(request.channel.store_address, request.channel.key), request.transfer_tag,
-                         request.num_skip_blocks, request.kv_layout)
+        job = HandoffJob(
+            ChannelSpec(request.channel.store_address, request.channel.key),
+            request.transfer_tag,
+            request.num_skip_blocks,
+            request.kv_layout,
+        )
         timing = RequestTiming(arrival=time.monotonic())
         try:
             params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
             engine_request = self.port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
-            async for event in prefill_and_send(self.engine, engine_request, self.sender, job, self.metrics,
-                                                self.send_delay_s):
+            async for event in prefill_and_send(
+                self.engine, engine_request, self.sender, job, self.metrics, self.send_delay_s
+            ):
                 if isinstance(event, FirstToken):
                     timing.first_token = timing.finished = time.monotonic()
                     timing.queue_s = event.queue_ms / 1e3
@@ -144,7 +176,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.LoadReport:
         load = self.port.load()
-        return pb.LoadReport(num_running=load.num_running, num_waiting=load.num_waiting,
-                             num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
-                             block_size=load.block_size, num_awaiting_kv=load.num_awaiting_kv, role=self.role.proto,
-                             num_held_blocks=load.num_held_blocks, num_held_requests=load.num_held_requests)
+        return pb.LoadReport(
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            block_size=load.block_size,
+            num_awaiting_kv=load.num_awaiting_kv,
+            role=self.role.proto,
+            num_held_blocks=load.num_held_blocks,
+            num_held_requests=load.num_held_requests,
+        )

@@ -10,6 +10,7 @@ import itertools
 import time
 
 import torch
+
 from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
 
 

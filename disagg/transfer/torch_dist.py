@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
 
 # Blocking gloo calls (group construction, work.wait) run here; one thread per transfer in flight.
@@ -60,8 +61,9 @@ class TorchDistReceiver(KVReceiver):
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        self.store = dist.TCPStore(
+            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+        )
         self.address = f"{host}:{self.store.port}"
         self._prefix = uuid.uuid4().hex[:8]  # keys stay unique across restarts on the same port
         self._ids = itertools.count()

@@ -64,8 +64,9 @@ class KVCacheManager:
             hits.append(block)
         return PrefixHit(hits, self.block_size)
 
-    def allocate_slots(self, request: KVRequest, num_new_tokens: int,
-                       hit: PrefixHit | None = None, num_keep_free: int = 0) -> bool:
+    def allocate_slots(
+        self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None, num_keep_free: int = 0
+    ) -> bool:
         """Make room for num_new_tokens more tokens (after the prefix hit, if any).
 
         Returns False, changing nothing, when the pool cannot supply the blocks and still have

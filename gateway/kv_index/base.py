@@ -77,8 +77,7 @@ def net_change(batch: EventBatch) -> BlockChange:
     return BlockChange(cleared, frozenset(added), frozenset(removed))
 
 
-def count_leading(holders: Iterable[Collection[str]], workers: Sequence[str],
-                  alive: Collection[str]) -> dict[str, int]:
+def count_leading(holders: Iterable[Collection[str]], workers: Sequence[str], alive: Collection[str]) -> dict[str, int]:
     """lookup()'s answer from the holders of each block hash, in order (stops once nobody is left)."""
     counts = dict.fromkeys(workers, 0)
     running = {w for w in workers if w in alive}

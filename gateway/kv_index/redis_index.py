@@ -30,6 +30,7 @@ import redis.asyncio
 from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+
 from splitserve.common.block_hash import BlockHash
 from splitserve.gateway.kv_index.base import (
     ApplyResult,
@@ -88,8 +89,12 @@ class RedisIndex(KVIndex):
         # closed; none on a timeout, so a hung Redis costs one socket timeout.
         retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
         self._redis = redis.asyncio.Redis.from_url(
-            redis_url, decode_responses=True, socket_timeout=_SOCKET_TIMEOUT_S,
-            socket_connect_timeout=_SOCKET_TIMEOUT_S, retry=retry)
+            redis_url,
+            decode_responses=True,
+            socket_timeout=_SOCKET_TIMEOUT_S,
+            socket_connect_timeout=_SOCKET_TIMEOUT_S,
+            retry=retry,
+        )
 
     async def apply(self, batch: EventBatch) -> ApplyResult:
         change = net_change(batch)
@@ -142,8 +147,9 @@ class RedisIndex(KVIndex):
             results = await pipe.execute()
         return _position(results[0]), set(results[1]) if cleared else set()
 
-    async def _write(self, batch: EventBatch, change: BlockChange, position: StreamPosition | None,
-                     held: set[str]) -> ApplyResult:
+    async def _write(
+        self, batch: EventBatch, change: BlockChange, position: StreamPosition | None, held: set[str]
+    ) -> ApplyResult:
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hmget(self._keys.state(batch.worker), ["instance", "seq"])
             self._queue_changes(pipe, batch.worker, change, held)
@@ -197,8 +203,7 @@ class RedisIndex(KVIndex):
         try:
             yield
         except _ERRORS as e:
-            raise IndexUnavailable(f"redis index at {self._where}: {operation} failed: "
-                                   f"{type(e).__name__}: {e}") from e
+            raise IndexUnavailable(f"redis index at {self._where}: {operation} failed: {type(e).__name__}: {e}") from e
 
 
 def _position(fields: list[str | None]) -> StreamPosition | None:

@@ -13,5 +13,11 @@ from splitserve.model.attention.backend import (
     register_backend,
 )
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "available_backends", "default_backend_name",
-           "get_backend", "register_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "available_backends",
+    "default_backend_name",
+    "get_backend",
+    "register_backend",
+]

@@ -54,8 +54,9 @@ class ModelOps:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(dtype)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual). May write the sum into residual in place: callers
         use the returned stream and never read residual again."""
         total = x + residual
@@ -99,7 +100,7 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.ops: ModelOps = ModelOps()
 
     @classmethod
@@ -152,6 +153,8 @@ def get_backend(name: str | None, device: torch.device) -> type[AttentionBackend
     try:
         cls.check_supported(device)
     except RuntimeError as e:
-        raise RuntimeError(f"--attention-backend {name} cannot run: {e}. Pass --attention-backend torch, "
-                           "or leave it unset to use the device's default backend") from e
+        raise RuntimeError(
+            f"--attention-backend {name} cannot run: {e}. Pass --attention-backend torch, "
+            "or leave it unset to use the device's default backend"
+        ) from e
     return cls

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from splitserve.model.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
@@ -69,8 +70,9 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         for group in groups:  # similar lengths together: less padding to gather and attend over
             idx = torch.tensor(group, device=q.device)
-            out[idx] = self._decode_group(q[idx], kv_cache, meta.block_tables[idx], meta.seq_lens[idx],
-                                          max(lens[i] for i in group))
+            out[idx] = self._decode_group(
+                q[idx], kv_cache, meta.block_tables[idx], meta.seq_lens[idx], max(lens[i] for i in group)
+            )
         return out
 
     def _decode_group(self, q, kv_cache, block_tables, seq_lens, max_len: int) -> torch.Tensor:
@@ -82,8 +84,12 @@ class TorchAttention(AttentionBackend):
         positions = torch.arange(num_blocks * bs, device=q.device)
         mask = positions[None, :] < seq_lens[:, None]  # [n, L]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :],
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads,
+            q.unsqueeze(2),
+            keys,
+            values,
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )  # [n, h, 1, d]
         return out.squeeze(2)
 
@@ -95,11 +101,9 @@ class TorchAttention(AttentionBackend):
         gqa = self.num_heads != self.num_kv_heads
         qt = q.transpose(0, 1)  # [h, ql, d]
         if seq_len == query_len:
-            out = F.scaled_dot_product_attention(qt, keys, values, is_causal=True,
-                                                 scale=self.scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, scale=self.scale, enable_gqa=gqa)
         else:  # a cached prefix: query j sits at position seq_len - query_len + j
             rows = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-            out = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask,
-                                                 scale=self.scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
         return out.transpose(0, 1)

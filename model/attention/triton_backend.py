@@ -19,6 +19,7 @@ import os
 import shutil
 
 import torch
+
 from splitserve.model.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
@@ -41,8 +42,10 @@ def _check_triton_version() -> str:
         raise RuntimeError(f"triton is installed but does not import ({e})") from e
     version = getattr(triton, "__version__", "unknown")
     if not hasattr(triton, "knobs"):  # the API the kernels need, whatever the version string says
-        raise RuntimeError(f"triton {version} is too old: splitserve.kernels need triton >= {MIN_TRITON} "
-                           "(triton.knobs; torch >= 2.8 ships it)")
+        raise RuntimeError(
+            f"triton {version} is too old: splitserve.kernels need triton >= {MIN_TRITON} "
+            "(triton.knobs; torch >= 2.8 ships it)"
+        )
     return version
 
 
@@ -50,8 +53,10 @@ def _check_compiler(version: str) -> None:
     """Compiled Triton builds a small C launcher per kernel: it needs a C compiler, as Triton looks
     for one ($CC, gcc or clang). CUDA `-runtime` images lack one."""
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
-        raise RuntimeError(f"triton {version} needs a C compiler to build its kernel launchers and none was "
-                           "found (set CC, or install gcc)")
+        raise RuntimeError(
+            f"triton {version} needs a C compiler to build its kernel launchers and none was "
+            "found (set CC, or install gcc)"
+        )
 
 
 def _import_kernels(version: str) -> None:
@@ -95,12 +100,15 @@ class TritonAttention(AttentionBackend):
     def check_supported(cls, device: torch.device) -> None:
         """Triton importable, new enough, a C compiler on CUDA, and splitserve.kernels importable."""
         if not triton_installed():
-            raise RuntimeError(f"the 'triton' attention backend needs the triton package "
-                               f"(pip install 'triton>={MIN_TRITON}')")
+            raise RuntimeError(
+                f"the 'triton' attention backend needs the triton package (pip install 'triton>={MIN_TRITON}')"
+            )
         interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
         if device.type != "cuda" and not interpreted:
-            raise RuntimeError(f"the 'triton' attention backend runs on CUDA, or on CPU only under the Triton "
-                               f"interpreter (TRITON_INTERPRET=1, slow, for tests); device is {device}")
+            raise RuntimeError(
+                f"the 'triton' attention backend runs on CUDA, or on CPU only under the Triton "
+                f"interpreter (TRITON_INTERPRET=1, slow, for tests); device is {device}"
+            )
         version = _check_triton_version()
         if not interpreted:
             _check_compiler(version)
@@ -120,10 +128,23 @@ class TritonAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view of qkv
         if nd:  # decodes come first, one token each
             kernels.paged_decode_attention(
-                q[:nd], kv_cache, meta.block_tables[:nd], meta.seq_lens[:nd], self.scale,
-                max_seq_len=max(meta.seq_lens_cpu[:nd]), out=out[:nd])
+                q[:nd],
+                kv_cache,
+                meta.block_tables[:nd],
+                meta.seq_lens[:nd],
+                self.scale,
+                max_seq_len=max(meta.seq_lens_cpu[:nd]),
+                out=out[:nd],
+            )
         if nd < meta.num_seqs:
             kernels.paged_prefill_attention(
-                q[nd:], kv_cache, meta.block_tables[nd:], meta.seq_lens[nd:], meta.query_start_loc[nd:],
-                self.scale, max_query_len=max(meta.query_lens_cpu[nd:]), out=out[nd:])
+                q[nd:],
+                kv_cache,
+                meta.block_tables[nd:],
+                meta.seq_lens[nd:],
+                meta.query_start_loc[nd:],
+                self.scale,
+                max_query_len=max(meta.query_lens_cpu[nd:]),
+                out=out[nd:],
+            )
         return out
