@@ -41,6 +41,19 @@ def engine_snapshot(port: HandoffPort) -> EngineSnapshot:
     )
 
 
+# What the caller gets for the engine's errors: its own bad parameters; a failure of the engine on
+# this request only (the worker goes on); or a dead engine loop (retry on another worker).
+_ENGINE_ERRORS = (ValueError, RequestFailed, EngineDead)
+
+
+def _status_of(error: Exception) -> grpc.StatusCode:
+    if isinstance(error, RequestFailed):
+        return grpc.StatusCode.INTERNAL
+    if isinstance(error, EngineDead):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self,
@@ -65,12 +78,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         try:
             async for out in self._outputs(request, context):
                 yield self._response(out, timing)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RequestFailed as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except EngineDead as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except _ENGINE_ERRORS as e:
+            await context.abort(_status_of(e), str(e))
         except HandoffError as e:
             if e.failed_peer:
                 context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
@@ -154,12 +163,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     timing.queue_s = event.queue_ms / 1e3
                     self.metrics.observe_finished(timing, engine_request.num_prompt_tokens, 1, "length")
                 yield event_to_proto(event)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except RequestFailed as e:
-            await context.abort(grpc.StatusCode.INTERNAL, str(e))
-        except EngineDead as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except _ENGINE_ERRORS as e:
+            await context.abort(_status_of(e), str(e))
         except TransferError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
 
