@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate lint test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels soak clean
+.PHONY: install serve serve-disagg generate lint test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels gpu-check soak clean
 
 install: $(VENV)/.installed
 
@@ -69,6 +69,13 @@ experiment: install
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install
 	$(PY) benchmarks/kernels.py
+
+# On a CUDA host (~8 min on one H200; exits with a message without CUDA): kernel tests compiled on the
+# device, bf16/fp32 checks against transformers, no Triton compile after the warm-up, a 1P1D and a
+# 2-workers-per-GPU `splitserve up`, the kernel and decode-step benchmarks; one table, JSON to GPU_CHECK_JSON.
+GPU_CHECK_JSON ?= runs/gpu-check/gpu_check.json
+gpu-check: install
+	$(PY) scripts/gpu_check.py --json $(GPU_CHECK_JSON)
 
 # The fault suite of tests/test_fault_suite.py, DURATION seconds per prefix-index backend (memory,
 # Redis): a table of requests, faults, outcomes, wrong tokens and leaked blocks; JSON to SOAK_JSON.

@@ -10,14 +10,16 @@ visible query-key pair). Configurations past --max-prefill-tokens query tokens a
 Table 3, store_kv / rms_norm (plain and fused residual) / rotary_embedding / silu_and_mul against
 their torch `*_ref`, at 64 and 4096 tokens.
 Table 4, end-to-end decode step of SmolLM2-135M-Instruct (bf16) with each attention backend: ms per
-engine.step() and per bare model forward, after all requests reached the decode phase.
+engine.step() and per bare model forward (synchronized: the time until its kernels finished), after
+all requests reached the decode phase.
 
 Attention shapes are one layer of a Llama-3-8B-like model (32 query heads, 8 KV heads, head_dim
 128) unless --shape smollm2 (9, 3, 64). Times are medians of triton.testing.do_bench (L2 flushed
 between runs). The torch attention baseline is skipped when its K/V gather would not fit
 (--max-torch-kv-gib).
 
-Usage: python benchmarks/kernels.py [--shape llama3-8b|smollm2] [--json PATH]   (needs CUDA)
+Usage: python benchmarks/kernels.py [--shape llama3-8b|smollm2] [--batches 1,64] [--contexts 4096]
+       [--json PATH]   (needs CUDA)
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ def torch_baseline(shape, q, k, v, kv_cache, meta, triton_out, limit_gib: float)
 
 def decode_table(shape, peak_gbps, args) -> list[dict]:
     rows = []
-    for context in CONTEXTS:
-        for batch in BATCHES:
+    for context in args.contexts:
+        for batch in args.batches:
             if kv_gib(shape, batch, context) > args.max_kv_gib:
                 rows.append({"batch": batch, "context": context, "skipped": "KV over --max-kv-gib"})
                 continue
@@ -132,7 +134,7 @@ def decode_table(shape, peak_gbps, args) -> list[dict]:
 
 def _decode_row(shape, batch: int, context: int, peak_gbps, args) -> dict:
     from splitserve.kernels import paged_decode_attention
-    from splitserve.kernels.paged_decode import choose_num_splits
+    from splitserve.kernels.paged_decode import choose_num_splits, sm_count
 
     q, k, v, kv_cache, meta = paged_batch(shape, [context] * batch, [1] * batch)
     scale = shape[2] ** -0.5
@@ -149,7 +151,7 @@ def _decode_row(shape, batch: int, context: int, peak_gbps, args) -> dict:
         "triton_ms": ms,
         "gbps": gbps,
         "peak_pct": 100 * gbps / peak_gbps if peak_gbps else None,
-        "num_splits": choose_num_splits(batch, shape[1], context, q.device),
+        "num_splits": choose_num_splits(batch, shape[1], context, sm_count(q.device)),
         **torch_baseline(shape, q, k, v, kv_cache, meta, run(), args.max_torch_kv_gib),
     }
 
@@ -162,8 +164,8 @@ def causal_flops(shape, prefix: int, query_len: int) -> float:
 def prefill_table(shape, args) -> list[dict]:
     rows = []
     for mode in ("full", "chunk"):
-        for context in CONTEXTS:
-            for batch in BATCHES:
+        for context in args.contexts:
+            for batch in args.batches:
                 query_len = context if mode == "full" else min(CHUNK, context)
                 row = {"mode": mode, "batch": batch, "context": context, "query_len": query_len}
                 if batch * query_len > args.max_prefill_tokens or kv_gib(shape, batch, context) > args.max_kv_gib:
@@ -228,6 +230,19 @@ def ops_table(shape, intermediate: int) -> list[dict]:
 
 
 # -- end to end ----------------------------------------------------------------------------------------
+def _synchronized(fn):
+    """fn, then a CUDA synchronize: decode_step_ms (experiments/offline.py) reads the clock right after
+    runner.forward, which on a GPU only queues the kernels. (engine.step syncs anyway: it samples on
+    the host.)"""
+
+    def run(*args):
+        out = fn(*args)
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
 def e2e_table(args) -> list[dict]:
     from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from splitserve.engine.llm import LLM
@@ -241,10 +256,12 @@ def e2e_table(args) -> list[dict]:
                 device="cuda",
                 attention_backend=backend,
                 cache=CacheConfig(kv_cache_bytes=args.e2e_kv_gib * 1024**3),
-                scheduler=SchedulerConfig(max_num_seqs=max(BATCHES), max_num_batched_tokens=8192),
+                scheduler=SchedulerConfig(max_num_seqs=max(args.batches), max_num_batched_tokens=8192),
             )
         )
-        for batch in BATCHES:
+        runner = llm.engine.runner
+        runner.forward = _synchronized(runner.forward)
+        for batch in args.batches:
             step_ms, forward_ms = decode_step_ms(llm, batch, args.e2e_context, num_steps=20)
             rows.append(
                 {
@@ -307,9 +324,15 @@ def print_tables(decode, prefill, ops, e2e, shape, peak_gbps) -> None:
         print(f"{r['backend']:<8}{r['batch']:>6}{r['context']:>9}{r['step_ms']:>9.2f}{r['forward_ms']:>12.2f}")
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument("--batches", type=_int_list, default=BATCHES, help="comma-separated batch sizes")
+    parser.add_argument("--contexts", type=_int_list, default=CONTEXTS, help="comma-separated context lengths")
     parser.add_argument("--peak-gbps", type=float, help="peak HBM bandwidth, if torch does not report it")
     parser.add_argument("--max-kv-gib", type=float, default=48.0)
     parser.add_argument("--max-torch-kv-gib", type=float, default=8.0)

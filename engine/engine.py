@@ -31,7 +31,7 @@ from splitserve.engine.config import EngineConfig, RuntimeInfo
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache.manager import KVCacheManager
 from splitserve.engine.leases import HeldLeases
-from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.model_runner import ModelRunner, WarmUpReport
 from splitserve.engine.request import FinishReason, Request, RequestId, RequestStatus
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.engine.scheduler import Scheduler
@@ -422,6 +422,11 @@ class Engine:
     def _forget(self, request_id: str) -> None:
         self._tracked.pop(request_id, None)
         self.sampler.release(request_id)
+
+    def warm_up(self) -> WarmUpReport:
+        """Run every kernel variant a step can hit, once, on a fresh engine (what a server does
+        before it reports SERVING, so no request waits on a compile)."""
+        return self.runner.warm_up()
 
     # -- introspection ------------------------------------------------------------------------
     @property

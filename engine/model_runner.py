@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -64,6 +66,19 @@ class ForwardBatch:
     sampling: list[ScheduledRequest]  # the scheduled requests that sample, in sample_rows order
 
 
+class StepShape(NamedTuple):
+    """The shape of one step without its data: what a warm-up or profiling forward runs."""
+
+    seq_lens: tuple[int, ...]  # context of each sequence, this step's tokens included
+    query_lens: tuple[int, ...]  # this step's tokens of each sequence; decodes (1) first
+
+
+@dataclass(frozen=True, slots=True)
+class WarmUpReport:
+    num_steps: int
+    seconds: float
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
         self.device = resolve_device(config.device)
@@ -71,6 +86,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = source.arch
         self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.scheduler_config = config.scheduler
         backend_cls = get_backend(config.attention_backend, self.device)
         self.backend = backend_cls(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.block_size)
         before_load = MemorySnapshot.take(self.device) if self.device.type == "cuda" else None
@@ -89,6 +106,7 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self._staging: StagingPool | None = None
+        self._kv_written = False  # by a step or a KV transfer: warm_up may no longer scribble on block 0
 
     @property
     def kv_layout(self) -> str:
@@ -114,6 +132,7 @@ class ModelRunner:
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
         """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i]."""
+        self._kv_written = True
         scatter_blocks(self.kv_cache, block_ids, blocks)
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, before_load: MemorySnapshot | None) -> int:
@@ -212,14 +231,11 @@ class ModelRunner:
         """One forward as large as a step can be: num_tokens tokens over as many sequences as may run,
         every one sampling, on a scratch KV cache just big enough (counted as activations: a slight
         overestimate, on the safe side). What the memory budget measures."""
-        lens = _profile_seq_lens(num_tokens, max_num_seqs, max_model_len)
+        lens = tuple(_profile_seq_lens(num_tokens, max_num_seqs, max_model_len))
         bs, block_ids, next_block = self.block_size, [], 0
         for n in lens:
             block_ids.append(list(range(next_block, next_block + -(-n // bs))))
             next_block += len(block_ids[-1])
-        positions = [p for n in lens for p in range(n)]
-        ends = torch.tensor(lens).cumsum(0) - 1
-        batch = self._pack([0] * num_tokens, positions, lens, lens, block_ids, ends.tolist(), [])
         scratch = torch.zeros(
             self.arch.num_layers,
             2,
@@ -230,16 +246,65 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        hidden = self.model(batch.input_ids, batch.positions, list(scratch.unbind(0)), batch.meta)
+        self._run_shape(StepShape(lens, lens), block_ids, list(scratch.unbind(0)))
+
+    @torch.inference_mode()
+    def warm_up(self, full: bool | None = None) -> WarmUpReport:
+        """Run once every step shape whose kernels a step could otherwise compile while serving
+        (warm_up_shapes: the token budget's step and a decode per split count of the backend), on the
+        real KV cache, so its strides and sizes are the ones compiled for. full: that plan (None: on CUDA
+        only; elsewhere nothing compiles and one small step runs the path once).
+
+        Call it before the first step or KV transfer: every sequence's blocks are block 0, which it
+        fills with scratch values."""
+        if self._kv_written:
+            raise RuntimeError("warm_up must run before the first step or KV transfer: it overwrites KV block 0")
+        bind_thread(self.device)  # Triton compiles and launches for the calling thread's device
+        start = time.perf_counter()
+        full = self.device.type == "cuda" if full is None else full
+        decode_lens = self.backend.warm_up_decode_lens(self.max_model_len, self.device) if full else []
+        sched = self.scheduler_config
+        shapes = warm_up_shapes(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, decode_lens, full)
+        for shape in shapes:
+            self._run_shape(shape, [[0] * -(-n // self.block_size) for n in shape.seq_lens], self.kv_caches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return WarmUpReport(len(shapes), time.perf_counter() - start)
+
+    def _run_shape(self, shape: StepShape, block_ids: list[list[int]], kv_caches: list[torch.Tensor]) -> None:
+        """One forward of token 0 at every position of shape, each sequence's last token sampling."""
+        positions = [p for n, q in zip(shape.seq_lens, shape.query_lens) for p in range(n - q, n)]
+        rows = (torch.tensor(shape.query_lens).cumsum(0) - 1).tolist()
+        seq_lens, query_lens = list(shape.seq_lens), list(shape.query_lens)
+        batch = self._pack([0] * len(positions), positions, seq_lens, query_lens, block_ids, rows, [])
+        hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
         self.model.compute_logits(hidden[batch.sample_rows])
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the step; returns float32 logits [num_sampling_seqs, vocab]."""
+        self._kv_written = True
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         if not batch.sampling:
             return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows])
+
+
+def warm_up_shapes(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, decode_lens: Sequence[int], on_gpu: bool
+) -> list[StepShape]:
+    """The steps a warm-up runs. On a GPU: the largest step (the profiling shape: one-token decodes and
+    prompts filling the token budget) and one single-sequence decode per length in decode_lens (each
+    reaches another compiled decode variant). Elsewhere nothing is compiled: one small step, a decode
+    next to a short prompt when the limits allow it."""
+    if on_gpu:
+        lens = tuple(_profile_seq_lens(max_num_batched_tokens, max_num_seqs, max_model_len))
+        return [StepShape(lens, lens)] + [StepShape((n,), (1,)) for n in decode_lens]
+    prompt = min(8, max_model_len, max_num_batched_tokens - 1)
+    if max_num_seqs < 2 or prompt < 1:
+        prompt = min(8, max_model_len, max_num_batched_tokens)
+        return [StepShape((prompt,), (prompt,))]
+    return [StepShape((2, prompt), (1, prompt))]
 
 
 def _profile_seq_lens(num_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:

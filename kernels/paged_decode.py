@@ -5,10 +5,18 @@ tile, so each K/V tile is read once for the whole group and the scores are a tl.
 num_splits > 1 (flash-decoding) each program covers a slice of the context and writes a partial
 (unnormalised output, running max, running sum); a second kernel merges the slices. That keeps the
 GPU busy when few sequences have long contexts.
+
+Compiled variants (Triton compiles one per constexpr set and per argument specialisation): the split
+count is a power of two, so a model meets at most log2(_MAX_SPLITS) + 1 decode variants, each of which
+`decode_warm_up_lens` names a context length for (engine warm-up: ModelRunner.warm_up). The block-table
+row stride (its width follows the longest sequence of the step) and the index arrays' alignment (the
+backend passes views that start at any row) are not specialised on; the cache strides are int64
+whatever their values, so the cache's size does not pick the variant.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -22,10 +30,12 @@ _LOG2E = math.log2(math.e)
 _BLOCK_N = 64  # context tokens per tile
 _MIN_DOT = 16  # tl.dot needs >= 16 along each dimension on the GPU: pad the group and head_dim
 _MIN_TOKENS_PER_SPLIT = 256
-_MAX_SPLITS = 32
+_MAX_SPLITS = 32  # a power of two, like every split count chosen here
 
 
-@triton.jit
+# stride_bt changes with the step's longest sequence; block_tables / seq_lens are views at any row offset
+# and are read one element at a time, so neither their values nor their alignment earn a variant.
+@triton.jit(do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_kernel(
     q_ptr,
     cache_ptr,
@@ -40,10 +50,10 @@ def _decode_kernel(
     stride_os,
     stride_oh,
     stride_bt,
-    stride_cache_kv,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
+    stride_cache_kv: tl.int64,  # int64 whatever the value: one variant for every cache size
+    stride_cache_block: tl.int64,
+    stride_cache_token: tl.int64,
+    stride_cache_head: tl.int64,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -139,16 +149,41 @@ def _merge_splits_kernel(
     )
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits for about two programs per SM when there are few (sequence, KV head) pairs,
-    but at least _MIN_TOKENS_PER_SPLIT context tokens each. Host-side only: no device sync."""
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (asked once per device, then cached: the wrappers run
+    per layer per step); 0 elsewhere."""
     if device.type != "cuda":
-        return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return 0
+    return _cuda_sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough splits for about two programs per SM when there are few (sequence, KV head) pairs,
+    but at least _MIN_TOKENS_PER_SPLIT context tokens each, rounded down to a power of two (each
+    split count is a compiled variant). Host-side only: no device sync. 1 when num_sms is 0 (no GPU)."""
     programs = num_seqs * num_kv_heads
     by_occupancy = -(-2 * num_sms // programs)
     by_length = max(1, max_seq_len // _MIN_TOKENS_PER_SPLIT)
-    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+    n = max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)
+
+
+def decode_warm_up_lens(num_kv_heads: int, max_seq_len: int, num_sms: int) -> dict[int, int]:
+    """{split count: a one-sequence context length that selects it} for every split count that
+    choose_num_splits can return for batches with contexts up to max_seq_len. One sequence gives the
+    most splits (more sequences only lower by_occupancy), so these are the powers of two up to its count."""
+    top = choose_num_splits(1, num_kv_heads, max_seq_len, num_sms)
+    lens = {1: 1}
+    splits = 2
+    while splits <= top:
+        lens[splits] = splits * _MIN_TOKENS_PER_SPLIT
+        splits *= 2
+    return lens
 
 
 def paged_decode_attention(
@@ -159,7 +194,7 @@ def paged_decode_attention(
     scale: float,
     *,
     max_seq_len: int | None = None,  # host copy of max(seq_lens); picks num_splits without a sync
-    num_splits: int | None = None,  # None: choose_num_splits (1 without max_seq_len)
+    num_splits: int | None = None,  # None: choose_num_splits (1 without max_seq_len); any value >= 1
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_heads, num_kv_heads, head_dim = check_paged_inputs(q, kv_cache, block_tables, seq_lens)
@@ -173,7 +208,9 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = 1 if max_seq_len is None else choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
+        num_splits = (
+            1 if max_seq_len is None else choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(q.device))
+        )
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     group = num_heads // num_kv_heads

@@ -9,6 +9,10 @@ same case.
 One program per (sequence, KV head, block of BLOCK_M query tokens). Its rows are the BLOCK_M tokens
 times the KV head's group of query heads (row = token * GROUP_PAD + head), so each K/V tile is read
 once per group. Tiles wholly below the causal diagonal skip the causal mask.
+
+One compiled variant per model and dtype: the block-table row stride and the alignment of the index
+arrays (views that start after the step's decodes) are not specialised on, and the cache strides are
+int64 whatever the cache size (see paged_decode.py).
 """
 
 from __future__ import annotations
@@ -28,7 +32,12 @@ _ROWS = 64  # query rows per program (tokens x padded group)
 _MIN_DOT = 16  # tl.dot needs >= 16 along each dimension on the GPU: pad head_dim
 
 
-@triton.jit
+# stride_bt follows the step's longest sequence; block_tables / seq_lens / query_start_loc start after the
+# step's decodes (any alignment) and are read one element at a time: neither earns a compiled variant.
+@triton.jit(
+    do_not_specialize=["stride_bt"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
@@ -42,10 +51,10 @@ def _prefill_kernel(
     stride_ot,
     stride_oh,
     stride_bt,
-    stride_cache_kv,
-    stride_cache_block,
-    stride_cache_token,
-    stride_cache_head,
+    stride_cache_kv: tl.int64,  # int64 whatever the value: one variant for every cache size
+    stride_cache_block: tl.int64,
+    stride_cache_token: tl.int64,
+    stride_cache_head: tl.int64,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,

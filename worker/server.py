@@ -93,8 +93,17 @@ class EngineDied(RuntimeError):
     """The engine loop raised; the worker left the cluster and must exit non-zero (to be restarted)."""
 
 
+def _warm_up(engine: Engine) -> None:
+    """Compile every kernel variant a step can hit before the server starts: until then nothing is
+    routed here and health is never SERVING, so no request waits on a compile."""
+    report = engine.warm_up()
+    log.info("warm-up before serving: %d steps in %.2f s", report.num_steps, report.seconds)
+
+
 async def serve_worker(config: WorkerConfig) -> None:
-    engine = AsyncEngine(Engine(config.engine))
+    core = Engine(config.engine)
+    _warm_up(core)
+    engine = AsyncEngine(core)
     name = model_name(config.engine.model)
     port = HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port))

@@ -107,6 +107,12 @@ class AttentionBackend(ABC):
     def check_supported(cls, device: torch.device) -> None:
         """Raise RuntimeError saying why, if this backend cannot run on device."""
 
+    def warm_up_decode_lens(self, max_seq_len: int, device: torch.device) -> list[int]:
+        """Context lengths of one-sequence decode steps (up to max_seq_len) that together reach every
+        compiled variant of this backend's decode path, e.g. each split count of a Triton kernel; an
+        engine warm-up runs each once before serving. Plain torch compiles nothing: none."""
+        return []
+
     @abstractmethod
     def forward(
         self,

@@ -9,7 +9,8 @@ falls back to torch and logs why).
 
 No host syncs in forward: grid sizes and the split-K count come from the host copies in the metadata
 (seq_lens_cpu, query_lens_cpu). For CUDA-graph capture of decode steps the split count must stay fixed
-per captured batch size; today it follows max(seq_lens_cpu).
+per captured batch size; today it follows max(seq_lens_cpu). Split counts are powers of two, and
+warm_up_decode_lens names a decode step for each, so an engine warm-up compiles every variant.
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ class TritonAttention(AttentionBackend):
 
         self.kernels = kernels
         self.ops = TritonOps(kernels)
+
+    def warm_up_decode_lens(self, max_seq_len: int, device: torch.device) -> list[int]:
+        from splitserve.kernels.paged_decode import decode_warm_up_lens, sm_count
+
+        return list(decode_warm_up_lens(self.num_kv_heads, max_seq_len, sm_count(device)).values())
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         kernels, nd = self.kernels, meta.num_decodes
