@@ -10,7 +10,9 @@ import torch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.request import Request, RequestId
-from splitserve.engine.sampler import Sampler, _apply_penalties
+from splitserve.engine.sampler import Sampler, _Plan
+from splitserve.engine.sampler import _penalised as penalised_batch
+from splitserve.engine.sampling_ops import apply_penalties_ref, filtered_probs_ref
 
 pytestmark = pytest.mark.unit
 
@@ -320,9 +322,13 @@ def _penalised(params: SamplingParams, row: torch.Tensor, prompt: list[int], out
     request = make_request("r", params, prompt)
     for t in output:
         request.append_output_token(t)
-    row = row.clone()
-    _apply_penalties(row, request)
-    return row
+    plan = _Plan()
+    plan.add(request, [], None)
+    batched = penalised_batch(row[None], plan, [0])[0]
+    reference = row.clone()
+    apply_penalties_ref(reference, request)
+    assert torch.equal(batched, reference)
+    return batched
 
 
 def test_repetition_penalty_direction():
@@ -385,9 +391,9 @@ def test_logprobs_zero_gives_only_the_sampled_token():
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
-    import torch
-
     from splitserve.engine.sampler import _filtered_probs
 
-    probs = _filtered_probs(torch.log(torch.tensor([0.5, 0.25, 0.25])), None, 0.5, 0.0)
-    assert probs.tolist() == [0.5, 0.0, 0.0]
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
+    assert filtered_probs_ref(logits[0], None, 0.5, 0.0).tolist() == [0.5, 0.0, 0.0]
+    request = make_request("r", SamplingParams(top_p=0.5))
+    assert _filtered_probs(logits.clone(), [request.sampling_params]).tolist() == [[0.5, 0.0, 0.0]]
