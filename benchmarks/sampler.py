@@ -25,7 +25,7 @@ import torch
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.request import Request, RequestId
 from splitserve.engine.sampler import Sampler
-from splitserve.engine.sampling_ops import sample_tokens_ref
+from splitserve.engine.sampling_ops import RefGenerators, sample_tokens_ref
 
 BATCHES = (32, 256)
 VOCABS = (320, 49152)
@@ -57,22 +57,6 @@ def make_requests(batch: int, vocab: int) -> list[Request]:
             request.append_output_token(token)
         requests.append(request)
     return requests
-
-
-class RefGenerators:
-    """The per-row sampler's generators: one per seeded request, one shared for the rest."""
-
-    def __init__(self, seed: int) -> None:
-        self.shared = torch.Generator().manual_seed(seed)  # on CPU: the reference samples there
-        self.by_request: dict[str, torch.Generator] = {}
-
-    def __call__(self, request: Request) -> torch.Generator:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return self.shared
-        if request.request_id not in self.by_request:
-            self.by_request[request.request_id] = torch.Generator().manual_seed(seed)
-        return self.by_request[request.request_id]
 
 
 def median_ms(fns: dict, repeats: int, device: torch.device) -> dict[str, float]:

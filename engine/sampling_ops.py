@@ -143,6 +143,22 @@ def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 # -- the per-row reference ----------------------------------------------------------------------
 
 
+class RefGenerators:
+    """The per-row reference sampler's generators: one per seeded request, one shared for the rest."""
+
+    def __init__(self, seed: int) -> None:
+        self.shared = torch.Generator().manual_seed(seed)  # on CPU: the reference samples there
+        self.by_request: dict[str, torch.Generator] = {}
+
+    def __call__(self, request: Request) -> torch.Generator:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self.shared
+        if request.request_id not in self.by_request:
+            self.by_request[request.request_id] = torch.Generator().manual_seed(seed)
+        return self.by_request[request.request_id]
+
+
 def sample_tokens_ref(
     logits: torch.Tensor, requests: list[Request], generator_for: Callable[[Request], torch.Generator]
 ) -> list[int]:

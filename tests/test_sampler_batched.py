@@ -16,6 +16,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.request import Request, RequestId
 from splitserve.engine.sampler import Sampler, _blocked_token_ids, _filtered_probs, _penalised, _Plan
 from splitserve.engine.sampling_ops import (
+    RefGenerators,
     apply_penalties_ref,
     apply_top_p_min_p,
     block_stop_tokens_ref,
@@ -27,22 +28,6 @@ pytestmark = pytest.mark.unit
 
 EOS = 3
 SHARED_SEED = 99
-
-
-class RefGenerators:
-    """What the per-row sampler used: a generator per seeded request, one shared for the rest."""
-
-    def __init__(self, seed: int) -> None:
-        self.shared = torch.Generator().manual_seed(seed)
-        self.by_request: dict[str, torch.Generator] = {}
-
-    def __call__(self, request: Request) -> torch.Generator:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return self.shared
-        if request.request_id not in self.by_request:
-            self.by_request[request.request_id] = torch.Generator().manual_seed(seed)
-        return self.by_request[request.request_id]
 
 
 def make_request(rid: str, params: SamplingParams, prompt: list[int]) -> Request:
