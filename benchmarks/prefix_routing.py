@@ -27,7 +27,7 @@ from splitserve.experiments.workload import LengthDist, WorkloadConfig
 from splitserve.launch.launcher import start_cluster, stop_cluster
 
 ROUTERS = (("kv-aware", "kv-aware"), ("round-robin", "round-robin"), ("oracle", "prefix-affinity"))
-HIT_METRICS = ("splitserve:prefix_cache_queries_total", "splitserve:prefix_cache_hits_total")
+HIT_METRICS = ("splitserve_prefix_cache_queries_total", "splitserve_prefix_cache_hits_total")
 
 
 def workload(a: argparse.Namespace) -> WorkloadConfig:

@@ -2,7 +2,7 @@
 function the workers use, and answers "how many leading prompt blocks does each worker hold?".
 
 When the index backend fails (Redis down), lookups return None and routing falls back to load
-only; a log line and `splitserve:gateway_prefix_index_up` say so, and no request fails because of
+only; a log line and `splitserve_gateway_prefix_index_up` say so, and no request fails because of
 it. While it is down, requests skip the lookup for RETRY_AFTER_S at a time (so a hung Redis does
 not add its timeout to every request); workers' publishes keep probing it meanwhile.
 
@@ -37,27 +37,29 @@ _MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class PrefixIndexMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.lookups = Counter(
-            "splitserve:gateway_prefix_index_lookups", "Index lookups, by result.", ["result"], registry=registry
+            "splitserve_gateway_prefix_index_lookups", "Index lookups, by result.", ["result"], registry=registry
         )
         self.matched = Histogram(
-            "splitserve:gateway_prefix_matched_blocks",
+            "splitserve_gateway_prefix_matched_blocks",
             "Leading prompt blocks held by the chosen worker.",
             buckets=_MATCH_BUCKETS,
             registry=registry,
         )
         self.errors = Counter(
-            "splitserve:gateway_prefix_index_errors",
+            "splitserve_gateway_prefix_index_errors",
             "Index backend errors, by operation.",
             ["operation"],
             registry=registry,
         )
         self.resyncs = Counter(
-            "splitserve:gateway_prefix_index_resyncs",
+            "splitserve_gateway_prefix_index_resyncs",
             "Snapshots asked of workers (gap, restart, lost index state).",
             registry=registry,
         )
-        self.up = Gauge("splitserve:gateway_prefix_index_up", "1 while the index backend answers.", registry=registry)
+        self.up = Gauge("splitserve_gateway_prefix_index_up", "1 while the index backend answers.", registry=registry)
         self.up.set(1)
+        for result in ("ok", "error", "skipped"):  # at zero from the start, so every rate() has a series
+            self.lookups.labels(result=result)
 
 
 class PrefixIndex:

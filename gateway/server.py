@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitserve.common.model_files import model_name
+from splitserve.common.roles import Role
 from splitserve.common.serving import start_metrics_server
 from splitserve.common.tokenizer import Tokenizer, load_tokenizer
 from splitserve.gateway.planner import Planner
@@ -64,22 +65,24 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "splitserve:gateway_requests", "Requests by final gRPC status code.", ["code"], registry=self.registry
+            "splitserve_gateway_requests", "Requests by final gRPC status code.", ["code"], registry=self.registry
         )
         self.routed = Counter(
-            "splitserve:gateway_routing_decisions",
+            "splitserve_gateway_routing_decisions",
             "Requests routed, by worker and reason.",
             ["worker", "reason"],
             registry=self.registry,
         )
-        self.pending = Gauge("splitserve:gateway_requests_in_flight", "Requests in flight.", registry=self.registry)
+        self.pending = Gauge("splitserve_gateway_requests_in_flight", "Requests in flight.", registry=self.registry)
         self.prefix = PrefixIndexMetrics(self.registry)
         self.retries = Counter(
-            "splitserve:gateway_retries",
+            "splitserve_gateway_retries",
             "Requests retried on another worker before any token went out, by the failed worker's role.",
             ["role"],
             registry=self.registry,
         )
+        for role in Role:  # at zero from the start: a retry is rare, and rate() needs a series to see one
+            self.retries.labels(role=role.value)
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):

@@ -360,7 +360,7 @@ def worker_metrics(lines: list[str]) -> dict:
     for worker, address in re.findall(r"^\s+(\S+): grpc \S+ metrics (http://\S+/metrics)", "".join(lines), re.M):
         text = urllib.request.urlopen(address, timeout=5).read().decode()
         found[worker] = {
-            key: int(sum(float(v) for v in re.findall(rf"^splitserve:{metric}\S* (\S+)$", text, re.M)))
+            key: int(sum(float(v) for v in re.findall(rf"^splitserve_{metric}\S* (\S+)$", text, re.M)))
             for key, metric in (
                 ("kv_blocks", "num_kv_blocks"),
                 ("finished", "request_success_total"),

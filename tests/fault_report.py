@@ -163,14 +163,14 @@ def counters(cluster, workers: list) -> dict[str, float]:
         return sum(metric(c.metrics, name, **labels) for c in children)
 
     info = {
-        "recompute fallbacks (live workers)": total("splitserve:kv_transfer_recompute_fallbacks_total", workers),
-        "transfer failures (live workers)": total("splitserve:kv_transfer_failures_total", workers),
-        "lease expiries (live workers)": total("splitserve:kv_lease_expiries_total", workers),
-        "engine failed requests (live workers)": total("splitserve:engine_failed_requests_total", workers),
-        "gateway retries": total("splitserve:gateway_retries_total", [cluster.gateway]),
+        "recompute fallbacks (live workers)": total("splitserve_kv_transfer_recompute_fallbacks_total", workers),
+        "transfer failures (live workers)": total("splitserve_kv_transfer_failures_total", workers),
+        "lease expiries (live workers)": total("splitserve_kv_lease_expiries_total", workers),
+        "engine failed requests (live workers)": total("splitserve_engine_failed_requests_total", workers),
+        "gateway retries": total("splitserve_gateway_retries_total", [cluster.gateway]),
     }
     for code in ("UNKNOWN", "INTERNAL"):
-        info[f"gateway replies {code}"] = total("splitserve:gateway_requests_total", [cluster.gateway], code=code)
+        info[f"gateway replies {code}"] = total("splitserve_gateway_requests_total", [cluster.gateway], code=code)
     return info
 
 

@@ -82,14 +82,14 @@ def test_1p1d_equals_unified_worker_and_in_process_engine(one_p_one_d, tiny_llam
     ]
     assert direct == got_seeded
     # Every disaggregated request moved its KV: all through the decode worker, none unified.
-    assert metric(decode.metrics, "splitserve:kv_transfer_blocks_total", direction="received") > 0
-    assert metric(prefill.metrics, "splitserve:kv_transfer_bytes_total", direction="sent") == metric(
-        decode.metrics, "splitserve:kv_transfer_bytes_total", direction="received"
+    assert metric(decode.metrics, "splitserve_kv_transfer_blocks_total", direction="received") > 0
+    assert metric(prefill.metrics, "splitserve_kv_transfer_bytes_total", direction="sent") == metric(
+        decode.metrics, "splitserve_kv_transfer_bytes_total", direction="received"
     )
     # Every transfer's CRC matched (a mismatch would count as a failure and recompute).
-    assert metric(decode.metrics, "splitserve:kv_transfer_failures_total") == 0
-    assert metric(decode.metrics, "splitserve:kv_transfer_recompute_fallbacks_total") == 0
-    assert metric(unified.metrics, "splitserve:generation_tokens_total") == 16 * len(PROMPTS)  # the direct calls only
+    assert metric(decode.metrics, "splitserve_kv_transfer_failures_total") == 0
+    assert metric(decode.metrics, "splitserve_kv_transfer_recompute_fallbacks_total") == 0
+    assert metric(unified.metrics, "splitserve_generation_tokens_total") == 16 * len(PROMPTS)  # the direct calls only
     assert wait_all_free([prefill.address, decode.address, unified.address])
 
 
@@ -98,16 +98,16 @@ def test_shared_prefix_sends_fewer_blocks(one_p_one_d):
     prefix = [11 + (j % 200) for j in range(48)]  # 6 full blocks of 8
 
     def received() -> float:
-        return metric(decode.metrics, "splitserve:kv_transfer_blocks_total", direction="received")
+        return metric(decode.metrics, "splitserve_kv_transfer_blocks_total", direction="received")
 
     before = received()
     tokens(stub(gateway.address), greedy_request(prefix + [1, 2, 3], 4))
     first = received() - before
-    skipped = metric(decode.metrics, "splitserve:kv_transfer_blocks_skipped_total")
+    skipped = metric(decode.metrics, "splitserve_kv_transfer_blocks_skipped_total")
     tokens(stub(gateway.address), greedy_request(prefix + [4, 5, 6, 7], 4))
     second = received() - before - first
     assert first == 7 and second == 1  # the second request only needed its last block
-    assert metric(decode.metrics, "splitserve:kv_transfer_blocks_skipped_total") - skipped == 6
+    assert metric(decode.metrics, "splitserve_kv_transfer_blocks_skipped_total") - skipped == 6
 
 
 def test_2p2d_concurrent_requests_equal_in_process_engine(tiny_llama_dir):
@@ -118,7 +118,7 @@ def test_2p2d_concurrent_requests_equal_in_process_engine(tiny_llama_dir):
         want = _in_process(tiny_llama_dir, PROMPTS, SamplingParams(temperature=0.0, max_tokens=12))
         assert got == want * 2
         for worker in children[1:]:  # both tiers' workers all took part
-            assert metric(worker.metrics, "splitserve:kv_transfer_blocks_total") > 0, worker.name
+            assert metric(worker.metrics, "splitserve_kv_transfer_blocks_total") > 0, worker.name
         assert wait_all_free([c.address for c in children[1:]])
     finally:
         stop_cluster(children)
@@ -145,8 +145,8 @@ def test_transfer_timeout_recomputes_on_decode_and_frees_everything(faulty, tiny
     got = tokens(stub(faulty[0].address), greedy_request(PROMPTS[3], 10))
     assert got == _in_process(tiny_llama_dir, [PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=10))[0]
     decodes = _workers(faulty, "decode")
-    assert sum(metric(d.metrics, "splitserve:kv_transfer_failures_total", reason="timeout") for d in decodes) >= 1
-    assert sum(metric(d.metrics, "splitserve:kv_transfer_recompute_fallbacks_total") for d in decodes) >= 1
+    assert sum(metric(d.metrics, "splitserve_kv_transfer_failures_total", reason="timeout") for d in decodes) >= 1
+    assert sum(metric(d.metrics, "splitserve_kv_transfer_recompute_fallbacks_total") for d in decodes) >= 1
     assert wait_all_free([c.address for c in faulty[1:]])
 
 

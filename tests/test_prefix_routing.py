@@ -17,11 +17,11 @@ BASE = [(13 * j) % 290 + 5 for j in range(64)]  # 8 full blocks of 8
 
 
 def _hits(worker) -> float:
-    return metric(worker.metrics, "splitserve:prefix_cache_hits_total")
+    return metric(worker.metrics, "splitserve_prefix_cache_hits_total")
 
 
 def _decisions(gateway, reason: str) -> float:
-    return metric(gateway.metrics, "splitserve:gateway_routing_decisions_total", reason=reason)
+    return metric(gateway.metrics, "splitserve_gateway_routing_decisions_total", reason=reason)
 
 
 def _send_family(gateway, base: list[int], count: int, start: int = 0) -> None:
@@ -54,7 +54,7 @@ def memory_cluster(tiny_llama_dir):
 def test_in_memory_index_routes_shared_prefixes_to_their_worker(memory_cluster):
     _assert_sticky(memory_cluster, BASE, 5)
     _assert_sticky(memory_cluster, [t + 1 for t in BASE], 5)  # another family, possibly the other worker
-    assert metric(memory_cluster[0].metrics, "splitserve:gateway_prefix_index_up") == 1
+    assert metric(memory_cluster[0].metrics, "splitserve_gateway_prefix_index_up") == 1
 
 
 def test_disaggregated_tiers_route_by_prefix_too(tiny_llama_dir):
@@ -66,7 +66,7 @@ def test_disaggregated_tiers_route_by_prefix_too(tiny_llama_dir):
         gained = sorted(_hits(w) - b for w, b in zip(prefills, before))
         assert gained == [0, 3 * len(BASE)], gained
         decodes = [c for c in children if c.name.startswith("decode")]
-        skipped = sum(metric(d.metrics, "splitserve:kv_transfer_blocks_skipped_total") for d in decodes)
+        skipped = sum(metric(d.metrics, "splitserve_kv_transfer_blocks_skipped_total") for d in decodes)
         assert skipped >= 8  # at least one later request found its prefix on its decode worker too
     finally:
         stop_cluster(children)
@@ -86,16 +86,16 @@ def test_redis_index_routes_and_survives_redis_loss(tiny_llama_dir):
         s = stub(gateway.address)
         for i in range(4):
             assert len(tokens(s, greedy_request(BASE + [200 + i], 2))) == 2
-        assert metric(gateway.metrics, "splitserve:gateway_prefix_index_up") == 0
-        assert metric(gateway.metrics, "splitserve:gateway_routing_decisions_total", reason="no_index") >= 4
-        resyncs_metric = "splitserve:gateway_prefix_index_resyncs_total"
+        assert metric(gateway.metrics, "splitserve_gateway_prefix_index_up") == 0
+        assert metric(gateway.metrics, "splitserve_gateway_routing_decisions_total", reason="no_index") >= 4
+        resyncs_metric = "splitserve_gateway_prefix_index_resyncs_total"
         resyncs = metric(gateway.metrics, resyncs_metric)
         server.start()  # empty Redis on the same port: workers are asked for snapshots
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and metric(gateway.metrics, resyncs_metric) < resyncs + 2:
             time.sleep(0.2)
         assert metric(gateway.metrics, resyncs_metric) >= resyncs + 2
-        assert metric(gateway.metrics, "splitserve:gateway_prefix_index_up") == 1
+        assert metric(gateway.metrics, "splitserve_gateway_prefix_index_up") == 1
         _assert_sticky(children, [t + 3 for t in BASE], 4)  # cache-aware again
     finally:
         stop_cluster(children)

@@ -64,7 +64,7 @@ def _drained_empty(child) -> bool:
 
 
 def _moved_kv(child) -> float:
-    return metric(child.metrics, "splitserve:kv_transfer_blocks_total")
+    return metric(child.metrics, "splitserve_kv_transfer_blocks_total")
 
 
 def test_add_workers_then_drain_the_originals_under_load(tiny_llama_dir):

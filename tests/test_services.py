@@ -143,14 +143,14 @@ def test_health_reflection_and_metrics(cluster):
         "generation_tokens_total",
         "request_success_total",
     ):
-        assert f"splitserve:{series}" in text, series
+        assert f"splitserve_{series}" in text, series
     generated = sum(
-        float(line.split()[-1]) for line in text.splitlines() if line.startswith("splitserve:generation_tokens_total")
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith("splitserve_generation_tokens_total")
     )
     assert generated >= 8
     gateway = urllib.request.urlopen(f"http://{cluster[0].metrics}/metrics", timeout=5).read().decode()
-    assert 'splitserve:gateway_requests_total{code="OK"}' in gateway
-    assert "splitserve:gateway_routing_decisions_total" in gateway
+    assert 'splitserve_gateway_requests_total{code="OK"}' in gateway
+    assert "splitserve_gateway_routing_decisions_total" in gateway
 
 
 def _start_gateway(extra: list[str]):

@@ -1,9 +1,12 @@
-"""Prometheus metrics of a worker, named as vLLM names them (prefix `splitserve:`) so dashboards
-carry over. Torch-free; engine state is read at scrape time by a collector."""
+"""Prometheus metrics of a worker, named as vLLM names them but with the prefix `splitserve_`:
+a colon is reserved for recording rules, and prometheus_client escapes it to `_` when Prometheus
+negotiates OpenMetrics, so a `splitserve:` name would never reach Prometheus as written.
+docs/observability.md maps each name to its vLLM counterpart. Torch-free; engine state is read at
+scrape time by a collector."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,7 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 if TYPE_CHECKING:
     from splitserve.disagg.transfer.base import TransferFailure
 
-PREFIX = "splitserve:"
+PREFIX = "splitserve_"
+_SENDS = {"prefill": "sent", "decode": "received"}  # role -> the direction of its KV transfers
 _LATENCY_BUCKETS = (
     0.001,
     0.005,
@@ -114,7 +118,12 @@ class WorkerMetrics:
     """Per-request latency histograms and token counters, plus the engine collector."""
 
     def __init__(
-        self, model: str, role: str, snapshot: Callable[[], EngineSnapshot], registry: CollectorRegistry | None = None
+        self,
+        model: str,
+        role: str,
+        snapshot: Callable[[], EngineSnapshot],
+        registry: CollectorRegistry | None = None,
+        failure_reasons: Sequence[TransferFailure] = (),
     ) -> None:
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model, "role": role}
@@ -154,6 +163,22 @@ class WorkerMetrics:
             "Requests whose prompt was recomputed on the decode worker after a failed transfer.",
         )
         self.registry.register(_EngineCollector(snapshot, self.labels))
+        self._start_at_zero(_SENDS.get(role), failure_reasons)
+
+    def _start_at_zero(self, direction: str | None, failure_reasons: Sequence[TransferFailure]) -> None:
+        """Create every series this worker can report, at zero, so that a rate() over a series
+        that only moves on failure (or that moved before the first scrape) has data from the start."""
+        lab = self.labels
+        for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode):
+            h.labels(**lab)
+        for c in (self.prompt_tokens, self.generation_tokens, self.kv_skipped, self.kv_recomputes):
+            c.labels(**lab)
+        if direction is not None:
+            self.kv_seconds.labels(**lab, direction=direction)
+            for c in (self.kv_bytes, self.kv_blocks):
+                c.labels(**lab, direction=direction)
+        for reason in failure_reasons:
+            self.kv_failures.labels(**lab, reason=reason.value)
 
     def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self.kv_bytes.labels(**self.labels, direction=direction).inc(num_bytes)

@@ -23,6 +23,7 @@ from splitserve.common.roles import MODES, Role
 from splitserve.common.serving import start_metrics_server
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
+from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
@@ -106,7 +107,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     engine = AsyncEngine(core)
     name = model_name(config.engine.model)
     port = HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
-    metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port))
+    metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
     servicer = _make_servicer(config, engine, metrics)
     server = grpc.aio.server()
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
