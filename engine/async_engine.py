@@ -63,17 +63,10 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
-        stop_after_prefill: bool = False,
         label: str = "",
     ) -> AsyncIterator[RequestOutput]:
-        request = self.engine.make_request(
-            prompt,
-            params,
-            request_id,
-            priority,  # raises ValueError
-            stop_after_prefill=stop_after_prefill,
-            label=label,
-        )
+        # raises ValueError; prefill-tier requests come from HandoffPort.make_prefill_request
+        request = self.engine.make_request(prompt, params, request_id, priority, label=label)
         async for out in self.generate_request(request):
             yield out
 

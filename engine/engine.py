@@ -266,7 +266,7 @@ class Engine:
 
     def release_held(self, request_id: str) -> bool:
         """The prompt's blocks were sent (or the send failed): back to the pool, kept as prefix cache."""
-        self.leases.claim(request_id)
+        self.leases.drop(request_id)
         return self.scheduler.release_held(request_id)
 
     def expire_leases(self, now: float | None = None) -> int:
@@ -364,8 +364,7 @@ class Engine:
         """Finish a request the step failed for: free its blocks, report the error to its stream."""
         rid = request.request_id
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-        self.leases.claim(rid)
-        self.scheduler.release_held(rid)  # finished at this step and already held: nobody will send
+        self.release_held(rid)  # finished at this step and already held: nobody will send
         tracked = self._tracked.get(rid)
         self._forget(rid)
         self.stats.num_failed_requests += 1

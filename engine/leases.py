@@ -26,6 +26,10 @@ class HeldLeases:
         """The sender takes the blocks; False if the lease is gone (expired, aborted or never started)."""
         return self._deadlines.pop(request_id, None) is not None
 
+    def drop(self, request_id: str) -> None:
+        """The blocks are released by other means (sent, failed, aborted): no deadline any more."""
+        self._deadlines.pop(request_id, None)
+
     def expire(self, now: float | None = None) -> list[str]:
         """Unclaimed leases past their deadline, removed (their blocks are the caller's to free)."""
         now = time.monotonic() if now is None else now

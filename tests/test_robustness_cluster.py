@@ -119,7 +119,10 @@ def test_worker_whose_engine_loop_dies_leaves_the_cluster_and_exits(tiny_llama_d
         *engine_argv(tiny_llama_dir),
     ]
     poisoned = subprocess.Popen(
-        [sys.executable, "-c", _POISONED_WORKER, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        # Its log is not read: a pipe nobody drains would block the worker once full.
+        [sys.executable, "-c", _POISONED_WORKER, *argv],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     address = f"127.0.0.1:{port}"
     try:
