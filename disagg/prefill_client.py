@@ -3,10 +3,11 @@ the handoff events' wire form (FirstToken, TransferDone) on both sides."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from splitserve.common.security import OPEN_CLUSTER
 from splitserve.common.wire import (
     PEER_CHANNEL_OPTIONS,
     logprobs_from_proto,
@@ -55,12 +56,13 @@ def event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
 class GrpcPrefillClient(PrefillClient):
     """Reaches prefill workers over their Worker service (one channel per address, reused)."""
 
-    def __init__(self) -> None:
+    def __init__(self, channel_factory: Callable[..., grpc.aio.Channel] = OPEN_CLUSTER.worker_channel) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channel = channel_factory  # (address, options) -> a channel with the cluster's credentials
 
     def _stub(self, address: str) -> pb_grpc.WorkerStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=PEER_CHANNEL_OPTIONS)
+            self._channels[address] = self._channel(address, PEER_CHANNEL_OPTIONS)
         return pb_grpc.WorkerStub(self._channels[address])
 
     async def prefill(
@@ -74,7 +76,7 @@ class GrpcPrefillClient(PrefillClient):
             transfer_tag=job.tag,
             num_skip_blocks=job.num_skip_blocks,
             kv_layout=job.kv_layout,
-            channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key),
+            channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key, secret=job.channel.secret),
         )
         call = self._stub(peer).Prefill(msg)
         try:

@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import asdict
 from pathlib import Path
 
+from splitserve.common.security import PLAINTEXT_GATEWAY, GatewayCredentials
 from splitserve.experiments.loadgen import progress_bar, run_grpc_load
 from splitserve.experiments.report import format_table, to_json
 from splitserve.experiments.stats import SLO, RequestRecord, Summary, summarize
@@ -58,16 +59,25 @@ def workload_from_args(a: argparse.Namespace) -> WorkloadConfig:
 
 
 async def measure(
-    address: str, cfg: WorkloadConfig, slo: SLO, show_progress: bool = True
+    address: str,
+    cfg: WorkloadConfig,
+    slo: SLO,
+    show_progress: bool = True,
+    credentials: GatewayCredentials = PLAINTEXT_GATEWAY,
 ) -> tuple[Summary, list[RequestRecord]]:
-    records, seconds = await run_grpc_load(address, cfg, progress_bar if show_progress else None)
+    records, seconds = await run_grpc_load(
+        address, cfg, progress_bar if show_progress else None, credentials=credentials
+    )
     return summarize(records, seconds, slo), records
 
 
 def run_bench(a: argparse.Namespace) -> int:
+    from splitserve.launch.security_args import gateway_credentials_from_args
+
     cfg = workload_from_args(a)
     slo = SLO.parse(a.slo)
-    summary, records = asyncio.run(measure(a.url, cfg, slo, show_progress=not a.no_progress))
+    credentials = gateway_credentials_from_args(a)
+    summary, records = asyncio.run(measure(a.url, cfg, slo, show_progress=not a.no_progress, credentials=credentials))
     print(format_table(summary))
     if a.json:
         settings = {"url": a.url, "workload": asdict(cfg)}

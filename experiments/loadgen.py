@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitserve.common.security import PLAINTEXT_GATEWAY, GatewayCredentials
 from splitserve.experiments.stats import RequestRecord
 from splitserve.experiments.workload import RequestSpec, WorkloadConfig, arrival_offsets, make_requests
 from splitserve.protos.v1 import generation_pb2 as pb
@@ -37,8 +38,10 @@ class GenerationClient(ABC):
 
 
 class GrpcClient(GenerationClient):
-    def __init__(self, address: str, timeout_s: float = 600.0) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=[("grpc.max_concurrent_streams", 10000)])
+    def __init__(
+        self, address: str, timeout_s: float = 600.0, credentials: GatewayCredentials = PLAINTEXT_GATEWAY
+    ) -> None:
+        self._channel = credentials.channel(address, options=[("grpc.max_concurrent_streams", 10000)])
         self._stub = pb_grpc.GenerationStub(self._channel)
         self.timeout_s = timeout_s
 
@@ -113,20 +116,26 @@ async def run_load(
 
 
 async def run_grpc_load(
-    address: str, cfg: WorkloadConfig, progress: Callable[[int, int], None] | None = None, timeout_s: float = 600.0
+    address: str,
+    cfg: WorkloadConfig,
+    progress: Callable[[int, int], None] | None = None,
+    timeout_s: float = 600.0,
+    credentials: GatewayCredentials = PLAINTEXT_GATEWAY,
 ) -> tuple[list[RequestRecord], float]:
     """run_load through a GrpcClient to the gateway at address, closing the channel afterwards."""
-    client = GrpcClient(address, timeout_s)
+    client = GrpcClient(address, timeout_s, credentials)
     try:
         return await run_load(client, cfg, progress)
     finally:
         await client.close()
 
 
-def send_workload(address: str, cfg: WorkloadConfig, timeout_s: float = 600.0) -> tuple[list[RequestRecord], float]:
+def send_workload(
+    address: str, cfg: WorkloadConfig, timeout_s: float = 600.0, credentials: GatewayCredentials = PLAINTEXT_GATEWAY
+) -> tuple[list[RequestRecord], float]:
     """Blocking run_grpc_load for the benchmarks, which report numbers only for runs where every
     request succeeded: raises RuntimeError with the failed requests' status codes otherwise."""
-    records, seconds = asyncio.run(run_grpc_load(address, cfg, timeout_s=timeout_s))
+    records, seconds = asyncio.run(run_grpc_load(address, cfg, timeout_s=timeout_s, credentials=credentials))
     failed = Counter(r.code for r in records if not r.ok)
     if failed:
         raise RuntimeError(

@@ -52,6 +52,10 @@ class Planner:
                 self.routed.labels(worker=d.worker.worker_id, reason=d.reason + ("+retry" if retry else "")).inc()
         return plan
 
+    def can_serve(self) -> bool:
+        """Whether plan() would find workers now: a healthy one that streams tokens (not prefill only)."""
+        return any(w.role is not Role.PREFILL for w in self.workers.healthy(self.model_name))
+
     def _pick(self, route: RouteInput, healthy: list[WorkerHandle]) -> Plan | None:
         prefills = [w for w in healthy if w.role is Role.PREFILL]
         decodes = [w for w in healthy if w.role is Role.DECODE]

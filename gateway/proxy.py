@@ -8,7 +8,7 @@ blamed); the server retries the latter once elsewhere if no token went out yet.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -49,11 +49,13 @@ class Proxy:
         self.workers = workers
 
     async def stream(
-        self, plan: Plan, req: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext, arrival: float
-    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+        self, plan: Plan, req: pb.WorkerGenerateRequest, deadline: float | None, arrival: float
+    ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
+        """deadline: time.monotonic() by which the worker call must end (None: no timeout)."""
         worker, prefill = plan.target.worker, plan.prefill_worker
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         with self.workers.lease(*(d.worker for d in plan.decisions)) as lease:
-            call = worker.stub.Generate(req, timeout=context.time_remaining())
+            call = worker.stub.Generate(req, timeout=timeout)
             first_token_at = None
             try:
                 async for chunk in call:

@@ -1,9 +1,11 @@
-"""The gateway: public Generation API, worker Registry, health, reflection and /metrics.
+"""The gateway: public Generation API (gRPC, and the OpenAI HTTP API of http/), worker Registry,
+health, reflection and /metrics.
 
-Request path: admission (--max-pending) -> validate + tokenize once (validation.py) -> plan
-(planner.py) -> proxy the token stream (proxy.py). A request that fails before any token reached
-the client is retried once on another plan that avoids the worker to blame; after that, or once
-tokens went out, the client gets UNAVAILABLE.
+Request path (generation.py, shared by both APIs): admission (--max-pending) -> validate + tokenize
+once (validation.py) -> plan (planner.py) -> proxy the token stream (proxy.py). A request that fails
+before any token reached the client is retried once on another plan that avoids the worker to
+blame; after that, or once tokens went out, the client gets UNAVAILABLE.
+The HTTP API runs on this process's event loop, beside the gRPC server.
 Torch-free on purpose (a test checks sys.modules).
 """
 
@@ -18,16 +20,19 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from splitserve.common.model_files import model_name
-from splitserve.common.roles import Role
+from splitserve.common.security import AccessGuard, ClusterSecurity, TlsIdentity
 from splitserve.common.serving import start_metrics_server
-from splitserve.common.tokenizer import Tokenizer, load_tokenizer
+from splitserve.common.tokenizer import load_tokenizer
+from splitserve.gateway.auth import ApiKeys, PublicAccess
+from splitserve.gateway.generation import Abort, GenerationCore
+from splitserve.gateway.http.server import HttpApi, HttpSettings
+from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.planner import Planner
-from splitserve.gateway.prefix import PrefixIndex, PrefixIndexMetrics
-from splitserve.gateway.proxy import Abort, Proxy, WorkerFailed
-from splitserve.gateway.router import Router, make_router
+from splitserve.gateway.prefix import PrefixIndex
+from splitserve.gateway.proxy import Proxy
+from splitserve.gateway.router import make_router
 from splitserve.gateway.validation import RequestLimits, RequestValidator
 from splitserve.gateway.workers import WorkerSet
 from splitserve.protos.v1 import generation_pb2 as gen_pb
@@ -35,11 +40,9 @@ from splitserve.protos.v1 import generation_pb2_grpc as gen_grpc
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
+__all__ = ["GatewayConfig", "GatewayMetrics", "GatewaySecurity", "serve_gateway"]
+
 log = logging.getLogger("splitserve.gateway")
-_NO_WORKER = (
-    "no healthy worker can serve this model now; start one with `splitserve worker --gateway HOST:PORT` "
-    "(unified, or a prefill and a decode worker) or wait for one to become healthy"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,113 +58,78 @@ class GatewayConfig:
     redis_url: str | None = None  # prefix index in Redis; None: in this process's memory
     index_heartbeat_ttl_s: float = 5.0  # a worker silent this long drops out of the prefix index
     limits: RequestLimits = field(default_factory=RequestLimits)  # request sizes, checked before tokenizing
+    max_streams_per_connection: int = 256  # HTTP/2 streams one client connection may have open at once
+    security: GatewaySecurity = field(default_factory=lambda: GatewaySecurity())
+    http_port: int | None = None  # the OpenAI-compatible HTTP API's port (0: a free one); None: no HTTP API
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {self.max_pending}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535] (or None: no HTTP API), got {self.http_port}")
+        if self.max_streams_per_connection < 1:
+            raise ValueError(f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}")
 
 
-class GatewayMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "splitserve_gateway_requests", "Requests by final gRPC status code.", ["code"], registry=self.registry
+@dataclass(frozen=True, slots=True)
+class GatewaySecurity:
+    """The public API's TLS and keys, and the cluster's (docs/security.md). Defaults: open plaintext."""
+
+    cluster: ClusterSecurity = field(default_factory=ClusterSecurity)
+    tls: TlsIdentity | None = None  # the public API's certificate; None: the cluster's, else plaintext
+    client_ca_pem: bytes | None = None  # public clients must present a certificate from this CA (mTLS)
+    api_keys: ApiKeys | None = None  # None: Generation needs no key
+    guard_open_services: bool = False  # health and reflection need a key too
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        identity = self.tls or self.cluster.identity
+        if identity is None:
+            if self.client_ca_pem is not None:
+                raise ValueError("--tls-client-ca needs a server certificate (--tls-cert and --tls-key)")
+            return None
+        # Workers present cluster certificates (a worker never holds a public client's), so with
+        # client certificates required both CAs are trusted; each plane still checks its own secret.
+        roots = b"\n".join(filter(None, (self.client_ca_pem, self.cluster.ca_pem))) or None
+        return grpc.ssl_server_credentials(
+            [(identity.key_pem, identity.cert_pem)],
+            root_certificates=roots if self.client_ca_pem else None,
+            require_client_auth=self.client_ca_pem is not None,
         )
-        self.routed = Counter(
-            "splitserve_gateway_routing_decisions",
-            "Requests routed, by worker and reason.",
-            ["worker", "reason"],
-            registry=self.registry,
-        )
-        self.pending = Gauge("splitserve_gateway_requests_in_flight", "Requests in flight.", registry=self.registry)
-        self.prefix = PrefixIndexMetrics(self.registry)
-        self.retries = Counter(
-            "splitserve_gateway_retries",
-            "Requests retried on another worker before any token went out, by the failed worker's role.",
-            ["role"],
-            registry=self.registry,
-        )
-        for role in Role:  # at zero from the start: a retry is rare, and rate() needs a series to see one
-            self.retries.labels(role=role.value)
+
+    def public_access(self) -> PublicAccess | None:
+        """The key check; make one per gateway and give it to both APIs, so a key's limits count both."""
+        return PublicAccess(self.api_keys) if self.api_keys is not None else None
+
+    def guard(self, public: PublicAccess | None) -> AccessGuard:
+        return AccessGuard(self.cluster, (_REGISTRY,), public, self.guard_open_services)
+
+
+_REGISTRY = pb.DESCRIPTOR.services_by_name["Registry"].full_name
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):
-    def __init__(
-        self,
-        config: GatewayConfig,
-        tokenizer: Tokenizer,
-        name: str,
-        workers: WorkerSet,
-        router: Router,
-        metrics: GatewayMetrics,
-        prefix: PrefixIndex,
-    ) -> None:
-        self.config, self.metrics = config, metrics
-        self.validator = RequestValidator(config.limits, tokenizer, name, workers)
-        self.planner = Planner(name, workers, router, prefix, metrics.routed)
-        self.proxy = Proxy(workers)
-        self.num_pending = 0
+    """The gRPC face of GenerationCore (generation.py)."""
+
+    def __init__(self, core: GenerationCore) -> None:
+        self.core = core
 
     async def Generate(self, request: gen_pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        arrival = time.monotonic()
-        code = grpc.StatusCode.OK
-        self.num_pending += 1
-        self.metrics.pending.inc()
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for response in self._generate(request, context, arrival):
+            async for response in self.core.generate(request, deadline):
                 yield response
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
         except Abort as e:
-            code = e.code
             if not context.done():  # past its deadline the client already has DEADLINE_EXCEEDED
                 await context.abort(e.code, e.message)
-        finally:
-            self.num_pending -= 1
-            self.metrics.pending.dec()
-            self.metrics.requests.labels(code=code.name).inc()
-
-    async def _generate(self, request, context, arrival: float):
-        worker_request = await self._validate(request)
-        if self.num_pending > self.config.max_pending:
-            raise Abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the gateway already has {self.config.max_pending} requests in flight; "
-                "retry later or start it with a higher --max-pending",
-            )
-        avoid: set[str] = set()  # addresses of the workers blamed for a failed attempt
-        for attempt in range(2):
-            plan = await self.planner.plan(worker_request.prompt_token_ids, avoid, retry=attempt > 0)
-            if plan is None:
-                raise Abort(grpc.StatusCode.UNAVAILABLE, _NO_WORKER)
-            worker_request.prefill_address = plan.prefill.worker.address if plan.prefill else ""
-            started = False
-            try:
-                async for response in self.proxy.stream(plan, worker_request, context, arrival):
-                    started = True
-                    yield response
-                return
-            except WorkerFailed as e:
-                if started or attempt == 1:
-                    raise Abort(grpc.StatusCode.UNAVAILABLE, e.message) from None
-                avoid.add(e.worker.address)
-                self.metrics.retries.labels(role=e.worker.role_name).inc()
-                log.warning("request %s: %s; retrying once elsewhere", worker_request.request_id, e.message)
-
-    async def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
-        try:
-            return await self.validator.worker_request(request)
-        except ValueError as e:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
 
     async def ListModels(self, request, context) -> gen_pb.ListModelsResponse:
-        card = gen_pb.ModelCard(id=self.validator.model_name, max_model_len=self.validator.max_model_len())
+        card = gen_pb.ModelCard(id=self.core.model_name, max_model_len=self.core.max_model_len())
         return gen_pb.ListModelsResponse(models=[card])
 
     async def Tokenize(self, request, context) -> gen_pb.TokenizeResponse:
         try:
-            ids = await self.validator.tokenize(request)
+            ids = await self.core.tokenize(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return gen_pb.TokenizeResponse(token_ids=ids)
@@ -206,34 +174,29 @@ class RegistryServicer(pb_grpc.RegistryServicer):
 
 
 async def serve_gateway(config: GatewayConfig) -> None:
-    tokenizer = load_tokenizer(config.model)
     name = model_name(config.model)
-    workers = WorkerSet(config.health_check_interval_s)
+    security = config.security
+    workers = WorkerSet(config.health_check_interval_s, channel_factory=security.cluster.worker_channel)
     for address in config.workers:
         workers.add(pb.RegisterWorkerRequest(address=address, model=name))
     metrics = GatewayMetrics()
     prefix = PrefixIndex(name, config.redis_url, metrics.prefix, config.index_heartbeat_ttl_s)
-    # Big enough for every request within the limits; a bigger one ends in RESOURCE_EXHAUSTED from gRPC.
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", config.limits.max_message_bytes)])
-    gen_grpc.add_GenerationServicer_to_server(
-        GenerationServicer(config, tokenizer, name, workers, make_router(config.router), metrics, prefix), server
-    )
-    pb_grpc.add_RegistryServicer_to_server(RegistryServicer(workers, prefix), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = (
-        gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-        pb.DESCRIPTOR.services_by_name["Registry"].full_name,
-        health.SERVICE_NAME,
-        reflection.SERVICE_NAME,
-    )
-    reflection.enable_server_reflection(names, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    validator = RequestValidator(config.limits, load_tokenizer(config.model), name, workers)
+    planner = Planner(name, workers, make_router(config.router), prefix, metrics.routed)
+    core = GenerationCore(config.max_pending, validator, planner, Proxy(workers), metrics)
+    public = security.public_access()
+    server, health_servicer = _grpc_server(config, core, RegistryServicer(workers, prefix), public, metrics)
+    credentials = security.server_credentials()
+    address = f"{config.host}:{config.port}"
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
+    http = await _start_http(config, core, metrics, public)
     metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(
-        f"gateway ready: grpc {config.host}:{port} metrics http://{config.host}:{metrics_port}/metrics model {name}",
+        f"gateway ready: grpc {config.host}:{port}{' (TLS)' if credentials else ''} "
+        f"{http.describe() if http else 'http off'} "
+        f"metrics http://{config.host}:{metrics_port}/metrics model {name}",
         flush=True,
     )
     checks = asyncio.create_task(workers.run_health_checks())
@@ -246,6 +209,56 @@ async def serve_gateway(config: GatewayConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     checks.cancel()
     purge.cancel()
-    await server.stop(grace=2.0)
+    await asyncio.gather(server.stop(grace=2.0), *([http.stop(grace_s=2.0)] if http else []))
     await workers.close()
     await prefix.close()
+
+
+def _grpc_server(
+    config: GatewayConfig,
+    core: GenerationCore,
+    registry: RegistryServicer,
+    public: PublicAccess | None,
+    metrics: GatewayMetrics,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    guard = config.security.guard(public)
+    guard.on_denied = metrics.count_denial
+    options = [
+        # Big enough for every request within the limits; a bigger one ends in RESOURCE_EXHAUSTED from gRPC.
+        ("grpc.max_receive_message_length", config.limits.max_message_bytes),
+        ("grpc.max_concurrent_streams", config.max_streams_per_connection),
+    ]
+    server = grpc.aio.server(options=options, interceptors=[guard])
+    gen_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
+    pb_grpc.add_RegistryServicer_to_server(registry, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (
+        gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+        pb.DESCRIPTOR.services_by_name["Registry"].full_name,
+        health.SERVICE_NAME,
+        reflection.SERVICE_NAME,
+    )
+    reflection.enable_server_reflection(names, server)
+    return server, health_servicer
+
+
+async def _start_http(
+    config: GatewayConfig, core: GenerationCore, metrics: GatewayMetrics, public: PublicAccess | None
+) -> HttpApi | None:
+    if config.http_port is None:
+        return None
+    security = config.security
+    return await HttpApi.start(
+        HttpSettings(
+            host=config.host,
+            port=config.http_port,
+            max_body_bytes=config.limits.max_message_bytes,
+            guard_open_routes=security.guard_open_services,
+            tls=security.tls or security.cluster.identity,
+            client_ca_pem=security.client_ca_pem,
+        ),
+        core,
+        metrics,
+        public,
+    )

@@ -152,12 +152,13 @@ class RequestValidator:
             logprobs=logprobs,
         )
 
-    async def tokenize(self, request: gen_pb.TokenizeRequest) -> list[int]:
+    async def tokenize(self, request: gen_pb.TokenizeRequest, add_special_tokens: bool = True) -> list[int]:
+        """add_special_tokens: whether plain text gets the model's BOS etc. (a chat template adds its own)."""
         check_prompt_size(request, self.limits)
         self._check_model(request.model)
         if request.WhichOneof("input") == "chat":
             return await _off_loop_if_long(request.chat.ByteSize(), self._encode_chat, request.chat)
-        return await _off_loop_if_long(len(request.text), self.tokenizer.encode, request.text)
+        return await _off_loop_if_long(len(request.text), self.tokenizer.encode, request.text, add_special_tokens)
 
     def max_model_len(self) -> int:
         return self.workers.max_model_len(self.model_name)

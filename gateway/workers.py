@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.roles import Role
+from splitserve.common.security import OPEN_CLUSTER
 from splitserve.common.wire import PEER_CHANNEL_OPTIONS
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
@@ -73,8 +74,14 @@ class Lease:
 class WorkerSet:
     FAILURES_BEFORE_UNHEALTHY = 2
 
-    def __init__(self, check_interval_s: float = 1.0, check_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        check_interval_s: float = 1.0,
+        check_timeout_s: float = 1.0,
+        channel_factory: Callable[..., grpc.aio.Channel] = OPEN_CLUSTER.worker_channel,
+    ) -> None:
         self._workers: dict[str, WorkerHandle] = {}
+        self._channel = channel_factory  # (address, options) -> a channel carrying the cluster's credentials
         self._ids = itertools.count(1)
         self.check_interval_s = check_interval_s
         self.check_timeout_s = check_timeout_s
@@ -83,7 +90,7 @@ class WorkerSet:
         old = self._workers.pop(r.address, None)
         if old is not None:  # a restarted worker on the same address
             asyncio.ensure_future(old.channel.close())
-        channel = grpc.aio.insecure_channel(r.address, options=PEER_CHANNEL_OPTIONS)
+        channel = self._channel(r.address, PEER_CHANNEL_OPTIONS)
         handle = WorkerHandle(
             f"w{next(self._ids)}",
             r.address,

@@ -8,6 +8,15 @@ import time
 
 from splitserve.common.roles import MODES, Role
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.launch.security_args import (
+    add_certs_args,
+    add_client_args,
+    add_cluster_args,
+    add_gateway_security_args,
+    cluster_from_args,
+    gateway_credentials_from_args,
+    gateway_security_from_args,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -120,7 +129,7 @@ def _generate_remote(a: argparse.Namespace) -> int:
         request.chat.messages.add(role="user", content=a.prompt)
     else:
         request.text = a.prompt
-    with grpc.insecure_channel(a.url) as channel:
+    with gateway_credentials_from_args(a).blocking_channel(a.url) as channel:
         try:
             for chunk in pb_grpc.GenerationStub(channel).Generate(request):
                 sys.stdout.write(chunk.text)
@@ -162,6 +171,7 @@ def _worker(a: argparse.Namespace) -> int:
         mode=a.mode,
         advertise_host=a.advertise_host,
         kv_transfer_timeout_s=a.kv_transfer_timeout,
+        cluster=cluster_from_args(a),
     )
     try:
         asyncio.run(serve_worker(config))
@@ -195,19 +205,37 @@ def _gateway(a: argparse.Namespace) -> int:
         router=a.router,
         redis_url=a.redis_url,
         limits=limits,
+        max_streams_per_connection=a.max_streams_per_connection,
+        security=gateway_security_from_args(a),
+        http_port=_http_port(a),
     )
-    asyncio.run(serve_gateway(config))
+    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+        runner.run(serve_gateway(config))
     return 0
 
 
+def _http_port(a: argparse.Namespace) -> int | None:
+    return None if a.no_http or a.http_port < 0 else a.http_port
+
+
+def _event_loop_factory():
+    """uvloop's loop where it is installed (faster sockets for both servers), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
-    from splitserve.launch.launcher import run_up
+    from pathlib import Path
+
+    from splitserve.launch.access import prepare_access
+    from splitserve.launch.launcher import parse_devices, run_up
 
     workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
     gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
     gateway_argv += [arg for flag in _LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
-    from splitserve.launch.launcher import parse_devices
-
     return run_up(
         workers,
         engine_argv,
@@ -218,6 +246,8 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         gateway_argv,
         a.admin_port or a.port + 1,
         parse_devices(a.devices),
+        prepare_access(Path(a.secrets_dir), a.secure, a.host),
+        _http_port(a),
     )
 
 
@@ -225,7 +255,14 @@ def _health(a: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(a.address) as channel:
+    from splitserve.common.security import GatewayCredentials
+
+    cluster = cluster_from_args(a)
+    if a.tls_ca:  # the gateway, verified with its CA
+        channel = GatewayCredentials(a.tls_ca).blocking_channel(a.address)
+    else:
+        channel = cluster.blocking_channel(a.address, to_worker=a.cluster_cert is not None)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=a.timeout)
         except grpc.RpcError as e:
@@ -242,8 +279,12 @@ def _workers(a: argparse.Namespace) -> int:
     from splitserve.protos.v1 import worker_pb2 as pb
     from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(a.url) as channel:
-        reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+    with cluster_from_args(a).blocking_channel(a.url, to_worker=False) as channel:
+        try:
+            reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+        except grpc.RpcError as e:
+            print(f"splitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
     print(
         f"{'id':<5}{'role':<9}{'address':<22}{'healthy':<9}{'in flight':>10}{'running':>9}{'waiting':>9}{'KV used':>9}"
     )
@@ -268,7 +309,7 @@ def _scale(a: argparse.Namespace) -> int:
     for mode, value in (("unified", a.workers), ("prefill", a.prefill), ("decode", a.decode)):
         if value is not None:
             setattr(request, f"num_{mode}", value)
-    with grpc.insecure_channel(a.url) as channel:
+    with cluster_from_args(a).blocking_channel(a.url, to_worker=False) as channel:
         try:
             reply = pb_grpc.LauncherStub(channel).Scale(request, timeout=600)
         except grpc.RpcError as e:
@@ -294,6 +335,12 @@ def _experiment(a: argparse.Namespace) -> int:
     return run_experiment_file(a.config, a.out)
 
 
+def _certs(a: argparse.Namespace) -> int:
+    from splitserve.launch.certs import run  # cryptography: not in the gateway image, and only needed here
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -307,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--url", default=None, help="stream from a gateway at HOST:PORT instead of in process")
+    add_client_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -334,10 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
+    add_cluster_args(worker)
     add_engine_args(worker)
     worker.set_defaults(func=_worker)
 
-    gateway = sub.add_parser("gateway", help="run the gateway (public Generation API)")
+    gateway = sub.add_parser("gateway", help="run the gateway (public Generation API: gRPC and OpenAI HTTP)")
     _add_server_args(gateway)
     gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
     gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
@@ -352,7 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory",
     )
+    _add_http_args(gateway, default_port=0)
     _add_limit_args(gateway)
+    add_gateway_security_args(gateway)
+    add_cluster_args(gateway)
     gateway.set_defaults(func=_gateway)
 
     bench = sub.add_parser("bench", help="send a workload to a gateway; report latency, throughput, goodput")
@@ -360,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50 (goodput counts requests meeting both)")
     bench.add_argument("--json", default=None, help="write the report (summary + every request) here")
     bench.add_argument("--no-progress", action="store_true")
+    add_client_args(bench)
     from splitserve.experiments.bench import add_workload_args
 
     add_workload_args(bench)
@@ -368,10 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="exit 0 iff the gRPC server at ADDRESS reports SERVING")
     health.add_argument("address")
     health.add_argument("--timeout", type=float, default=2.0)
+    health.add_argument("--tls-ca", default=None, help="the server is a TLS gateway: verify it with this CA")
+    add_cluster_args(health)
     health.set_defaults(func=_health)
 
     workers = sub.add_parser("workers", help="list a gateway's workers: role, address, load, KV usage")
     workers.add_argument("--url", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    add_cluster_args(workers)
     workers.set_defaults(func=_workers)
 
     scale = sub.add_parser("scale", help="change the number of workers per tier of a running `splitserve up`")
@@ -379,12 +435,17 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--workers", type=int, default=None, help="unified workers")
     scale.add_argument("--prefill", type=int, default=None)
     scale.add_argument("--decode", type=int, default=None)
+    add_cluster_args(scale)
     scale.set_defaults(func=_scale)
 
     experiment = sub.add_parser("experiment", help="run deployments x request rates from a TOML config")
     experiment.add_argument("config", help="TOML file (see experiments/configs/)")
     experiment.add_argument("--out", default=None, help="report folder (default: runs/<config name>-<time>)")
     experiment.set_defaults(func=_experiment)
+
+    certs = sub.add_parser("certs", help="write a throwaway CA, certificates, an API key and a join secret")
+    add_certs_args(certs)
+    certs.set_defaults(func=_certs)
 
     up = sub.add_parser("up", help="start a gateway and its workers as local processes")
     up.add_argument(
@@ -409,6 +470,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_args(up)
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=50051, help="gateway port")
+    _add_http_args(up, default_port=8000)
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="TLS on the public API, mTLS between all processes and an API key, from a throwaway CA made "
+        "in --secrets-dir (default: a join secret only)",
+    )
+    up.add_argument(
+        "--secrets-dir",
+        default=".splitserve",
+        help="where `up` keeps the join secret (and with --secure the CA, certificates and API key); reused",
+    )
     up.set_defaults(func=None)
     return parser
 
@@ -438,6 +511,18 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-stops", type=int, default=d.max_stops, help="most stop strings, and most stop token ids, per request"
     )
+
+
+def _add_http_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP API (gateway; docs/openai.md)")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=default_port,
+        help=f"port of /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics ... "
+        f"(HTTPS with --tls-cert; 0: a free one, -1: off; default {default_port})",
+    )
+    g.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.common.security import OPEN_CLUSTER, ClusterSecurity
 from splitserve.common.serving import free_port
+from splitserve.launch.access import UpAccess
 
 
 @dataclass
@@ -33,6 +35,7 @@ class Child:
     mode: str = "gateway"
     log: deque[str] = field(default_factory=lambda: deque(maxlen=500), repr=False)  # last output lines
     device: str = ""  # the --device it was given, if any
+    http: str = ""  # the gateway's OpenAI HTTP API, HOST:PORT ("" for workers, or with it off)
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
@@ -57,9 +60,16 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | No
     return proc
 
 
-def wait_healthy(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_healthy(
+    address: str,
+    timeout_s: float,
+    proc: subprocess.Popen | None = None,
+    cluster: ClusterSecurity = OPEN_CLUSTER,
+    is_worker: bool = True,
+) -> None:
+    """Wait until the server at address reports SERVING (over the cluster's TLS, when it has one)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with cluster.blocking_channel(address, to_worker=is_worker) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -100,6 +110,8 @@ def start_cluster(
     gateway_argv: list[str] | None = None,
     worker_cpus: list[str] | None = None,
     devices: list[str] | None = None,
+    cluster: ClusterSecurity = OPEN_CLUSTER,
+    http_port: int | None = 0,
 ) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
@@ -108,7 +120,9 @@ def start_cluster(
     cores worker_cpus[i] ("0,1"), with as many torch threads. devices spreads workers over
     accelerators: worker i gets devices[i % len(devices)] (e.g. one GPU per worker; see spawn_worker).
     Workers that share a GPU start one after another, each once the one before is healthy: each sizes
-    its KV cache from what it measures on the device while it starts.
+    its KV cache from what it measures on the device while it starts. cluster is how this process
+    reaches them (their security flags are in gateway_argv and worker_argv). http_port: the gateway's
+    OpenAI HTTP API (0: a free port; None: off); children[0].http is its HOST:PORT.
     """
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
@@ -117,39 +131,24 @@ def start_cluster(
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     model = _model_argv(engine_argv)
     gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
-    gateway = Child(
-        "gateway",
-        f"{host}:{gw_port}",
-        f"{host}:{gw_metrics}",
-        _spawn(
-            "gateway",
-            [
-                "gateway",
-                "--host",
-                host,
-                "--port",
-                str(gw_port),
-                "--metrics-port",
-                str(gw_metrics),
-                *model,
-                *(gateway_argv or []),
-            ],
-            env,
-        ),
-    )
+    gw_http = None if http_port is None else (http_port or free_port(host))
+    argv = ["gateway", "--host", host, "--port", str(gw_port), "--metrics-port", str(gw_metrics)]
+    argv += ["--http-port", str(-1 if gw_http is None else gw_http), *model, *(gateway_argv or [])]
+    http = "" if gw_http is None else f"{host}:{gw_http}"
+    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}", _spawn("gateway", argv, env), http=http)
     children = [gateway]
     try:
-        wait_healthy(gateway.address, timeout_s, gateway.proc)
+        wait_healthy(gateway.address, timeout_s, gateway.proc, cluster, is_worker=False)
         for i, (name, mode) in enumerate(modes):
             pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
             n = len(worker_cpus[i].split(",")) if worker_cpus else threads
             device = device_for(i, devices) if devices else ""
-            wait_for_gpu_peer(children[1:], device, timeout_s)
+            wait_for_gpu_peer(children[1:], device, timeout_s, cluster)
             children.append(
                 spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host, n, env, device)
             )
         for child in children[1:]:
-            wait_healthy(child.address, timeout_s, child.proc)
+            wait_healthy(child.address, timeout_s, child.proc, cluster)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
     except BaseException:
         stop_cluster(children)
@@ -157,11 +156,13 @@ def start_cluster(
     return children
 
 
-def wait_for_gpu_peer(started: list[Child], device: str, timeout_s: float) -> None:
+def wait_for_gpu_peer(
+    started: list[Child], device: str, timeout_s: float, cluster: ClusterSecurity = OPEN_CLUSTER
+) -> None:
     """Before starting a worker on GPU device: wait until the last one started there is healthy."""
     peers = [c for c in started if c.device == device and device.startswith("cuda")]
     if peers:
-        wait_healthy(peers[-1].address, timeout_s, peers[-1].proc)
+        wait_healthy(peers[-1].address, timeout_s, peers[-1].proc, cluster)
 
 
 def threads_per_worker(num_workers: int) -> int:
@@ -270,9 +271,13 @@ def run_up(
     gateway_argv: list[str] | None = None,
     admin_port: int = 0,
     devices: list[str] | None = None,
+    access: UpAccess | None = None,
+    http_port: int | None = None,
 ) -> int:
     from splitserve.launch.supervisor import Supervisor, serve_launcher
 
+    access = access or UpAccess([], [], OPEN_CLUSTER, [], lambda address: "")
+    engine_argv = engine_argv + access.worker_argv
     children = start_cluster(
         num_workers,
         engine_argv,
@@ -280,11 +285,13 @@ def run_up(
         port,
         num_prefill=num_prefill,
         num_decode=num_decode,
-        gateway_argv=gateway_argv,
+        gateway_argv=(gateway_argv or []) + access.gateway_argv,
         devices=devices,
+        cluster=access.cluster,
+        http_port=http_port,
     )
-    supervisor = Supervisor(children, engine_argv, host, devices=devices)
-    admin = serve_launcher(supervisor, host, admin_port or free_port(host))
+    supervisor = Supervisor(children, engine_argv, host, devices=devices, cluster=access.cluster)
+    admin = serve_launcher(supervisor, host, admin_port or free_port(host), access.cluster)
     print(
         f"\nsplitserve is up: gateway grpc {children[0].address} "
         f"(metrics http://{children[0].metrics}/metrics); launcher control {supervisor.admin_address}",
@@ -292,10 +299,15 @@ def run_up(
     )
     for child in children[1:]:
         print(f"  {child.name}: grpc {child.address} metrics http://{child.metrics}/metrics", flush=True)
+    operator = " ".join(access.operator_argv)
+    if children[0].http:
+        print(access.http_hint(children[0].http), flush=True)
     print(
-        f'try: splitserve generate --url {children[0].address} --chat "Hello!"\n'
-        f"     splitserve workers --url {children[0].address}\n"
-        f"     splitserve scale --url {supervisor.admin_address} --prefill 1 --decode 2\nCtrl-C stops everything.",
+        f"{access.client_hint(children[0].address)}\n"
+        f"operator commands:\n"
+        f"  splitserve workers --url {children[0].address} {operator}\n"
+        f"  splitserve scale --url {supervisor.admin_address} {operator} --prefill 1 --decode 2\n"
+        "Ctrl-C stops everything.",
         flush=True,
     )
     stop = threading.Event()

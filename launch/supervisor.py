@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.common.roles import MODES
+from splitserve.common.security import OPEN_CLUSTER, BlockingAccessGuard, ClusterSecurity
 from splitserve.launch.launcher import Child, spawn_worker, threads_per_worker, wait_for_gpu_peer, wait_healthy
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
@@ -36,8 +37,10 @@ class Supervisor:
         drain_timeout_s: float = 90.0,
         start_timeout_s: float = 180.0,
         devices: list[str] | None = None,
+        cluster: ClusterSecurity = OPEN_CLUSTER,
     ) -> None:
         self.children = children
+        self.cluster = cluster  # how to reach the workers it starts
         self.devices = devices or []  # new workers take the device the fewest live workers use
         self.engine_argv, self.host = engine_argv, host
         self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
@@ -73,7 +76,7 @@ class Supervisor:
         new: list[Child] = []
         for _ in range(n):
             device = self._least_used_device() if self.devices else ""
-            wait_for_gpu_peer(new, device, self.start_timeout_s)  # one at a time per GPU
+            wait_for_gpu_peer(new, device, self.start_timeout_s, self.cluster)  # one at a time per GPU
             new.append(
                 spawn_worker(
                     f"{mode}-{next(self._ids[mode])}",
@@ -87,7 +90,7 @@ class Supervisor:
             )
             self.children.append(new[-1])
         for child in new:
-            wait_healthy(child.address, self.start_timeout_s, child.proc)
+            wait_healthy(child.address, self.start_timeout_s, child.proc, self.cluster)
         time.sleep(1.5)  # one gateway health-check round: they take traffic now
         return new
 
@@ -153,13 +156,21 @@ class LauncherServicer(pb_grpc.LauncherServicer):
         )
 
 
-def serve_launcher(supervisor: Supervisor, host: str, port: int) -> grpc.Server:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+def serve_launcher(
+    supervisor: Supervisor, host: str, port: int, cluster: ClusterSecurity = OPEN_CLUSTER
+) -> grpc.Server:
+    """The Launcher service on host:port, for members of the cluster only (join secret; TLS with its CA)."""
+    launcher_service = pb.DESCRIPTOR.services_by_name["Launcher"].full_name
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=4), interceptors=[BlockingAccessGuard(cluster, (launcher_service,))]
+    )
     pb_grpc.add_LauncherServicer_to_server(LauncherServicer(supervisor), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = cluster.server_credentials(require_client_auth=False)
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     server.start()
     supervisor.admin_address = f"{host}:{bound}"
     return server

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml  # PyYAML: installed with gguf, a core dependency
+from cryptography import x509
 
+from splitserve.launch.certs import SecureBundle, make_bundle
 from splitserve.launch.cli import build_parser
 
 pytestmark = pytest.mark.integration
@@ -33,15 +35,21 @@ ALWAYS_ON = {"redis", "gateway", "prometheus", "grafana"}
 BY_PROFILE = {"gpu": {"prefill", "decode"}, "cpu": {"prefill-cpu", "decode-cpu"}}
 GPUS_8_WORKERS = {"prefill-0", "prefill-1"} | {f"decode-{gpu}" for gpu in range(2, 8)}
 METRICS_PORT = 9100
+SECRETS_IN_CONTAINER = Path("/run/secrets")  # where Compose mounts each secret, by its name
+CLUSTER_FLAGS = ["--cluster-ca=/run/secrets/ca.pem", "--cluster-cert=/run/secrets/cluster.pem"]
+CLUSTER_FLAGS += ["--cluster-key=/run/secrets/cluster-key.pem"]
+WORKER_HEALTH = ["CMD", "splitserve", "health", *CLUSTER_FLAGS, "127.0.0.1:50061"]
 
 
 def resolved(compose_file: Path, tmp_path: Path, profile: str | None = None) -> dict:
-    """`docker-compose config` of one file, parsed; fails when docker-compose rejects it."""
+    """`docker-compose config` of one file, parsed; fails when docker-compose rejects it.
+    tmp_path: the models folder, holding the `splitserve certs` bundle in secrets/."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.fail("docker-compose is not installed: run scripts/install-system-deps.sh")
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
-    env["MODELS_DIR"] = str(tmp_path)  # the only host path that is the user's, not the repo's
+    env["MODELS_DIR"] = str(tmp_path)  # the host paths that are the user's, not the repo's
+    env["SPLITSERVE_SECRETS"] = str(tmp_path / "secrets")
     argv = [binary, "-f", str(compose_file)] + (["--profile", profile] if profile else []) + ["config"]
     done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stderr}"
@@ -49,12 +57,22 @@ def resolved(compose_file: Path, tmp_path: Path, profile: str | None = None) -> 
 
 
 @pytest.fixture(scope="module")
-def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("models")
+def host_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def bundle(host_folder: Path) -> SecureBundle:
+    """Made as deploy/README.md says, into the folder SPLITSERVE_SECRETS names."""
+    return make_bundle(host_folder / "secrets", ["gateway", "localhost"])
+
+
+@pytest.fixture(scope="module")
+def configs(host_folder: Path, bundle: SecureBundle) -> dict[str, dict]:
     return {
-        "cpu": resolved(COMPOSE_FILE, tmp, "cpu"),
-        "gpu": resolved(COMPOSE_FILE, tmp, "gpu"),
-        "gpus-8": resolved(GPUS_8_FILE, tmp),
+        "cpu": resolved(COMPOSE_FILE, host_folder, "cpu"),
+        "gpu": resolved(COMPOSE_FILE, host_folder, "gpu"),
+        "gpus-8": resolved(GPUS_8_FILE, host_folder),
     }
 
 
@@ -87,7 +105,7 @@ def test_workers_scale_and_drain(configs: dict[str, dict]) -> None:
             assert service["stop_signal"] == "SIGTERM", name
             assert service["stop_grace_period"] == "60s", name
             assert service["depends_on"]["gateway"]["condition"] == "service_healthy", name
-            assert service["healthcheck"]["test"] == ["CMD", "splitserve", "health", "127.0.0.1:50061"], name
+            assert service["healthcheck"]["test"] == WORKER_HEALTH, name
             assert "/models" in [v.split(":")[1] for v in service["volumes"]], name
 
 
@@ -113,7 +131,9 @@ def test_commands_parse_with_the_cli(configs: dict[str, dict]) -> None:
         assert gateway.command == "gateway"
         assert (gateway.host, gateway.port, gateway.metrics_port) == ("0.0.0.0", 50051, METRICS_PORT)
         assert gateway.redis_url == "redis://redis:6379/0"
-        assert services["gateway"]["ports"] == [{"published": 50051, "target": 50051}]
+        assert gateway.http_port == 8000 and not gateway.no_http
+        published = [{"published": 50051, "target": 50051}, {"published": 8000, "target": 8000}]  # gRPC, OpenAI HTTP
+        assert services["gateway"]["ports"] == published
         assert parser.parse_args(services["gateway"]["healthcheck"]["test"][2:]).command == "health"
         for name, service in workers(config).items():
             args = parser.parse_args(worker_argv(service))
@@ -123,6 +143,59 @@ def test_commands_parse_with_the_cli(configs: dict[str, dict]) -> None:
             assert args.device == ("cpu" if name.endswith("-cpu") else "cuda")
             assert args.model == gateway.model  # the gateway tokenizes for the model workers serve
             assert parser.parse_args(service["healthcheck"]["test"][2:]).command == "health"
+
+
+def security_values(argv: list[str]) -> dict[str, str]:
+    """{argparse dest: file} of a SecureBundle argv, each file where Compose mounts it."""
+    return {
+        flag[2:].replace("-", "_"): str(SECRETS_IN_CONTAINER / Path(file).name)
+        for flag, file in zip(argv[::2], argv[1::2])
+    }
+
+
+def mounted(service: dict) -> set[str]:
+    return {
+        str(SECRETS_IN_CONTAINER / (s if isinstance(s, str) else s.get("target", s["source"])))
+        for s in service.get("secrets", [])
+    }
+
+
+def gateway_names(bundle: SecureBundle) -> list[str]:
+    cert = x509.load_pem_x509_certificate(bundle.gateway_cert.read_bytes())
+    return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+
+
+def test_security_flags_match_splitserve_certs(configs: dict[str, dict], bundle: SecureBundle) -> None:
+    """The gateway and workers get the flags SecureBundle gives them, on files mounted into them, and
+    dial the gateway by names its certificate holds (made as deploy/README.md says)."""
+    parser = build_parser()
+    for config in configs.values():
+        for name, secret in config["secrets"].items():
+            assert Path(secret["file"]) == bundle.ca_cert.parent / name and Path(secret["file"]).exists(), name
+        gateway = config["services"]["gateway"]
+        args = vars(parser.parse_args(shlex.split(gateway["command"])))
+        flags = security_values(bundle.gateway_argv())
+        assert {dest: args[dest] for dest in flags} == flags
+        assert set(flags.values()) <= mounted(gateway)
+        health = parser.parse_args(gateway["healthcheck"]["test"][2:])
+        assert health.tls_ca in mounted(gateway) and health.address.rsplit(":", 1)[0] in gateway_names(bundle)
+        flags = security_values(bundle.worker_argv())
+        cluster = {dest: file for dest, file in flags.items() if dest != "join_secret_file"}
+        for name, service in workers(config).items():
+            args = vars(parser.parse_args(worker_argv(service)))
+            assert {dest: args[dest] for dest in flags} == flags, name
+            assert set(flags.values()) <= mounted(service), name
+            assert args["gateway"].rsplit(":", 1)[0] in gateway_names(bundle), name
+            health = vars(parser.parse_args(service["healthcheck"]["test"][2:]))
+            assert {dest: health[dest] for dest in cluster} == cluster, name
+
+
+def test_only_the_gateway_is_reachable_from_other_hosts(configs: dict[str, dict]) -> None:
+    for config in configs.values():
+        for name, service in config["services"].items():
+            for port in service.get("ports", []):
+                host_ip = port.get("host_ip", "") if isinstance(port, dict) else port.rsplit(":", 2)[0]
+                assert name == "gateway" or host_ip == "127.0.0.1", f"{name} publishes {port} beyond localhost"
 
 
 def dockerfile_targets() -> set[str]:

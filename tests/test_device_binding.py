@@ -75,7 +75,7 @@ def test_spawned_worker_sees_only_its_gpu(spawned):
 def test_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
     events = []
     monkeypatch.setattr(
-        launcher, "wait_healthy", lambda address, timeout_s, proc=None: events.append(f"wait {address}")
+        launcher, "wait_healthy", lambda address, timeout_s, proc=None, *rest, **kw: events.append(f"wait {address}")
     )
     monkeypatch.setattr(launcher.time, "sleep", lambda s: None)
     original = launcher.spawn_worker
@@ -96,9 +96,13 @@ def test_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
 
 def test_scaled_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
     waited = []
-    monkeypatch.setattr(supervisor, "wait_healthy", lambda address, timeout_s, proc=None: waited.append(address))
     monkeypatch.setattr(
-        launcher, "wait_healthy", lambda address, timeout_s, proc=None: waited.append(f"before next: {address}")
+        supervisor, "wait_healthy", lambda address, timeout_s, proc=None, *rest, **kw: waited.append(address)
+    )
+    monkeypatch.setattr(
+        launcher,
+        "wait_healthy",
+        lambda address, timeout_s, proc=None, *rest, **kw: waited.append(f"before next: {address}"),
     )
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
     gateway = Child("gateway", "127.0.0.1:1", "127.0.0.1:2", FakeProc())

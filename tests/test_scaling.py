@@ -95,7 +95,7 @@ def test_add_workers_then_drain_the_originals_under_load(tiny_llama_dir):
         stop_cluster(supervisor.children)
 
 
-def test_up_scale_and_workers_commands(tiny_llama_dir):
+def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
     port, admin = free_port(), free_port()
     up = subprocess.Popen(
         [
@@ -109,6 +109,8 @@ def test_up_scale_and_workers_commands(tiny_llama_dir):
             str(port),
             "--admin-port",
             str(admin),
+            "--secrets-dir",
+            str(tmp_path),
             *engine_argv(tiny_llama_dir),
         ],
         stdout=subprocess.DEVNULL,
@@ -122,8 +124,16 @@ def test_up_scale_and_workers_commands(tiny_llama_dir):
             if subprocess.run([*cli, "health", f"127.0.0.1:{admin}"], capture_output=True).returncode == 0:
                 break
             time.sleep(0.5)
+        member = ["--join-secret-file", str(tmp_path / "join-secret")]  # `up` made it: 0600
+        assert (tmp_path / "join-secret").stat().st_mode & 0o777 == 0o600
+        outsider = subprocess.run(
+            [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--decode", "2"], capture_output=True, text=True, timeout=60
+        )
+        assert outsider.returncode == 1 and "UNAUTHENTICATED" in outsider.stderr
+        outsider = subprocess.run([*cli, "workers", "--url", f"127.0.0.1:{port}"], capture_output=True, text=True)
+        assert outsider.returncode == 1 and "UNAUTHENTICATED" in outsider.stderr
         out = subprocess.run(
-            [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--prefill", "1", "--decode", "1"],
+            [*cli, "scale", "--url", f"127.0.0.1:{admin}", *member, "--prefill", "1", "--decode", "1"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -131,18 +141,23 @@ def test_up_scale_and_workers_commands(tiny_llama_dir):
         assert out.returncode == 0, out.stderr
         assert "now: 1 unified, 1 prefill, 1 decode" in out.stdout
         time.sleep(1.5)
-        listing = subprocess.run([*cli, "workers", "--url", f"127.0.0.1:{port}"], capture_output=True, text=True)
+        listing = subprocess.run(
+            [*cli, "workers", "--url", f"127.0.0.1:{port}", *member], capture_output=True, text=True
+        )
         roles = sorted(line.split()[1] for line in listing.stdout.splitlines()[1:])
         assert roles == ["decode", "prefill", "unified"], listing.stdout
         out = subprocess.run(
-            [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--workers", "0"],
+            [*cli, "scale", "--url", f"127.0.0.1:{admin}", *member, "--workers", "0"],
             capture_output=True,
             text=True,
             timeout=300,
         )
         assert out.returncode == 0 and "drained worker-0" in out.stdout, out
         bad = subprocess.run(
-            [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--decode", "0"], capture_output=True, text=True, timeout=60
+            [*cli, "scale", "--url", f"127.0.0.1:{admin}", *member, "--decode", "0"],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr
     finally:

@@ -4,11 +4,12 @@ on threads), tags, bit-identical delivery, timeouts that close a channel, and re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
 
-from splitserve.disagg.transfer.base import TransferError, TransferFailure
+from splitserve.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
 
@@ -87,3 +88,24 @@ def test_staging_pool_reuses_buffers_by_power_of_two_class():
     assert c.storage.data_ptr() != b.storage.data_ptr()
     pool.release(b), pool.release(c)  # the cap (10 blocks' bytes) keeps only the first
     assert pool.acquire(2).storage.data_ptr() != c.storage.data_ptr()
+
+
+def test_in_process_transport_refuses_a_sender_without_the_channel_secret():
+    from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
+
+    async def main():
+        hub = Hub(timeout_s=2)
+        receiver, sender = InProcessReceiver(hub), InProcessSender(hub)
+        channel = receiver.channel_for("prefill-a")
+        buffer = torch.zeros(SHAPE)
+        wrong = dataclasses.replace(channel, secret=bytes(32))
+        outcomes = await asyncio.gather(
+            receiver.recv(channel, 1, buffer), sender.send(wrong, 1, torch.randn(SHAPE)), return_exceptions=True
+        )
+        return outcomes, buffer
+
+    outcomes, buffer = asyncio.run(main())
+    assert all(isinstance(e, TransferError) and e.reason is TransferFailure.AUTH for e in outcomes), outcomes
+    assert not buffer.any()
+    spec = ChannelSpec("a", "k", b"\x01" * 32)
+    assert repr(spec.secret) not in repr(spec)  # a logged channel does not give its secret away

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from splitserve.common.security import OPEN_CLUSTER
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -32,11 +33,13 @@ class KVEventPublisher:
         address: str,
         model: str,
         register: Callable[[], Awaitable[None]],
+        channel_factory: Callable[[str], grpc.aio.Channel] = OPEN_CLUSTER.gateway_channel,
         interval_s: float = 0.1,
         heartbeat_s: float = 1.0,
     ) -> None:
         self.port, self.gateway, self.address, self.model = port, gateway, address, model
         self.register = register  # called when the gateway no longer knows this worker (it restarted)
+        self.channel_factory = channel_factory  # address -> a channel with the cluster's credentials
         self.interval_s, self.heartbeat_s = interval_s, heartbeat_s
         self.instance_id = uuid.uuid4().hex
         self.seq = 0
@@ -44,7 +47,7 @@ class KVEventPublisher:
         self._need_snapshot = True
 
     async def run(self) -> None:
-        async with grpc.aio.insecure_channel(self.gateway) as channel:
+        async with self.channel_factory(self.gateway) as channel:
             stub = pb_grpc.RegistryStub(channel)
             loop = asyncio.get_running_loop()
             last_sent = 0.0

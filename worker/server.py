@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -20,6 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from splitserve.common.model_files import model_name
 from splitserve.common.roles import MODES, Role
+from splitserve.common.security import AccessGuard, ClusterSecurity
 from splitserve.common.serving import start_metrics_server
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
@@ -54,6 +55,7 @@ class WorkerConfig:
     drain_timeout_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
+    cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -77,14 +79,19 @@ class WorkerConfig:
 def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics) -> WorkerServicer:
     role = config.role
     if role is Role.PREFILL:
-        sender = TorchDistSender(config.kv_transfer_timeout_s)
+        sender = TorchDistSender(config.public_host, config.kv_transfer_timeout_s)
         delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
         return WorkerServicer(engine, metrics, role, sender=sender, send_delay_s=delay)
     if role is Role.DECODE:
         receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
         log.info("KV channels meet at TCPStore %s", receiver.address)
         handoff = DecodeHandoff(
-            engine, receiver, GrpcPrefillClient(), metrics, config.kv_reserve_timeout_s, config.kv_transfer_timeout_s
+            engine,
+            receiver,
+            GrpcPrefillClient(config.cluster.worker_channel),
+            metrics,
+            config.kv_reserve_timeout_s,
+            config.kv_transfer_timeout_s,
         )
         return WorkerServicer(engine, metrics, role, handoff=handoff)
     return WorkerServicer(engine, metrics, role)
@@ -109,13 +116,15 @@ async def serve_worker(config: WorkerConfig) -> None:
     port = HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
     servicer = _make_servicer(config, engine, metrics)
-    server = grpc.aio.server()
+    worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name
+    server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (worker_service,))])
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    services = (pb.DESCRIPTOR.services_by_name["Worker"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME)
-    reflection.enable_server_reflection(services, server)
-    grpc_port = server.add_insecure_port(f"{config.host}:{config.port}")
+    reflection.enable_server_reflection((worker_service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    credentials = config.cluster.server_credentials()
+    bind = f"{config.host}:{config.port}"
+    grpc_port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)
     await server.start()
     metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
     address = f"{config.public_host}:{grpc_port}"
@@ -130,7 +139,8 @@ async def serve_worker(config: WorkerConfig) -> None:
             await _register(config, address, f"{config.public_host}:{metrics_port}", name, port)
 
         await register()
-        publisher = asyncio.create_task(KVEventPublisher(port, config.gateway, address, name, register).run())
+        events = KVEventPublisher(port, config.gateway, address, name, register, config.cluster.gateway_channel)
+        publisher = asyncio.create_task(events.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -162,7 +172,7 @@ async def _register(config: WorkerConfig, address: str, metrics_address: str, na
         vocab_size=port.vocab_size,
     )
     assert config.gateway is not None
-    async with grpc.aio.insecure_channel(config.gateway) as channel:
+    async with config.cluster.gateway_channel(config.gateway) as channel:
         stub = pb_grpc.RegistryStub(channel)
         for attempt in range(60):
             try:
@@ -170,6 +180,8 @@ async def _register(config: WorkerConfig, address: str, metrics_address: str, na
                 log.info("registered with gateway %s as %s", config.gateway, reply.worker_id)
                 return
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # retrying cannot help
+                    raise RuntimeError(f"the gateway at {config.gateway} refused this worker: {e.details()}") from None
                 log.warning("gateway %s not reachable yet (%s); retrying", config.gateway, e.code().name)
                 await asyncio.sleep(min(0.2 * (attempt + 1), 2.0))
     raise RuntimeError(f"could not register with the gateway at {config.gateway}")
@@ -187,7 +199,7 @@ async def _deregister(config: WorkerConfig, address: str) -> None:
     if not config.gateway:
         return
     try:
-        async with grpc.aio.insecure_channel(config.gateway) as channel:
+        async with config.cluster.gateway_channel(config.gateway) as channel:
             await pb_grpc.RegistryStub(channel).DeregisterWorker(
                 pb.DeregisterWorkerRequest(address=address), timeout=2.0
             )

@@ -146,7 +146,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
         r = request.request
         job = HandoffJob(
-            ChannelSpec(request.channel.store_address, request.channel.key),
+            ChannelSpec(request.channel.store_address, request.channel.key, request.channel.secret),
             request.transfer_tag,
             request.num_skip_blocks,
             request.kv_layout,

@@ -6,6 +6,10 @@ preallocated buffer of the same shape and dtype on the decode worker. Transfers 
 between one decode worker and one prefill worker; the receiver names the channel (ChannelSpec,
 sent to the sender inside the handoff RPC) and a tag that tells concurrent transfers apart.
 
+Trust: a channel carries a secret that only the handoff RPC carries. A transport admits a peer
+onto a channel only once it has shown it holds that secret, and fails the channel with "auth"
+otherwise; no byte from a peer that has not is ever written into a receiver's buffer.
+
 Failure contract: every operation is bounded by the transport's timeout and raises TransferError
 with a reason. A channel that failed with "peer_lost" or "timeout" is dead on both sides; the
 receiver drops it and the next channel_for() builds a new one.
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +33,7 @@ class TransferFailure(enum.Enum):
     CHECKSUM = "checksum"  # the bytes arrived but differ from what was sent
     CLOSED = "closed"  # the channel was dropped earlier, or the held KV is gone
     PREFILL_FAILED = "prefill_failed"  # the prefill worker's RPC failed or broke the protocol
+    AUTH = "auth"  # the peer on the channel could not show it holds the channel's secret
 
     @property
     def drops_channel(self) -> bool:
@@ -42,6 +47,9 @@ class ChannelSpec:
 
     address: str  # where to rendezvous: torch_dist: the receiver's TCPStore host:port
     key: str  # unique per channel incarnation; a dropped channel is never reused
+    # Shared by the two ends of this channel only: sent inside the handoff RPC, never written to the
+    # rendezvous store, never logged (hence repr=False).
+    secret: bytes = field(repr=False)
 
 
 class TransferError(Exception):
@@ -60,7 +68,7 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def next_tag(self, channel: ChannelSpec) -> int:
-        """A tag not used before on this channel."""
+        """A tag not used before on this channel; tags start at 1 (transports may reserve 0)."""
 
     @abstractmethod
     async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:

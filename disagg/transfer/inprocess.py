@@ -1,12 +1,15 @@
 """In-process transport for unit tests: sender and receiver share a Hub in one event loop.
 
-Same contract as torch_dist (tags, timeouts, dropped channels), with tensors copied in memory.
+Same contract as torch_dist (tags, timeouts, dropped channels, a secret per channel), with
+tensors copied in memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
+import secrets
 import time
 
 import torch
@@ -21,6 +24,19 @@ class Hub:
         self.timeout_s = timeout_s
         self.slots: dict[tuple[str, int], asyncio.Future[torch.Tensor]] = {}
         self.dead: set[str] = set()
+        self.secrets: dict[str, bytes] = {}  # by channel key, as receivers made them
+
+    def check_secret(self, channel: ChannelSpec) -> None:
+        """torch_dist's handshake, in memory: a sender without the channel's secret fails the channel
+        for both sides with "auth", and nothing it sent reaches a receiver."""
+        if hmac.compare_digest(self.secrets.get(channel.key, b""), channel.secret):
+            return
+        error = TransferError(TransferFailure.AUTH, f"the sender on channel {channel.key} has the wrong secret")
+        self.dead.add(channel.key)
+        for (key, _), slot in self.slots.items():
+            if key == channel.key and not slot.done():
+                slot.set_exception(error)
+        raise error
 
     def slot(self, key: str, tag: int) -> asyncio.Future[torch.Tensor]:
         if key in self.dead:
@@ -37,7 +53,9 @@ class InProcessReceiver(KVReceiver):
 
     def channel_for(self, peer: str) -> ChannelSpec:
         if peer not in self._channels:
-            self._channels[peer] = ChannelSpec("inprocess", f"{self.name}->{peer}#{next(self._ids)}")
+            spec = ChannelSpec("inprocess", f"{self.name}->{peer}#{next(self._ids)}", secrets.token_bytes(32))
+            self.hub.secrets[spec.key] = spec.secret
+            self._channels[peer] = spec
         return self._channels[peer]
 
     def next_tag(self, channel: ChannelSpec) -> int:
@@ -73,6 +91,7 @@ class InProcessSender(KVSender):
 
     async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
         start = time.monotonic()
+        self.hub.check_secret(channel)
         slot = self.hub.slot(channel.key, tag)
         if not slot.done():
             slot.set_result(blocks.clone())

@@ -3,15 +3,44 @@ global world, made at run time so workers of either tier can join and leave.
 
 Rendezvous: every decode worker hosts a TCPStore for as long as it lives (so a store never
 outlives the groups that need it). When a decode worker first hands a request to a prefill
-worker it names a channel (its store address + a key never used before) and starts building its
-side of the group (rank 1) in the background; the handoff RPC carries the ChannelSpec and the
-prefill worker builds rank 0 under the same key. Both constructors meet through the store.
+worker it names a channel (its store address, a random key and a random secret) and starts
+building its side of the group (rank 1) in the background; the handoff RPC carries the
+ChannelSpec and the prefill worker builds rank 0 under the same key. Both constructors meet
+through the store.
+
+Handshake: the store has no authentication (anyone who reaches it can list the keys, join a
+channel as rank 0, or rewrite the addresses the two ranks publish), so a new group carries no KV
+until both ranks have shown they hold the channel's secret, which never enters the store:
+
+    receiver -> sender, in-band (tag 0): a fresh 32-byte nonce
+    sender   -> store "auth/sender":   HMAC(secret, "sender", key, nonce, rendezvous)
+    receiver -> store "auth/receiver": HMAC(secret, "receiver", key, nonce, rendezvous), or b""
+                                       when the sender's proof was wrong
+
+`rendezvous` is what each rank published and read in the store while gloo built the group, so a
+process that rewrote the addresses to sit between the two ranks (and relays the nonce) fails it.
+Only the real sender can prove it received the nonce over the receiver's pair socket. Both sides
+run the handshake inside the job that builds the group, so no KV send or recv is posted on a
+group before it passes; a wrong proof shuts the group down and fails the channel with "auth".
+The proofs go through the store rather than the pair because gloo aborts the whole process when
+a peer sends more bytes than a posted receive holds: the receiver posts no receive at all before
+its peer has proved itself (the sender's one 32-byte receive of the nonce is the exception).
+
+Nothing on this wire is unpickled: KV and nonces travel as raw tensors (send/recv), the store
+holds gloo's addresses and the proofs as bytes. Keep it that way: never send_object_list,
+broadcast_object_list or any *_object collective (they unpickle what a peer sends).
+
+Sockets: the store and gloo's pair sockets listen on the worker's advertised host only (for a
+wildcard host the store listens on every interface and gloo on this machine's address). gloo
+neither encrypts nor authenticates its traffic after the handshake, and the store lets anyone
+who reaches it delete or overwrite keys: the workers must share a private network
+(docs/security.md).
 
 Groups are reused for every later transfer between the pair; concurrent transfers are told apart
-by tag. gloo closes a pair for good when a peer dies (a pending recv raises at once) or an
-operation times out, so any failure drops the group on that side; the next handoff names a new
-key and both sides build a fresh group. Every blocking wait runs in a worker thread, bounded by
-the group timeout.
+by tag (>= 1; 0 is the handshake's). gloo closes a pair for good when a peer dies (a pending recv
+raises at once) or an operation times out, so any failure drops the group on that side; the next
+handoff names a new key and both sides build a fresh group. Every blocking wait runs in a worker
+thread, bounded by the group timeout.
 
 GPU: blocks are staged through host memory and moved by gloo. NCCL pair groups are not used yet:
 NCCL point-to-point ignores tags, so concurrent transfers on one pair would need an agreed order.
@@ -20,12 +49,16 @@ NCCL point-to-point ignores tags, so concurrent transfers on one pair would need
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import itertools
+import secrets
+import socket
 import threading
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -35,10 +68,170 @@ from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, T
 # Blocking gloo calls (group construction, work.wait) run here; one thread per transfer in flight.
 _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-transfer")
 SENDER_RANK, RECEIVER_RANK = 0, 1
+AUTH_TAG = 0  # the handshake's nonce; KV transfers use tags from 1
+NONCE_BYTES = SECRET_BYTES = 32
+SENDER_PROOF, RECEIVER_PROOF = "auth/sender", "auth/receiver"  # store keys, under the channel's prefix
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+Device = dist.ProcessGroupGloo.Device
 
 
-def _make_group(store: dist.Store, key: str, rank: int, timeout_s: float) -> dist.ProcessGroupGloo:
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"kv/{key}", store), rank, 2, timedelta(seconds=timeout_s))
+def _listen(host: str) -> socket.socket:
+    """A listening socket on host alone (TCPStore, left to itself, listens on every interface)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise OSError(
+            e.errno,
+            f"cannot listen for KV channels on {host!r} ({e.strerror}): the worker's advertised "
+            "host must be an address of this machine",
+        ) from e
+    return sock
+
+
+def _host_store(host: str, timeout_s: float) -> dist.TCPStore:
+    sock = _listen(host)
+    try:
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=timeout_s),
+            master_listen_fd=sock.fileno(),
+            use_libuv=True,
+        )
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now and closes it when it goes (torch 2.13, libuv)
+    return store
+
+
+def _device(host: str) -> Device:
+    """Where gloo's pair sockets listen: host, or gloo's default (this machine's address) for a wildcard."""
+    # Not lazy: the pairs connect while the group is built, so the handshake sees every address read.
+    if host in _WILDCARD_HOSTS:
+        return dist.ProcessGroupGloo.create_default_device(lazy_init=False)
+    return dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)
+
+
+class _Rendezvous(dist.Store):
+    """The store as gloo sees it while building one group: remembers the addresses this rank
+    published (its own) and read (its peer's), which the handshake then binds."""
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()
+        self._store = store
+        self._seen: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._seen[key] = data
+        _put(self._store, key, data)
+
+    def get(self, key: str) -> bytes:
+        value = self._store.get(key)
+        self._seen.setdefault(key, bytes(value))  # for its own key, a rank keeps what it published
+        return value
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def digest(self) -> bytes:
+        return b"".join(hashlib.sha256(k.encode() + b"=" + v).digest() for k, v in sorted(self._seen.items()))
+
+
+def _put(store: dist.Store, key: str, value: bytes) -> None:
+    store.set(key, value)  # type: ignore[arg-type]  # bytes are fine; torch's stub says str only
+
+
+def _make_group(store: dist.Store, rank: int, device: Device, timeout_s: float) -> tuple[dist.ProcessGroup, bytes]:
+    """The pair's group, with the digest of the rendezvous this rank saw."""
+    # torch's stubs lag its bindings here (no _Options, no send/recv on ProcessGroupGloo): hence
+    # the ignore and the cast.
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._devices = [device]
+    options._timeout = timedelta(seconds=timeout_s)
+    rendezvous = _Rendezvous(store)
+    group = dist.ProcessGroupGloo(rendezvous, rank, 2, options)
+    return cast(dist.ProcessGroup, group), rendezvous.digest()
+
+
+def _proof(channel: ChannelSpec, role: bytes, nonce: bytes, rendezvous: bytes) -> bytes:
+    mac = hmac.new(channel.secret, digestmod=hashlib.sha256)
+    for part in (role, channel.key.encode(), nonce, rendezvous):
+        mac.update(len(part).to_bytes(8, "big") + part)
+    return mac.digest()
+
+
+def _await_proof(store: dist.Store, key: str, timeout_s: float) -> bytes:
+    store.wait([key], timedelta(seconds=timeout_s))
+    return store.get(key)
+
+
+def _refused(group: dist.ProcessGroup, channel: ChannelSpec, who: str) -> TransferError:
+    group.shutdown()
+    message = (
+        f"the {who} on KV channel {channel.key} could not prove it holds the channel's secret; another "
+        f"process reached the TCPStore at {channel.address} (keep workers on a private network)"
+    )
+    return TransferError(TransferFailure.AUTH, message)
+
+
+def _accept_channel(store: dist.Store, channel: ChannelSpec, device: Device, timeout_s: float) -> dist.ProcessGroup:
+    """Receiver side of a new channel: build the group and admit the peer only once it has proved
+    itself (module docstring)."""
+    scoped = dist.PrefixStore(f"kv/{channel.key}", store)
+    group, rendezvous = _make_group(scoped, RECEIVER_RANK, device, timeout_s)
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    try:
+        group.send([torch.frombuffer(bytearray(nonce), dtype=torch.uint8)], SENDER_RANK, AUTH_TAG).wait()
+        admitted = hmac.compare_digest(
+            _await_proof(scoped, SENDER_PROOF, timeout_s), _proof(channel, b"sender", nonce, rendezvous)
+        )
+        _put(scoped, RECEIVER_PROOF, _proof(channel, b"receiver", nonce, rendezvous) if admitted else b"")
+    except RuntimeError:  # gloo or the store failed or timed out: the channel never opened
+        group.shutdown()
+        raise
+    if not admitted:
+        raise _refused(group, channel, "prefill worker")
+    return group
+
+
+def _join_channel(store: dist.Store, channel: ChannelSpec, device: Device, timeout_s: float) -> dist.ProcessGroup:
+    """Sender side of a new channel: answer the receiver's nonce; send KV only once the receiver
+    has proved itself too."""
+    scoped = dist.PrefixStore(f"kv/{channel.key}", store)
+    group, rendezvous = _make_group(scoped, SENDER_RANK, device, timeout_s)
+    received = torch.empty(NONCE_BYTES, dtype=torch.uint8)
+    try:
+        group.recv([received], RECEIVER_RANK, AUTH_TAG).wait()
+        nonce = received.numpy().tobytes()
+        _put(scoped, SENDER_PROOF, _proof(channel, b"sender", nonce, rendezvous))
+        proof = _await_proof(scoped, RECEIVER_PROOF, timeout_s)
+    except RuntimeError:
+        group.shutdown()
+        raise
+    if not hmac.compare_digest(proof, _proof(channel, b"receiver", nonce, rendezvous)):
+        raise _refused(group, channel, "decode worker")
+    return group
+
+
+def _check_tag(tag: int) -> None:
+    if tag <= AUTH_TAG:
+        raise ValueError(f"KV transfer tags start at {AUTH_TAG + 1} (tag {AUTH_TAG} is the handshake's), got {tag}")
 
 
 def _reason(error: Exception) -> TransferFailure:
@@ -61,20 +254,18 @@ class TorchDistReceiver(KVReceiver):
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
-        self.store = dist.TCPStore(
-            host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
-        )
+        self.store = _host_store(host, timeout_s)
         self.address = f"{host}:{self.store.port}"
-        self._prefix = uuid.uuid4().hex[:8]  # keys stay unique across restarts on the same port
-        self._ids = itertools.count()
-        self._tags = itertools.count(1)
+        self._device = _device(host)
+        self._tags = itertools.count(AUTH_TAG + 1)
         self._channels: dict[str, tuple[ChannelSpec, Future]] = {}  # by peer
 
     def channel_for(self, peer: str) -> ChannelSpec:
         entry = self._channels.get(peer)
         if entry is None:
-            spec = ChannelSpec(self.address, f"{self._prefix}-{next(self._ids)}")
-            future = _EXECUTOR.submit(_make_group, self.store, spec.key, RECEIVER_RANK, self.timeout_s)
+            # The key is unguessable too, but only the secret (never in the store) is relied on.
+            spec = ChannelSpec(self.address, secrets.token_hex(16), secrets.token_bytes(SECRET_BYTES))
+            future = _EXECUTOR.submit(_accept_channel, self.store, spec, self._device, self.timeout_s)
             entry = self._channels[peer] = (spec, future)
         return entry[0]
 
@@ -88,6 +279,7 @@ class TorchDistReceiver(KVReceiver):
         raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was dropped after a failure")
 
     async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
+        _check_tag(tag)
         start = time.monotonic()
         try:
             group = await _group(self._group_future(channel))
@@ -119,8 +311,9 @@ class TorchDistReceiver(KVReceiver):
 class TorchDistSender(KVSender):
     """Prefill side. Keeps one live group per receiver (a new key from it replaces the old)."""
 
-    def __init__(self, timeout_s: float = 30.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
+        self._device = _device(host)
         self._lock = threading.Lock()  # guards _stores (filled from executor threads)
         self._stores: dict[str, dist.TCPStore] = {}
         self._groups: dict[str, tuple[str, Future]] = {}  # receiver address -> (key, group)
@@ -137,7 +330,7 @@ class TorchDistSender(KVSender):
         future = _EXECUTOR.submit(self._join, channel)
         self._groups[channel.address] = (channel.key, future)
 
-    def _join(self, channel: ChannelSpec) -> dist.ProcessGroupGloo:
+    def _join(self, channel: ChannelSpec) -> dist.ProcessGroup:
         with self._lock:
             store = self._stores.get(channel.address)
         if store is None:
@@ -145,9 +338,10 @@ class TorchDistSender(KVSender):
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s))
             with self._lock:
                 self._stores[channel.address] = store
-        return _make_group(store, channel.key, SENDER_RANK, self.timeout_s)
+        return _join_channel(store, channel, self._device, self.timeout_s)
 
     async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
+        _check_tag(tag)
         start = time.monotonic()
         if channel.key in self._dead:
             raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was closed after a failure; reconnect")
@@ -157,6 +351,9 @@ class TorchDistSender(KVSender):
             raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was replaced by {key}")
         try:
             group = await _group(future)
+        except TransferError:
+            self._fail(channel)
+            raise
         except Exception as e:
             self._fail(channel)
             with self._lock:  # the store may be gone with its decode worker: reconnect next time

@@ -38,12 +38,14 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[_generation_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class KVChannel(_message.Message):
-    __slots__ = ("store_address", "key")
+    __slots__ = ("store_address", "key", "secret")
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
     store_address: str
     key: str
-    def __init__(self, store_address: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+    secret: bytes
+    def __init__(self, store_address: _Optional[str] = ..., key: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request", "channel", "transfer_tag", "num_skip_blocks", "kv_layout")

@@ -1,0 +1,129 @@
+"""The request path of Generate, whatever the transport: admission -> validate + tokenize once
+(validation.py) -> plan (planner.py) -> proxy the token stream (proxy.py), with one retry.
+
+Both public APIs call it: the gRPC Generation servicer (server.py) and the OpenAI HTTP API (http/).
+A request that fails before any token went out is retried once on another plan that avoids the
+worker to blame; after that, or once tokens went out, it ends with Abort(UNAVAILABLE).
+Closing or cancelling the stream cancels the worker call, which the worker treats as an abort: the
+request's KV blocks go back to the pool on every tier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+
+import grpc
+
+from splitserve.common.tokenizer import Tokenizer
+from splitserve.gateway.metrics import GatewayMetrics
+from splitserve.gateway.planner import Planner
+from splitserve.gateway.proxy import Abort, Proxy, WorkerFailed
+from splitserve.gateway.validation import RequestValidator
+from splitserve.protos.v1 import generation_pb2 as gen_pb
+from splitserve.protos.v1 import worker_pb2 as pb
+
+__all__ = ["Abort", "GenerationCore"]
+
+log = logging.getLogger("splitserve.gateway")
+NO_WORKER = (
+    "no healthy worker can serve this model now; start one with `splitserve worker --gateway HOST:PORT` "
+    "(unified, or a prefill and a decode worker) or wait for one to become healthy"
+)
+
+
+class GenerationCore:
+    """Generate for any transport; counts every request in the gateway's metrics by its gRPC code."""
+
+    def __init__(
+        self,
+        max_pending: int,
+        validator: RequestValidator,
+        planner: Planner,
+        proxy: Proxy,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.max_pending, self.validator, self.planner, self.proxy = max_pending, validator, planner, proxy
+        self.metrics = metrics
+        self.num_pending = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.validator.model_name
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.validator.tokenizer
+
+    def max_model_len(self) -> int:
+        return self.validator.max_model_len()
+
+    async def tokenize(self, request: gen_pb.TokenizeRequest, add_special_tokens: bool = True) -> list[int]:
+        """The prompt's token ids, checked as a Generate prompt is; raises ValueError."""
+        return await self.validator.tokenize(request, add_special_tokens)
+
+    def can_serve(self) -> bool:
+        """Whether a request would find a plan now: a healthy worker that streams tokens (not prefill only)."""
+        return self.planner.can_serve()
+
+    async def generate(
+        self, request: gen_pb.GenerateRequest, deadline: float | None = None
+    ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
+        """The client's responses; raises Abort(code, message). deadline: time.monotonic() by which the
+        request must end (the worker call's timeout), None for none."""
+        arrival = time.monotonic()
+        code = grpc.StatusCode.OK
+        self.num_pending += 1
+        self.metrics.pending.inc()
+        try:
+            # aclosing: a stream closed at a yield (an HTTP client gone) cancels the worker call now, not at GC
+            async with aclosing(self._generate(request, deadline, arrival)) as responses:
+                async for response in responses:
+                    yield response
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (HTTP closes the stream)
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Abort as e:
+            code = e.code
+            raise
+        finally:
+            self.num_pending -= 1
+            self.metrics.pending.dec()
+            self.metrics.requests.labels(code=code.name).inc()
+
+    async def _generate(self, request: gen_pb.GenerateRequest, deadline: float | None, arrival: float):
+        worker_request = await self._validate(request)
+        if self.num_pending > self.max_pending:
+            raise Abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the gateway already has {self.max_pending} requests in flight; "
+                "retry later or start it with a higher --max-pending",
+            )
+        avoid: set[str] = set()  # addresses of the workers blamed for a failed attempt
+        for attempt in range(2):
+            plan = await self.planner.plan(worker_request.prompt_token_ids, avoid, retry=attempt > 0)
+            if plan is None:
+                raise Abort(grpc.StatusCode.UNAVAILABLE, NO_WORKER)
+            worker_request.prefill_address = plan.prefill.worker.address if plan.prefill else ""
+            started = False
+            try:
+                async with aclosing(self.proxy.stream(plan, worker_request, deadline, arrival)) as responses:
+                    async for response in responses:
+                        started = True
+                        yield response
+                return
+            except WorkerFailed as e:
+                if started or attempt == 1:
+                    raise Abort(grpc.StatusCode.UNAVAILABLE, e.message) from None
+                avoid.add(e.worker.address)
+                self.metrics.retries.labels(role=e.worker.role_name).inc()
+                log.warning("request %s: %s; retrying once elsewhere", worker_request.request_id, e.message)
+
+    async def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
+        try:
+            return await self.validator.worker_request(request)
+        except ValueError as e:
+            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
