@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -60,6 +60,15 @@ class PrefixIndexMetrics:
         self.up.set(1)
         for result in ("ok", "error", "skipped"):  # at zero from the start, so every rate() has a series
             self.lookups.labels(result=result)
+        self.purged = Counter(
+            "splitserve_gateway_prefix_index_purged_workers",
+            "Workers whose blocks the index dropped for a missed heartbeat, by whether the gateway still "
+            "had them as registered and healthy (live=true: a heartbeat starved, not a dead worker).",
+            ["live"],
+            registry=registry,
+        )
+        for live in ("true", "false"):
+            self.purged.labels(live=live)
 
 
 class PrefixIndex:
@@ -165,8 +174,9 @@ class PrefixIndex:
             except IndexUnavailable as e:
                 self._mark(False, "remove", e)
 
-    async def run_purge(self) -> None:
-        """Drop blocks of workers whose heartbeat expired, every heartbeat TTL."""
+    async def run_purge(self, is_live: Callable[[str], bool] = lambda address: False) -> None:
+        """Drop blocks of workers whose heartbeat expired, every heartbeat TTL. is_live(address): whether
+        the gateway still counts that worker as registered and healthy (for the purge metric)."""
         while True:
             await asyncio.sleep(self.heartbeat_ttl_s)
             self._expire_routed()
@@ -176,8 +186,16 @@ class PrefixIndex:
                 except IndexUnavailable as e:
                     self._mark(False, "purge", e)
                     continue
-                if dead:
-                    log.info("prefix index: purged blocks of workers without heartbeat: %s", ", ".join(dead))
+                for address in dead:
+                    live = is_live(address)
+                    self.metrics.purged.labels(live=str(live).lower()).inc()
+                    log.log(
+                        logging.WARNING if live else logging.INFO,
+                        "prefix index: purged the blocks of %s (no heartbeat for %.0f s%s)",
+                        address,
+                        self.heartbeat_ttl_s,
+                        "; it is still registered and healthy: its heartbeats were starved" if live else "",
+                    )
 
     async def close(self) -> None:
         for index in self._indexes.values():

@@ -200,7 +200,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
         flush=True,
     )
     checks = asyncio.create_task(workers.run_health_checks())
-    purge = asyncio.create_task(prefix.run_purge())
+    purge = asyncio.create_task(prefix.run_purge(workers.is_live))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -129,6 +129,11 @@ class WorkerSet:
     def all(self) -> list[WorkerHandle]:
         return list(self._workers.values())
 
+    def is_live(self, address: str) -> bool:
+        """Whether the worker at address is registered and passes its health checks."""
+        handle = self._workers.get(address)
+        return handle is not None and handle.healthy
+
     def healthy(self, model: str | None = None) -> list[WorkerHandle]:
         return [w for w in self._workers.values() if w.healthy and (model is None or w.model == model)]
 

@@ -2,6 +2,10 @@
 
 Batches go out every interval_s when there are events, and at least every heartbeat_s (an empty
 batch is the heartbeat), each with the next sequence number under this process's instance id.
+Events and snapshots are read between engine steps, so they wait for the step in flight; heartbeats
+come from a task of their own that never waits for the engine: a long step on a busy CPU (a big
+prefill, several workers on few cores) once held them past the index's TTL and live workers were
+purged. Sequence numbers are given at sending time, under one lock, so the wire order is theirs.
 The first batch, and the one after any refusal (the index saw a gap, a restart of either side, or
 lost its state) or failed call, is a snapshot of every cached block: taken between engine steps
 together with draining the pending events, so nothing is counted twice or lost.
@@ -45,20 +49,29 @@ class KVEventPublisher:
         self.seq = 0
         self.num_snapshots = 0
         self._need_snapshot = True
+        self._sending = asyncio.Lock()  # one batch on the wire at a time, in seq order
+        self._last_sent = float("-inf")  # event loop time of the last batch sent
 
     async def run(self) -> None:
         async with self.channel_factory(self.gateway) as channel:
             stub = pb_grpc.RegistryStub(channel)
-            loop = asyncio.get_running_loop()
-            last_sent = 0.0
-            while True:
-                request = await self._next_batch(loop.time() - last_sent >= self.heartbeat_s)
-                if request is not None:
-                    last_sent = loop.time()
-                    await self._send(stub, request)
-                await asyncio.sleep(self.interval_s)
+            await asyncio.gather(self._publish(stub), self._beat(stub))
 
-    async def _next_batch(self, heartbeat_due: bool) -> pb.PublishKVEventsRequest | None:
+    async def _publish(self, stub: pb_grpc.RegistryStub) -> None:
+        while True:
+            request = await self._next_batch()
+            if request is not None:
+                await self._send(stub, request)
+            await asyncio.sleep(self.interval_s)
+
+    async def _beat(self, stub: pb_grpc.RegistryStub) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.heartbeat_s / 4)
+            if loop.time() - self._last_sent >= self.heartbeat_s:
+                await self._send(stub, self._request(block_size=self.port.block_size))
+
+    async def _next_batch(self) -> pb.PublishKVEventsRequest | None:
         block_size = self.port.block_size
         if self._need_snapshot:
             hashes, _ = await self.port.kv_snapshot()
@@ -66,17 +79,21 @@ class KVEventPublisher:
             self.num_snapshots += 1
             return self._request(is_snapshot=True, snapshot_block_hashes=hashes, block_size=block_size)
         events = await self.port.drain_kv_events()
-        if not events and not heartbeat_due:
+        if not events:
             return None
         return self._request(events=kv_events_to_proto(events), block_size=block_size)
 
     def _request(self, **fields) -> pb.PublishKVEventsRequest:
-        self.seq += 1
-        return pb.PublishKVEventsRequest(
-            address=self.address, instance_id=self.instance_id, seq=self.seq, model=self.model, **fields
-        )
+        return pb.PublishKVEventsRequest(address=self.address, instance_id=self.instance_id, model=self.model, **fields)
 
     async def _send(self, stub: pb_grpc.RegistryStub, request: pb.PublishKVEventsRequest) -> None:
+        async with self._sending:
+            self.seq += 1
+            request.seq = self.seq
+            self._last_sent = asyncio.get_running_loop().time()
+            await self._call(stub, request)
+
+    async def _call(self, stub: pb_grpc.RegistryStub, request: pb.PublishKVEventsRequest) -> None:
         try:
             reply = await stub.PublishKVEvents(request, timeout=2.0)
         except grpc.aio.AioRpcError as e:  # this batch is lost: the index must resync
