@@ -1,11 +1,15 @@
 """asyncio front of the engine: one async generator per request; cancelling it aborts the request.
 
-Only the background loop touches the Engine: callers validate in their own task (pure), then hand
-adds and aborts to the loop, which applies them between steps and runs each step on one thread
-(bound to the engine's device).
+Three threads, none waiting on another on the hot path:
+- the event loop (gRPC, the streams): validates requests in their own task (pure) and queues adds,
+  aborts and calls for the step thread; outputs reach it once per step (one call_soon_threadsafe),
+- the step thread (bound to the engine's device for its life): applies the queued commands
+  between steps, then schedules, runs the forward and samples, step after step, without a round
+  trip through the event loop,
+- the engine's output thread: detokenization, stop strings and outputs, off the step loop.
 
-A request the step failed for ends its stream with RequestFailed; the loop goes on. If the loop
-itself dies (the engine's state can no longer be trusted), every stream gets the error, new
+A request the step failed for ends its stream with RequestFailed; the loop goes on. If the step
+loop itself dies (the engine's state can no longer be trusted), every stream gets the error, new
 requests are refused, and `died` is set so the server can leave the cluster and exit.
 """
 
@@ -13,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
@@ -39,19 +44,19 @@ class EngineDead(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        # Adds, aborts and calls, applied in order between steps by the loop.
-        self._pending: list[tuple[Callable, tuple, asyncio.Future | None]] = []
+        # Adds, aborts and calls for the step thread, applied in order between steps (deque appends
+        # and pops are atomic); a call's future is resolved back on the event loop.
+        self._commands: deque[tuple[Callable, tuple, asyncio.Future | None]] = deque()
+        self._wakeup = threading.Event()  # new commands for an idle step thread
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._labels: dict[str, str] = {}  # request id -> the client's id (for Abort by that id)
-        self._wakeup = asyncio.Event()
-        self._loop_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._step_thread: threading.Thread | None = None
+        self._closing = threading.Event()  # the running step thread's: stop after the current step
+        self._stopped: asyncio.Future[None] | None = None  # resolved when the step thread has ended
+        self._watch: asyncio.Task | None = None  # ends the step thread if the event loop goes away
         self._error: EngineDead | None = None
-        self.died = asyncio.Event()  # the loop raised: this engine serves nothing more
-        # Every step runs on this one thread, bound to the engine's device for its life: Triton launches
-        # on the calling thread's current CUDA device, and pool threads start on device 0.
-        self._step_thread = ThreadPoolExecutor(
-            1, thread_name_prefix="engine-step", initializer=bind_thread, initargs=(engine.runner.device,)
-        )
+        self.died = asyncio.Event()  # the step loop raised: this engine serves nothing more
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -77,8 +82,7 @@ class AsyncEngine:
     async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Add a validated request and stream its outputs."""
         self.open_stream(request.request_id, request.label)
-        self._pending.append((self._add, (request,), None))
-        self._ensure_loop()
+        self._command(self._add, request)
         async for out in self.stream(request.request_id):
             yield out
 
@@ -115,15 +119,17 @@ class AsyncEngine:
             self.abort(request_id)
 
     async def call(self, fn: Callable[..., T], *args) -> T:
-        """Run fn(*args) on the engine between steps (the only safe time to touch engine state)."""
+        """Run fn(*args) on the step thread between steps (the only safe time to touch engine state)."""
+        if self._error is not None:
+            raise self._error
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((fn, args, future))
-        self._ensure_loop()
+        self._commands.append((fn, args, future))
+        self._start()
         return await future
 
     def abort(self, request_id: str) -> None:
-        self._pending.append((self.engine.abort_request, (request_id,), None))
-        self._wakeup.set()
+        if self._step_thread is not None:  # otherwise the engine never saw it
+            self._command(self.engine.abort_request, request_id)
 
     def abort_label(self, label: str) -> int:
         """Abort every request carrying the client's id label; returns how many."""
@@ -138,66 +144,142 @@ class AsyncEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._streams
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+    async def shutdown(self) -> None:
+        """Stop the step thread after its current step (outputs still queued are delivered)."""
+        if self._step_thread is None or self._stopped is None:
+            return
+        self._closing.set()
+        self._wakeup.set()
+        await self._stopped
+        self._step_thread, self._stopped, self._watch = None, None, None
+
+    # -- the event loop's side ----------------------------------------------------------------------
+    def _command(self, fn: Callable, *args: Any) -> None:
+        self._commands.append((fn, args, None))
+        self._start()
+
+    def _start(self) -> None:
+        """Start the step thread on first use (or in a new event loop: the last one's is ending), and wake it."""
+        loop = asyncio.get_running_loop()
+        if self._error is None and (self._step_thread is None or self._loop is not loop):
+            self._loop, self._closing = loop, threading.Event()
+            self._stopped = loop.create_future()
+            self._step_thread = threading.Thread(
+                target=self._run_steps, args=(loop, self._closing, self._stopped), name="engine-step", daemon=True
+            )
+            self._step_thread.start()
+            self._watch = loop.create_task(self._stop_with_the_loop(self._stopped, self._closing))
         self._wakeup.set()
 
-    async def _run(self) -> None:
-        engine = self.engine
+    async def _stop_with_the_loop(self, stopped: asyncio.Future[None], closing: threading.Event) -> None:
+        """Cancelled when its event loop shuts down (asyncio.run cancels what is left): then nobody
+        reads the streams any more, so the step thread stops after its current step."""
         try:
-            while True:
-                self._apply_pending()
+            await asyncio.shield(stopped)
+        except asyncio.CancelledError:
+            closing.set()
+            self._wakeup.set()
+            raise
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs into their streams (one event-loop callback per step)."""
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
+
+    def _die(self, error: EngineDead) -> None:
+        self._error = error
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self.died.set()  # the server reads it, leaves the cluster, exits
+
+    # -- the step thread ----------------------------------------------------------------------------
+    def _run_steps(self, loop: asyncio.AbstractEventLoop, closing: threading.Event, stopped: asyncio.Future) -> None:
+        # Every step runs on this thread, bound to the engine's device for its life: Triton launches on
+        # the calling thread's current CUDA device, and new threads start on device 0.
+        bind_thread(self.engine.runner.device)
+        with self.engine.loop_lock:  # a step thread of an earlier event loop may still be ending
+            error = self._step_until_closed(loop, closing)
+            if error is not None:
+                self._fail_commands(error)
+                _post(loop, self._die, error)
+        _post(loop, _set_result, stopped, None)
+
+    def _step_until_closed(self, loop: asyncio.AbstractEventLoop, closing: threading.Event) -> EngineDead | None:
+        """Apply commands and step until closing is set; the error if the loop died."""
+        engine, error = self.engine, None
+        engine.start_output_thread(lambda outputs: _post(loop, self._dispatch, outputs), self._output_died)
+        try:
+            while not closing.is_set():
+                self._apply_commands()
                 engine.expire_leases()
-                if not engine.has_work():
-                    await self._idle()
-                    continue
-                outputs = await asyncio.get_running_loop().run_in_executor(self._step_thread, engine.step)
-                for out in outputs:
-                    queue = self._streams.get(out.request_id)
-                    if queue is not None:
-                        queue.put_nowait(RequestFailed(out.error) if out.error is not None else out)
+                if engine.has_work():
+                    engine.step()
+                else:
+                    self._idle(closing)
         except Exception as e:  # surface to every waiting stream instead of hanging them
-            self._error = EngineDead(
+            log.exception("the engine loop died")
+            error = EngineDead(
                 f"this worker's engine loop died ({type(e).__name__}: {e}); retry the request on another worker"
             )
-            log.exception("the engine loop died")  # the server reads `died`, leaves the cluster, exits
-            for queue in self._streams.values():
-                queue.put_nowait(self._error)
-            self.died.set()
+        engine.stop_output_thread()  # what was stepped still reaches its streams, before any error
+        return error
 
-    async def _idle(self) -> None:
-        """Wait for new work, waking for the next held-block lease to expire."""
+    def _output_died(self, e: BaseException) -> None:
+        """The output thread raised: the step loop raises at its next step; wake it if idle."""
+        self._commands.append((_raise, (e,), None))
+        self._wakeup.set()
+
+    def _idle(self, closing: threading.Event) -> None:
+        """Wait for new commands, waking for the next held-block lease to expire."""
         self._wakeup.clear()
+        if self._commands or closing.is_set():
+            return
         deadline = self.engine.leases.next_deadline()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.01
-        try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
-        except TimeoutError:
-            pass
+        self._wakeup.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.01)
+
+    def _apply_commands(self) -> None:
+        while self._commands:
+            fn, args, future = self._commands.popleft()
+            if future is None:
+                fn(*args)
+            elif not future.cancelled():
+                try:
+                    result = fn(*args)
+                except Exception as e:  # the caller gets it; the loop goes on
+                    _post(future.get_loop(), _set_exception, future, e)
+                else:
+                    _post(future.get_loop(), _set_result, future, result)
+
+    def _fail_commands(self, error: EngineDead) -> None:
+        while self._commands:
+            _, _, future = self._commands.popleft()
+            if future is not None:
+                _post(future.get_loop(), _set_exception, future, error)
 
     def _add(self, request: Request) -> None:
         if request.request_id in self._streams:  # not cancelled before it got here
             self.engine.add_request(request)
 
-    def _apply_pending(self) -> None:
-        pending, self._pending = self._pending, []
-        for fn, args, future in pending:
-            if future is None:
-                fn(*args)
-                continue
-            if future.cancelled():
-                continue
-            try:
-                future.set_result(fn(*args))
-            except Exception as e:  # the caller gets it; the loop goes on
-                future.set_exception(e)
 
-    async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
-        self._step_thread.shutdown(wait=False)  # a step still running finishes, then the thread ends
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    """Run fn(*args) on the event loop (dropped once the loop is closed: nobody is listening)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def _set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
+def _raise(error: BaseException) -> None:
+    raise RuntimeError(f"the output thread died ({type(error).__name__}: {error})") from error

@@ -6,6 +6,11 @@ and holds its blocks until sent (`held_blocks`, `release_held`); the decode tier
 takes the first token from the prefill worker, then admits the request once its KV has landed
 (`reserve_for_transfer`, `accept_first_token`, `admit_transferred`, `recompute_locally`).
 
+Output processing (detokenization, stop strings, logprobs formatting, the RequestOutputs) is
+engine/output_processor.py, fed with each step's token ids (StepTokens): inline, so that step()
+returns the outputs, or on its own thread (start_output_thread, what AsyncEngine does), so that
+the next step starts as soon as the sampled ids are known.
+
 Ids: the engine names requests itself (`req-N`, unique for the life of the process); a client's id
 is only a label. Held blocks live under a lease (engine/leases.py).
 
@@ -19,20 +24,31 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.config import EngineConfig, RuntimeInfo
-from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.kv_cache.manager import KVCacheManager
 from splitserve.engine.leases import HeldLeases
 from splitserve.engine.model_runner import ModelRunner, WarmUpReport
-from splitserve.engine.request import FinishReason, Request, RequestId, RequestStatus
+from splitserve.engine.output_processor import OutputProcessor, OutputThread, ProcessedStep
+from splitserve.engine.outputs import (  # noqa: F401  (re-exported: the engine's public output types)
+    Finish,
+    PrefillHandoff,
+    RequestOutput,
+    RequestTimings,
+    StepTokens,
+    merge_outputs,
+)
+from splitserve.engine.request import Request, RequestId, RequestStatus
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.engine.scheduler import Scheduler
 from splitserve.model.loader import open_model
@@ -41,80 +57,11 @@ PromptInput = str | Sequence[int]
 log = logging.getLogger("splitserve.engine")
 
 
-@dataclass(frozen=True, slots=True)
-class RequestTimings:
-    """Engine-side times of one request, in ms from its arrival at this engine."""
-
-    queue_ms: float = 0.0  # until first scheduled
-    ttft_ms: float | None = None  # until its first token (None before it)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one step produced for one request: new tokens and text since the last output."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    timings: RequestTimings = field(default_factory=lambda: RequestTimings())
-    handoff: PrefillHandoff | None = None  # prefill tier, on the finished output
-    error: str | None = None  # the step failed for this request (finished, aborted, blocks freed)
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillHandoff:
-    """What a prefill-tier request leaves for its decode worker (its blocks are held until sent)."""
-
-    block_ids: Sequence[int]  # the prompt's blocks, in order
-    sampler_state: bytes | None  # the request's seeded generator after the first sample
-
-
-def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying both steps' tokens and text (the later one's status and counts)."""
-    logprobs = None
-    if first.new_logprobs is not None or later.new_logprobs is not None:
-        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
-    return RequestOutput(
-        request_id=later.request_id,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_text=first.new_text + later.new_text,
-        finished=later.finished,
-        finish_reason=later.finish_reason,
-        stop_reason=later.stop_reason,
-        new_logprobs=logprobs,
-        num_prompt_tokens=later.num_prompt_tokens,
-        num_output_tokens=later.num_output_tokens,
-        num_cached_tokens=later.num_cached_tokens,
-        timings=later.timings,
-        handoff=later.handoff,
-        error=later.error,
-    )
-
-
 @dataclass(slots=True)
 class EngineStats:
     """Cumulative counters for metrics."""
 
     num_failed_requests: int = 0  # finished with an error by a failed step
-
-
-class _Tracked:
-    """Engine-side companions of a request: its detokenizer and timestamps."""
-
-    __slots__ = ("detokenizer", "arrival", "first_scheduled", "first_token")
-
-    def __init__(self, detokenizer: IncrementalDetokenizer) -> None:
-        self.detokenizer = detokenizer
-        self.arrival = time.monotonic()
-        self.first_scheduled: float | None = None
-        self.first_token: float | None = None
 
 
 class Engine:
@@ -133,12 +80,26 @@ class Engine:
             max_model_len=max_model_len,
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            max_blocks_per_request=-(-max_model_len // config.cache.block_size),
+        )
         self.scheduler = Scheduler(config.scheduler, self.runtime, self.kv)
         self.sampler = Sampler(config.seed)
         self.leases = HeldLeases(config.cache.kv_lease_s)
         self.stats = EngineStats()
-        self._tracked: dict[str, _Tracked] = {}
+        self._outputs = OutputProcessor(self.tokenizer)
+        self._output_thread: OutputThread | None = None
+        # Requests the output processor asks to finish (stop strings, failures), applied before a
+        # schedule; appended from the output thread (deque appends are atomic).
+        self._to_finish: deque[tuple[str, RequestStatus]] = deque()
+        self._recent_tickets: deque[int] = deque(maxlen=2)  # the output thread's tickets of the last two steps
+        self._stop_string_ids: set[str] = set()  # unfinished requests with stop strings
+        # Held by a thread that runs a step loop (AsyncEngine), so that one ending still (its event
+        # loop closed) and a new one never step this engine at once.
+        self.loop_lock = threading.Lock()
         self._ids = itertools.count()
 
     # -- requests -----------------------------------------------------------------------------
@@ -236,8 +197,8 @@ class Engine:
         return request.request_id
 
     def _check_unused(self, request_id: str) -> None:
-        """An id is in use while its request is tracked or owns blocks (held or reserved included)."""
-        if request_id in self._tracked or self.kv.holds(request_id):
+        """An id is in use while its request is unfinished or owns blocks (held or reserved included)."""
+        if request_id in self.scheduler.requests or self.kv.holds(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def abort_request(self, request_id: str) -> bool:
@@ -246,6 +207,7 @@ class Engine:
         False if it is unknown or already done."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
+        self._to_outputs(lambda p: p.forget(request_id))
         if request is None and self.leases.claim(request_id):  # finished and held, nobody sending yet
             self.scheduler.release_held(request_id)
             return True
@@ -280,7 +242,8 @@ class Engine:
         return len(expired)
 
     def num_held_blocks(self) -> int:
-        return sum(self.kv.num_blocks_of(rid) for rid in self.scheduler.held)
+        # A copy of the ids: the event loop asks while the step thread may finish requests.
+        return sum(self.kv.num_blocks_of(rid) for rid in list(self.scheduler.held))
 
     # -- decode tier ----------------------------------------------------------------------------
     def reserve_for_transfer(self, request: Request) -> int | None:
@@ -304,10 +267,17 @@ class Engine:
         request.append_output_token(token_id)
         if sampler_state is not None:
             self.sampler.set_state(request_id, sampler_state)
+        finished = {}
         status = request.check_stop(self.runtime.max_model_len)
         if status is not None:
             self.scheduler.finish_request(request_id, status)
-        return self._output(request, logprobs)
+            finished[request_id] = self._finished(request)
+        lookup = {request_id: logprobs} if logprobs is not None else None
+        tokens = StepTokens([request], [token_id], finished, time.monotonic(), lookup)
+        thread = self._output_thread
+        done = thread.call(lambda p: p.process(tokens)) if thread else self._outputs.process(tokens)
+        self._apply(done)
+        return done.outputs[0] if done.outputs else None
 
     def admit_transferred(self, request_id: str, num_held: int, blocks: torch.Tensor) -> bool:
         """Write the received blocks after the num_held already here, then let the request run.
@@ -331,96 +301,129 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the forward, sample and update; then process the outputs.
+
+        Returns the step's outputs, or [] while an output thread runs (start_output_thread): then
+        they go to its deliver callback, and this returns as soon as the sampled ids are known.
+        """
+        self._before_schedule()
+        tokens = self._step_tokens()
+        if tokens is None:
+            return []
+        if self._output_thread is None:
+            done = self._outputs.process(tokens)
+            self._apply(done)
+            return done.outputs
+        self._recent_tickets.append(self._output_thread.submit(tokens))
+        return []
+
+    def _before_schedule(self) -> None:
+        """Finish what output processing asked for; with the output thread, first wait until it has
+        seen the step before last, so that a stop string ends its request within one step."""
+        thread = self._output_thread
+        if thread is not None and self._stop_string_ids and len(self._recent_tickets) == 2:
+            thread.wait(self._recent_tickets[0])
+        while self._to_finish:
+            self._finish_for_outputs(*self._to_finish.popleft())
+
+    def _step_tokens(self) -> StepTokens | None:
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
-        now = time.monotonic()
-        for s in out.scheduled:
-            tracked = self._tracked[s.request.request_id]
-            tracked.first_scheduled = tracked.first_scheduled or now
+            return None
         try:
             batch = self.runner.prepare(out)
             logits = self.runner.forward(batch)
         except Exception as e:  # isolation boundary: a failed forward fails its batch, not the engine
-            log.exception("the forward failed; failing the %d requests of this batch", len(out.scheduled))
-            return [self._fail(s.request, e) for s in out.scheduled]
-        result = self.sampler.sample(logits, [s.request for s in batch.sampling])
-        failed = [self._fail(r, e) for r, e in result.errors]  # before update_after_step skips them
-        sampled: dict[str, int] = {
-            s.request.request_id: t for s, t in zip(batch.sampling, result.token_ids) if t is not None
-        }
-        logprobs = {s.request.request_id: lp for s, lp in zip(batch.sampling, result.logprobs)}
-        advanced = self.scheduler.update_after_step(out, sampled)
-        return failed + [self._output_or_fail(r, logprobs[r.request_id]) for r in advanced]
+            scheduled = out.decodes + [s.request for s in out.chunks]
+            log.exception("the forward failed; failing the %d requests of this batch", len(scheduled))
+            return StepTokens([], [], {}, time.monotonic(), failed=[self._fail(r, e) for r in scheduled])
+        result = self.sampler.sample(logits, batch.sampling_requests)
+        failed = [self._fail(r, e) for r, e in result.errors]  # before the update skips them
+        update = self.scheduler.update(out, result.token_ids)
+        advanced = update.advanced
+        # Every sampled request advanced (nothing failed or was aborted): the sampled ids line up.
+        aligned = len(advanced) == len(result.token_ids)
+        return StepTokens(
+            requests=advanced,
+            token_ids=cast(list[int], result.token_ids) if aligned else [r.all_token_ids[-1] for r in advanced],
+            finished={r.request_id: self._finished(r) for r in update.finished},
+            time=time.monotonic(),
+            logprobs=result.rows,
+            failed=failed,
+        )
 
-    def _output_or_fail(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
-        try:
-            return self._output(request, logprobs)
-        except Exception as e:  # isolation boundary: e.g. detokenizing this request's tokens
-            log.exception("output processing failed for request %s", request.request_id)
-            return self._fail(request, e)
+    def _finished(self, request: Request) -> Finish:
+        """Wrap up a request that finished at this step (the prefill tier's held blocks start their lease)."""
+        rid = request.request_id
+        handoff = None
+        if request.stop_after_prefill and rid in self.scheduler.held:
+            handoff = PrefillHandoff(self.kv.block_ids(rid), self.sampler.get_state(rid))
+            self.leases.start(rid)
+        self._forget(rid)
+        reason = request.finish_reason
+        assert reason is not None
+        return Finish(reason, request.stop_reason if isinstance(request.stop_reason, int) else None, handoff)
 
-    def _fail(self, request: Request, error: Exception) -> RequestOutput:
-        """Finish a request the step failed for: free its blocks, report the error to its stream."""
+    def _fail(self, request: Request, error: Exception) -> tuple[Request, str]:
+        """Finish a request the step failed for and free its blocks; returns the error for its stream."""
         rid = request.request_id
         self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
         self.release_held(rid)  # finished at this step and already held: nobody will send
-        tracked = self._tracked.get(rid)
         self._forget(rid)
         self.stats.num_failed_requests += 1
-        return RequestOutput(
-            request_id=rid,
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason=FinishReason.ABORT,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            timings=_timings(tracked) if tracked else RequestTimings(),
-            error=f"the engine failed on this request ({type(error).__name__}: {error}); it was stopped and "
-            "its KV blocks freed; the worker goes on",
-        )
+        return request, f"{type(error).__name__}: {error}"
 
-    def _output(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput:
-        rid = request.request_id
-        tracked = self._tracked[rid]
-        tracked.first_token = tracked.first_token or time.monotonic()
-        detok = tracked.detokenizer
-        stop = detok.add_tokens([request.all_token_ids[-1]])
-        if stop is not None:  # a stop string wins over whatever else ended the request this step
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)  # no-op if already finished
-            request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        handoff = None
-        if request.is_finished:
-            detok.flush()
-            if request.stop_after_prefill and rid in self.scheduler.held:
-                handoff = PrefillHandoff(self.kv.block_ids(rid), self.sampler.get_state(rid))
-                self.leases.start(rid)
-            self._forget(rid)
-        return RequestOutput(
-            request_id=rid,
-            new_token_ids=[request.all_token_ids[-1]],
-            new_text=detok.take_delta(request.is_finished),
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            stop_reason=request.stop_reason,
-            new_logprobs=[logprobs] if logprobs is not None else None,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            timings=_timings(tracked),
-            handoff=handoff,
-        )
+    def _apply(self, done: ProcessedStep) -> None:
+        for request_id, status in done.to_finish:
+            self._finish_for_outputs(request_id, status)
+
+    def _finish_for_outputs(self, request_id: str, status: RequestStatus) -> None:
+        """Output processing ended a request: a stop string matched, or processing it failed."""
+        self.scheduler.finish_request(request_id, status)  # no-op if it finished meanwhile
+        if status is RequestStatus.FINISHED_ABORTED:
+            self.release_held(request_id)
+            self.stats.num_failed_requests += 1
+        self._forget(request_id)
 
     def _track(self, request: Request) -> None:
-        prompt = request.all_token_ids[: request.num_prompt_tokens]
-        self._tracked[request.request_id] = _Tracked(
-            IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt)
-        )
+        if request.sampling_params.stop:
+            self._stop_string_ids.add(request.request_id)
+        arrival = time.monotonic()
+        self._to_outputs(lambda p: p.add(request, arrival))
 
     def _forget(self, request_id: str) -> None:
-        self._tracked.pop(request_id, None)
+        """Engine-side state of a request that finished here (its outputs may still be in processing)."""
+        self._stop_string_ids.discard(request_id)
         self.sampler.release(request_id)
+
+    def _to_outputs(self, fn: Callable[[OutputProcessor], Any]) -> None:
+        """fn(output processor) now, or queued after the steps the output thread still has."""
+        if self._output_thread is None:
+            fn(self._outputs)
+        else:
+            self._output_thread.run(fn)
+
+    # -- output thread --------------------------------------------------------------------------
+    def start_output_thread(
+        self, deliver: Callable[[list[RequestOutput]], None], on_error: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """Process outputs on their own thread from now on: step() hands each step's tokens over and
+        returns []; deliver gets the outputs (called on that thread, in step order)."""
+        if self._output_thread is not None:
+            raise RuntimeError("the output thread is already running")
+        self._output_thread = OutputThread(self._outputs, deliver, self._to_finish.extend, on_error)
+
+    def wait_for_outputs(self) -> None:
+        """Until every step so far has been delivered."""
+        if self._output_thread is not None:
+            self._output_thread.wait()
+
+    def stop_output_thread(self) -> None:
+        """Deliver what is queued, end the thread; outputs are returned by step() again."""
+        thread, self._output_thread = self._output_thread, None
+        self._recent_tickets.clear()
+        if thread is not None:
+            thread.close()
 
     def warm_up(self) -> WarmUpReport:
         """Run every kernel variant a step can hit, once, on a fresh engine (what a server does
@@ -434,8 +437,3 @@ class Engine:
 
     def kv_usage(self) -> float:
         return self.kv.pool.usage()
-
-
-def _timings(t: _Tracked) -> RequestTimings:
-    ttft = (t.first_token - t.arrival) * 1e3 if t.first_token is not None else None
-    return RequestTimings(queue_ms=((t.first_scheduled or t.arrival) - t.arrival) * 1e3, ttft_ms=ttft)

@@ -8,15 +8,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 from splitserve.engine.kv_cache.staging import StagingPool
 from splitserve.engine.memory import MemorySnapshot, profile_memory
-from splitserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.step_inputs import ForwardBatch, StepArrays, StepInputBuffer, scheduled_arrays
 from splitserve.model.arch import ModelArchConfig
-from splitserve.model.attention import AttentionMetadata, get_backend
+from splitserve.model.attention import get_backend
 from splitserve.model.loader import ModelSource, build_model
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024**2
@@ -53,17 +55,6 @@ def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -
     """Bytes of one block across all layers, K and V."""
     elem = torch.empty((), dtype=dtype).element_size()
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
-
-
-@dataclass(slots=True)
-class ForwardBatch:
-    """Host-built inputs of one step."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampling_seqs]: index of each sampling sequence's last token
-    sampling: list[ScheduledRequest]  # the scheduled requests that sample, in sample_rows order
 
 
 class StepShape(NamedTuple):
@@ -106,6 +97,7 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self._staging: StagingPool | None = None
+        self._inputs = StepInputBuffer(self.device, self.block_size)
         self._kv_written = False  # by a step or a KV transfer: warm_up may no longer scribble on block 0
 
     @property
@@ -170,61 +162,8 @@ class ModelRunner:
         return profile.kv_cache_bytes(cache.gpu_memory_fraction), profile.describe(cache.gpu_memory_fraction)
 
     def prepare(self, out: SchedulerOutput) -> ForwardBatch:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        seq_lens: list[int] = []
-        query_lens: list[int] = []
-        sampling: list[ScheduledRequest] = []
-        sample_rows: list[int] = []
-        for s in out.scheduled:
-            start, n = s.request.num_computed_tokens, s.num_new_tokens
-            input_ids.extend(s.request.all_token_ids[start : start + n])
-            positions.extend(range(start, start + n))
-            seq_lens.append(start + n)
-            query_lens.append(n)
-            if s.samples:
-                sampling.append(s)
-                sample_rows.append(len(input_ids) - 1)
-        return self._pack(
-            input_ids, positions, seq_lens, query_lens, [s.block_ids for s in out.scheduled], sample_rows, sampling
-        )
-
-    def _pack(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        seq_lens: list[int],
-        query_lens: list[int],
-        block_ids: Sequence[Sequence[int]],
-        sample_rows: list[int],
-        sampling: list[ScheduledRequest],
-    ) -> ForwardBatch:
-        max_blocks = max(len(ids) for ids in block_ids)
-        table = [list(ids) + [0] * (max_blocks - len(ids)) for ids in block_ids]
-        dev = self.device
-        pos = torch.tensor(positions, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
-        block_tables = torch.tensor(table, dtype=torch.int64)
-        slots = block_tables[seq_index, pos // self.block_size] * self.block_size + pos % self.block_size
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.tensor(query_lens).cumsum(0)
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev),
-            block_tables=block_tables.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=qsl.to(dev),
-            num_decodes=_num_leading_ones(query_lens),
-            max_seq_len=max(seq_lens),
-            seq_lens_cpu=seq_lens,
-            query_lens_cpu=query_lens,
-        )
-        return ForwardBatch(
-            torch.tensor(input_ids, device=dev),
-            pos.to(dev),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.int64, device=dev),
-            sampling,
-        )
+        """The step's inputs on the device (valid until the next prepare: the host buffer is reused)."""
+        return self._inputs.pack(scheduled_arrays(out), out.sampling_requests(), out)
 
     @torch.inference_mode()
     def profile_forward(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
@@ -273,10 +212,13 @@ class ModelRunner:
 
     def _run_shape(self, shape: StepShape, block_ids: list[list[int]], kv_caches: list[torch.Tensor]) -> None:
         """One forward of token 0 at every position of shape, each sequence's last token sampling."""
-        positions = [p for n, q in zip(shape.seq_lens, shape.query_lens) for p in range(n - q, n)]
-        rows = (torch.tensor(shape.query_lens).cumsum(0) - 1).tolist()
-        seq_lens, query_lens = list(shape.seq_lens), list(shape.query_lens)
-        batch = self._pack([0] * len(positions), positions, seq_lens, query_lens, block_ids, rows, [])
+        query_lens = np.array(shape.query_lens, dtype=np.int64)
+        table = np.zeros((len(block_ids), max(len(ids) for ids in block_ids)), dtype=np.int64)
+        for row, ids in zip(table, block_ids):
+            row[: len(ids)] = ids
+        starts = np.array(shape.seq_lens, dtype=np.int64) - query_lens
+        arrays = StepArrays(np.zeros(int(query_lens.sum()), dtype=np.int64), starts, query_lens, table, query_lens > 0)
+        batch = self._inputs.pack(arrays, [])
         hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
         self.model.compute_logits(hidden[batch.sample_rows])
 
@@ -285,7 +227,7 @@ class ModelRunner:
         """Run the step; returns float32 logits [num_sampling_seqs, vocab]."""
         self._kv_written = True
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not batch.sampling:
+        if not batch.sampling_requests:
             return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows])
 
@@ -314,10 +256,3 @@ def _profile_seq_lens(num_tokens: int, max_num_seqs: int, max_model_len: int) ->
     num_single = min(max_num_seqs, num_tokens) - 1
     rest = num_tokens - num_single
     return [1] * num_single + [min(max_model_len, rest - i) for i in range(0, rest, max_model_len)]
-
-
-def _num_leading_ones(query_lens: list[int]) -> int:
-    n = 0
-    while n < len(query_lens) and query_lens[n] == 1:
-        n += 1
-    return n

@@ -72,8 +72,19 @@ class Request:
         self.request_id = request_id  # the engine's own id, unique in this process's lifetime
         self.label = label  # the client's id: echoed in logs, never used as a key
         self.sampling_params = sampling_params
+        # Greedy without penalties, logprobs or min_tokens: sampled by one argmax over the whole batch.
+        self.plain_greedy = (
+            sampling_params.greedy
+            and not sampling_params.has_penalties
+            and sampling_params.logprobs is None
+            and sampling_params.min_tokens == 0
+        )
         self.max_tokens = max_tokens  # resolved: never None
         self.eos_token_ids = eos_token_ids
+        self._stop_eos = frozenset() if sampling_params.ignore_eos else eos_token_ids  # EOS ids that stop it
+        # For the scheduler's quick test of whether a token may end the request (check_stop decides).
+        self.stopping_ids = self._stop_eos | frozenset(sampling_params.stop_token_ids)
+        self.max_num_tokens = len(prompt_token_ids) + max_tokens
         self.priority = priority
         # Prefill tier: finish once the first token is sampled; the KV stays as prefix cache.
         self.stop_after_prefill = stop_after_prefill
@@ -84,6 +95,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None  # monotonic, set by the scheduler at first admission
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_size = block_size
@@ -104,30 +116,41 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        # Identity tests: hashing an Enum member runs Python code, and this is read per request per step.
+        status = self.status
+        return (
+            status is RequestStatus.FINISHED_STOPPED
+            or status is RequestStatus.FINISHED_LENGTH
+            or status is RequestStatus.FINISHED_ABORTED
+        )
 
     @property
     def finish_reason(self) -> FinishReason | None:
         return FINISH_REASON.get(self.status)
 
     def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-        if self.num_tokens % self.block_size == 0:
-            extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
+        tokens = self.all_token_ids
+        tokens.append(token_id)
+        if len(tokens) % self.block_size == 0:
+            self.extend_block_hashes()
+
+    def extend_block_hashes(self) -> None:
+        """Hash the blocks that became full (called whenever the token count reaches a multiple of the block size)."""
+        extend_block_hashes(self.block_hashes, self.all_token_ids, self.block_size)
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finished status after the newest token, or None to keep going."""
-        token = self.all_token_ids[-1]
+        tokens = self.all_token_ids
+        token, num_tokens = tokens[-1], len(tokens)
+        num_output = num_tokens - self.num_prompt_tokens
         params = self.sampling_params
-        if self.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
+        if num_output >= params.min_tokens:
+            if token in self._stop_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 self.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        if self.stop_after_prefill:
+        if num_output >= self.max_tokens or num_tokens >= max_model_len or self.stop_after_prefill:
             return RequestStatus.FINISHED_LENGTH
         return None
 

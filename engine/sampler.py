@@ -1,9 +1,12 @@
 """Turns the step's logits into tokens: penalties, min_tokens, greedy or seeded random sampling.
 
-One pass over the requests gathers their parameters on the host (the per-request isolation
+A batch of plain greedy requests (no penalties, logprobs or min_tokens) is one argmax. Otherwise
+one pass over the requests gathers their parameters on the host (the per-request isolation
 boundary); then the whole batch is processed by a fixed number of tensor ops on the logits' device
 (engine/sampling_ops.py). The only per-row work left is drawing a seeded request's noise from its
-own torch.Generator, so its tokens do not depend on what else is batched.
+own torch.Generator, so its tokens do not depend on what else is batched. Logprobs are computed for
+the whole step at once (LogprobsRows) and formatted per request later, off the step loop, by the
+output processor.
 """
 
 from __future__ import annotations
@@ -30,10 +33,44 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class LogprobsRows:
+    """One step's logprobs of the requests that asked for them, as CPU tensors (formatted on demand)."""
+
+    request_ids: list[str]  # one row each
+    positions: list[int]  # each row's index in the sampled requests
+    token_ids: list[int]  # each row's sampled token
+    sampled: torch.Tensor  # [rows] float32: the sampled token's logprob
+    top_ids: torch.Tensor  # [rows, max_top] int64, best first
+    top_values: torch.Tensor  # [rows, max_top] float32
+    num_top: list[int]  # how many of the top entries each row asked for
+    _row_of: dict[str, int] | None = None
+
+    def get(self, request_id: str) -> TokenLogprobs | None:
+        if self._row_of is None:
+            self._row_of = {rid: row for row, rid in enumerate(self.request_ids)}
+        row = self._row_of.get(request_id)
+        return None if row is None else self.format(row)
+
+    def format(self, row: int) -> TokenLogprobs:
+        n = self.num_top[row]
+        top = tuple(zip(self.top_ids[row, :n].tolist(), self.top_values[row, :n].tolist()))
+        return TokenLogprobs(self.token_ids[row], float(self.sampled[row]), top)
+
+
+@dataclass(slots=True)
 class SampleResult:
     token_ids: list[int | None]  # None where the request failed
-    logprobs: list[TokenLogprobs | None]
+    rows: LogprobsRows | None = None  # None: no request asked for logprobs
     errors: list[tuple[Request, Exception]] = field(default_factory=list)  # requests whose own processing failed
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None]:
+        """Each request's logprobs, formatted now (the engine leaves that to the output processor)."""
+        result: list[TokenLogprobs | None] = [None] * len(self.token_ids)
+        if self.rows is not None:
+            for row, position in enumerate(self.rows.positions):
+                result[position] = self.rows.format(row)
+        return result
 
 
 class Generators:
@@ -184,17 +221,22 @@ class Sampler:
         (in `errors`) before any generator is drawn from, so the others sample exactly as they
         would have without it.
         """
+        if all(r.plain_greedy for r in requests):
+            return SampleResult(ops.argmax_rows(logits).tolist())
         plan, errors = self._plan(requests, logits.shape[-1], logits.device)
         if errors:
             failed = {id(r) for r, _ in errors}
             logits = logits[[row for row, r in enumerate(requests) if id(r) not in failed]]
         token_ids = self._sample_plan(logits, plan) if plan.requests else []
-        logprobs = _logprobs(logits, plan.requests, token_ids)
+        rows = _logprobs(logits, plan.requests, token_ids)
         if not errors:
-            return SampleResult([*token_ids], logprobs)
-        by_request = {id(r): (t, lp) for r, t, lp in zip(plan.requests, token_ids, logprobs)}
-        kept = [by_request.get(id(r), (None, None)) for r in requests]
-        return SampleResult([t for t, _ in kept], [lp for _, lp in kept], errors)
+            return SampleResult([*token_ids], rows)
+        kept = {id(r): i for i, r in enumerate(plan.requests)}  # position among the kept requests
+        positions = [kept.get(id(r)) for r in requests]
+        if rows is not None:  # back to positions among all the requests
+            index_of = {i: position for position, i in enumerate(positions) if i is not None}
+            rows.positions = [index_of[i] for i in rows.positions]
+        return SampleResult([None if i is None else token_ids[i] for i in positions], rows, errors)
 
     def _plan(
         self, requests: list[Request], vocab: int, device: torch.device
@@ -217,20 +259,19 @@ class Sampler:
 
     def _sample_plan(self, logits: torch.Tensor, plan: _Plan) -> list[int]:
         if len(plan.greedy_rows) == len(plan.requests) and not plan.changes_logits:
-            return logits.argmax(dim=-1).tolist()
+            return ops.argmax_rows(logits).tolist()
         # Sampled rows first, unseeded ones leading so that one draw fills their noise, then greedy.
         order = plan.unseeded_rows + plan.seeded_rows + plan.greedy_rows
         logits = _penalised(logits, plan, order)  # [n, vocab], a copy, rows in `order`
         num_sampled = len(order) - len(plan.greedy_rows)
-        token_ids = logits[num_sampled:].argmax(dim=-1)
+        token_ids = ops.argmax_rows(logits[num_sampled:])
         if num_sampled:
             params = [plan.requests[row].sampling_params for row in order[:num_sampled]]
             generators = [None] * len(plan.unseeded_rows) + plan.generators
             token_ids = torch.cat([self._sample_rows(logits[:num_sampled], params, generators), token_ids])
-        result = [0] * len(order)
-        for row, token_id in zip(order, token_ids.tolist()):
-            result[row] = token_id
-        return result
+        # Back to plan order: token_ids[i] belongs to plan row order[i].
+        order_t = torch.tensor(order, device=token_ids.device)
+        return torch.empty_like(token_ids).index_copy_(0, order_t, token_ids).tolist()
 
     def _sample_rows(
         self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
@@ -314,17 +355,23 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     return probs
 
 
-def _logprobs(raw: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[TokenLogprobs | None]:
-    wanted = [r.sampling_params.logprobs for r in requests]
-    if all(n is None for n in wanted):
-        return [None] * len(requests)
-    logprobs = torch.log_softmax(raw, dim=-1).cpu()
-    result: list[TokenLogprobs | None] = []
-    for row, (n, token) in enumerate(zip(wanted, token_ids)):
-        if n is None:
-            result.append(None)
-            continue
-        top = torch.topk(logprobs[row], n) if n else None
-        pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-        result.append(TokenLogprobs(token, float(logprobs[row, token]), pairs))
-    return result
+def _logprobs(raw: torch.Tensor, requests: list[Request], token_ids: list[int]) -> LogprobsRows | None:
+    """Logprobs of the raw logits [n, vocab] for the requests that ask, all rows at once."""
+    positions = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+    if not positions:
+        return None
+    index = torch.tensor(positions, device=raw.device)
+    logprobs = torch.log_softmax(raw if len(positions) == len(requests) else raw[index], dim=-1)
+    num_top = [requests[i].sampling_params.logprobs or 0 for i in positions]
+    tokens = [token_ids[i] for i in positions]
+    sampled = logprobs.gather(1, torch.tensor(tokens, device=raw.device)[:, None])[:, 0]
+    top = logprobs.topk(max(num_top), dim=-1)
+    return LogprobsRows(
+        [requests[i].request_id for i in positions],
+        positions,
+        tokens,
+        sampled.cpu(),
+        top.indices.cpu(),
+        top.values.cpu(),
+        num_top,
+    )

@@ -137,7 +137,19 @@ def _take(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws each row's token with its
     probability p. probs (overwritten), noise [s, vocab] -> [s] int64."""
-    return probs.div_(noise).argmax(dim=-1)
+    return argmax_rows(probs.div_(noise))
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [n, vocab] -> [n] int64: each row's first maximum (NaN counts as the maximum), as
+    torch.argmax. On CPU through numpy, whose argmax is ~7x faster than torch's on one thread
+    (86 vs 11 us at 256 x 320, 11 vs 1.6 ms at 256 x 49152)."""
+    if x.device.type == "cpu" and x.dtype in _NUMPY_DTYPES and x.dim() == 2 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=1))
+    return x.argmax(dim=-1)
 
 
 # -- the per-row reference ----------------------------------------------------------------------

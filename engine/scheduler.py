@@ -17,36 +17,20 @@ blocks, which only running them gives back (see `_schedule_waiting`).
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from splitserve.engine.config import RuntimeInfo, SchedulerConfig
-from splitserve.engine.kv_cache.block_pool import BlockId
 from splitserve.engine.kv_cache.manager import KVCacheManager, PrefixHit
 from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.scheduler_output import (  # noqa: F401  (re-exported)
+    ScheduledRequest,
+    SchedulerOutput,
+    StepUpdate,
+)
 
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-    block_ids: list[BlockId]
-    # Whether this step catches the request up, so a token is sampled for it. Fixed at schedule
-    # time so it stays right after update_after_step moves num_computed_tokens.
-    samples: bool = False
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass(slots=True)
@@ -209,24 +193,27 @@ class Scheduler:
 
     # -- scheduling -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        out = SchedulerOutput(self.kv)
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
-        for s in out.scheduled:
-            s.block_ids = self.kv.block_ids(s.request.request_id)
-            s.samples = s.request.num_computed_tokens + s.num_new_tokens == s.request.num_tokens
-        # Decodes (one new token) first, then prefills: the runner relies on this order.
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.chunks.sort(key=lambda s: s.num_new_tokens != 1)  # one-token chunks next to the decodes
+        out.block_table = self.kv.block_table(out.request_ids())
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        if len(self.running) <= budget and self._schedule_all_decodes(out):
+            return budget - len(self.running)
+        bs, kv = self.kv.block_size, self.kv
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self.kv.allocate_slots(request, num_new):
-                out.scheduled.append(ScheduledRequest(request, num_new, []))
+            computed, num_tokens = request.num_computed_tokens, len(request.all_token_ids)
+            num_new = min(num_tokens - computed, budget)
+            # A request holds blocks for all its computed tokens, so one more token that does not
+            # start a block needs none: the pool is asked only at block boundaries and for prefills.
+            if (num_new == 1 and computed % bs) or kv.allocate_slots(request, num_new):
+                self._add_scheduled(out, request, num_new, computed + num_new == num_tokens)
                 budget -= num_new
                 i += 1
                 continue
@@ -238,12 +225,34 @@ class Scheduler:
             # else: the victim is this request or one not visited yet; index i is still right
         return budget
 
+    def _schedule_all_decodes(self, out: SchedulerOutput) -> bool:
+        """The steady state: every running request decodes one token. Only those starting a block
+        need the pool, all served at once. False, changing nothing, when that is not the case or
+        the pool is short (the general loop then preempts)."""
+        running, bs = self.running, self.kv.block_size
+        if any(len(r.all_token_ids) - r.num_computed_tokens != 1 for r in running):
+            return False
+        growing = [r for r in running if r.num_computed_tokens % bs == 0]
+        if growing and not self.kv.allocate_next_blocks(growing):
+            return False
+        out.decodes = running.copy()
+        return True
+
+    def _add_scheduled(self, out: SchedulerOutput, request: Request, num_new: int, samples: bool) -> None:
+        if num_new == 1 and samples:
+            out.decodes.append(request)
+        else:
+            out.chunks.append(ScheduledRequest(request, num_new, samples, self.kv))
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Move victim back to waiting, freeing its blocks; returns the budget it gives back."""
         refund = 0
-        for s in out.scheduled:
+        if victim in out.decodes:
+            out.decodes.remove(victim)
+            refund = 1
+        for s in out.chunks:
             if s.request is victim:
-                out.scheduled.remove(s)
+                out.chunks.remove(s)
                 refund = s.num_new_tokens
                 break
         self.running.remove(victim)
@@ -276,7 +285,7 @@ class Scheduler:
             if num_new is None:
                 blocked = True
                 continue
-            out.scheduled.append(ScheduledRequest(request, num_new, []))
+            self._add_scheduled(out, request, num_new, request.num_computed_tokens + num_new == request.num_tokens)
             budget -= num_new
 
     def _try_admit(self, request: Request, budget: int) -> int | None:
@@ -299,6 +308,8 @@ class Scheduler:
             self.stats.prefix_cache_hits += hit.num_tokens
         request.num_computed_tokens += hit.num_tokens
         request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
         self.running.append(request)
         return num_new
 
@@ -308,20 +319,53 @@ class Scheduler:
 
         Returns the requests that got a new token this step (finished ones included).
         """
-        advanced: list[Request] = []
-        for s in out.scheduled:
+        return self.update(out, [sampled.get(r.request_id) for r in out.sampling_requests()]).advanced
+
+    def update(self, out: SchedulerOutput, token_ids: Sequence[int | None]) -> StepUpdate:
+        """update_after_step with the sampled tokens in out.sampling_requests() order (None where a
+        request failed), also saying which requests finished."""
+        update = StepUpdate([], [])
+        self._update_decodes(out.decodes, token_ids, update)
+        tokens = iter(token_ids[len(out.decodes) :])
+        for s in out.chunks:
+            token = next(tokens) if s.samples else None
             request = s.request
             if request.is_finished:  # aborted while the step ran
                 continue
             request.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(request.request_id)
             if token is not None:
                 request.append_output_token(token)
             self.kv.cache_blocks(request)
-            if token is None:
+            if token is not None:
+                update.advanced.append(request)
+                self._maybe_finish(request, update)
+        return update
+
+    def _update_decodes(self, decodes: list[Request], token_ids: Sequence[int | None], update: StepUpdate) -> None:
+        """The hot loop: one token each. Only a block boundary or a possible stop costs more."""
+        bs, max_len, advanced = self.kv.block_size, self.runtime.max_model_len, update.advanced
+        for request, token in zip(decodes, token_ids):
+            if request.status is not _RUNNING or token is None:  # aborted while the step ran, or failed
                 continue
+            request.num_computed_tokens += 1
+            ids = request.all_token_ids
+            ids.append(token)
+            num_tokens = len(ids)
+            if num_tokens % bs == 0:
+                request.extend_block_hashes()
+            if request.num_computed_tokens % bs == 0:  # a block became full
+                self.kv.cache_blocks(request)
             advanced.append(request)
-            status = request.check_stop(self.runtime.max_model_len)
-            if status is not None:
-                self.finish_request(request.request_id, status, keep_blocks=request.stop_after_prefill)
-        return advanced
+            if (
+                num_tokens >= request.max_num_tokens
+                or num_tokens >= max_len
+                or token in request.stopping_ids
+                or request.stop_after_prefill
+            ):
+                self._maybe_finish(request, update)
+
+    def _maybe_finish(self, request: Request, update: StepUpdate) -> None:
+        status = request.check_stop(self.runtime.max_model_len)
+        if status is not None:
+            self.finish_request(request.request_id, status, keep_blocks=request.stop_after_prefill)
+            update.finished.append(request)

@@ -5,10 +5,14 @@ The scheduler talks to this class only; it never touches KVBlock lists. The runn
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import Protocol
+
+import numpy as np
 
 from splitserve.common.block_hash import BlockHash
 from splitserve.engine.kv_cache.block_pool import BlockId, BlockPool, KVBlock
+from splitserve.engine.kv_cache.block_table import BlockTable
 
 
 class KVRequest(Protocol):
@@ -40,11 +44,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, max_blocks_per_request: int | None = None
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered
+        self._table = BlockTable(min(max_blocks_per_request or num_blocks, num_blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -81,11 +88,24 @@ class KVCacheManager:
         if num_new_blocks + num_hits_in_free_queue + num_keep_free > self.pool.num_free_blocks:
             return False
         self.pool.touch(hit_blocks)
-        blocks = self._blocks.setdefault(request.request_id, blocks)
-        blocks.extend(hit_blocks)
-        blocks.extend(self.pool.allocate(num_new_blocks))
+        new_blocks = hit_blocks + self.pool.allocate(num_new_blocks)
+        self._blocks.setdefault(request.request_id, blocks).extend(new_blocks)
+        if new_blocks or not blocks:
+            self._table.append(request.request_id, [block.block_id for block in new_blocks])
         if hit_blocks:
             self._num_cached_blocks[request.request_id] = len(hit_blocks)
+        return True
+
+    def allocate_next_blocks(self, requests: Sequence[KVRequest]) -> bool:
+        """One more block for each request whose blocks are full (decodes whose next token starts a
+        block), all or none. False, changing nothing, when the pool has too few free blocks."""
+        bs = self.block_size
+        full = [r for r in requests if len(self._blocks[r.request_id]) * bs <= r.num_computed_tokens]
+        if len(full) > self.pool.num_free_blocks:
+            return False
+        for request, block in zip(full, self.pool.allocate(len(full))):
+            self._blocks[request.request_id].append(block)
+            self._table.append(request.request_id, [block.block_id])
         return True
 
     def cache_blocks(self, request: KVRequest) -> None:
@@ -105,10 +125,15 @@ class KVCacheManager:
         """Release every block of the request, tail first so chain tails are evicted first."""
         blocks = self._blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        self._table.remove(request.request_id)
         self.pool.free(reversed(blocks))
 
     def block_ids(self, request_id: str) -> list[BlockId]:
         return [block.block_id for block in self._blocks.get(request_id, ())]
+
+    def block_table(self, request_ids: Iterable[str]) -> np.ndarray:
+        """[n, most blocks of any of them] int64: each request's block ids, padded with block 0."""
+        return self._table.gather(self._table.rows(request_ids))
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._blocks.get(request_id, ()))

@@ -1,0 +1,294 @@
+"""Host overhead of one decode step: everything the engine does around the model forward.
+
+The tiny test Llama (vocab 320, written with transformers as tests/conftest.py does) with N running
+decode requests (greedy, ignore_eos, long max_tokens; prompts of 4-19 tokens so that requests cross
+block boundaries on different steps), one torch thread. The model forward is replaced by a stub of
+zero cost that returns precomputed random logits of the right shape [num_sampling, vocab]; the rest
+(scheduling, input preparation, sampling, bookkeeping, detokenization and output building) runs for
+real. Every request decodes in every timed step.
+
+Two ways of stepping, each timed per step (median and p90 over --steps, after --warm-up steps), in
+wall time and in the stepping thread's CPU time (time.thread_time: what the step itself costs,
+much less disturbed than wall time by other processes on a shared machine):
+- `step`: Engine.step(), outputs detokenized and built in the calling thread (the only way the
+  engine ran before output processing moved to its own thread).
+- `async`: the serving path, AsyncEngine with one consuming task per request (as the gRPC servicer
+  has), wall time per step from the first add to the last output (prefill step included).
+- `pipelined` (when the engine has it): the step loop as AsyncEngine runs it, outputs processed on
+  the engine's output thread. `loop` is the step loop's own time per step: what a GPU would wait
+  for between forwards. `total CPU` is the whole process's CPU time per step until the output
+  thread has caught up: all the host work a step costs (with a zero-cost forward the two threads
+  share one GIL, so their wall times add up; a real forward leaves the GIL to the output thread).
+
+--baseline-pythonpath DIR runs the same measurement first in a subprocess importing `splitserve`
+from DIR (e.g. a symlink farm over a `git worktree` of HEAD: docs/benchmarks.md gives the commands),
+so that both sides are measured in one session, and prints the ratios.
+
+Usage: python benchmarks/step_overhead.py [--batches 32,256] [--steps 200] [--json runs/step_overhead.json]
+       [--baseline-pythonpath /tmp/basepkg] [--profile 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import os
+import pstats
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from conftest import _save_tiny  # noqa: E402  (the tiny model the tests use)
+
+import splitserve.engine  # noqa: E402
+from splitserve.common.sampling_params import SamplingParams  # noqa: E402
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from splitserve.engine.engine import Engine  # noqa: E402
+
+MAX_MODEL_LEN = 512  # the tiny Llama's context
+NUM_LOGIT_BANKS = 8  # the stub cycles through this many random logit tensors
+SEED = 0
+
+
+class StubForward:
+    """Replaces ModelRunner.forward: returns precomputed logits [num_sampling, vocab] at no cost."""
+
+    def __init__(self, max_batch: int, vocab: int) -> None:
+        gen = torch.Generator().manual_seed(SEED)
+        self.banks = [torch.randn(max_batch, vocab, generator=gen).mul_(4.0) for _ in range(NUM_LOGIT_BANKS)]
+        self.calls = 0
+
+    def __call__(self, batch) -> torch.Tensor:
+        self.calls += 1
+        return self.banks[self.calls % NUM_LOGIT_BANKS][: len(batch.sample_rows)]
+
+
+def make_engine(model: str, batch: int) -> Engine:
+    config = EngineConfig(
+        model=model,
+        device="cpu",
+        max_model_len=MAX_MODEL_LEN,
+        seed=SEED,
+        cache=CacheConfig(block_size=16, kv_cache_bytes=(batch + 1) * MAX_MODEL_LEN * 1024),
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 20)),
+    )
+    engine = Engine(config)
+    engine.runner.forward = StubForward(batch, engine.vocab_size)  # type: ignore[method-assign]
+    return engine
+
+
+def add_requests(engine: Engine, batch: int, num_steps: int) -> None:
+    rng = random.Random(SEED)
+    for _ in range(batch):
+        prompt = [rng.randrange(1, engine.vocab_size) for _ in range(rng.randrange(4, 20))]
+        engine.add_request(prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=num_steps + 8))
+
+
+def percentiles(times_ms: list[float]) -> dict[str, float]:
+    ordered = sorted(times_ms)
+    return {
+        "median_ms": round(statistics.median(ordered), 4),
+        "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))], 4),
+        "mean_ms": round(statistics.fmean(ordered), 4),
+    }
+
+
+def time_steps(engine: Engine, batch: int, steps: int, warm_up: int) -> dict[str, float]:
+    """Engine.step() in this thread (wall and this thread's CPU time per step); checks that every
+    request decodes in every timed step."""
+    add_requests(engine, batch, steps + warm_up)
+    for _ in range(warm_up):
+        engine.step()
+    wall, cpu = [], []
+    for _ in range(steps):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        outputs = engine.step()
+        cpu.append((time.thread_time() - start_cpu) * 1e3)
+        wall.append((time.perf_counter() - start) * 1e3)
+        if len(outputs) != batch:
+            raise RuntimeError(f"a timed step produced {len(outputs)} outputs, expected {batch}")
+    return percentiles(wall) | {f"cpu_{k}": v for k, v in percentiles(cpu).items()}
+
+
+def time_pipelined(engine: Engine, batch: int, steps: int, warm_up: int) -> dict[str, float] | None:
+    """The step loop of AsyncEngine: steps here, output processing on the engine's output thread.
+
+    loop_cpu: CPU time of this thread per step (what the step loop itself costs, whatever the
+    other thread does); loop_wall: wall time per step (waits for the GIL included); total_cpu:
+    CPU time of the whole process per step until the output thread has caught up."""
+    if not hasattr(engine, "start_output_thread"):
+        return None
+    received: list[int] = []
+    engine.start_output_thread(lambda outputs: received.append(len(outputs)))
+    try:
+        add_requests(engine, batch, steps + warm_up)
+        for _ in range(warm_up):
+            engine.step()
+        engine.wait_for_outputs()
+        cpu, wall = [], []
+        start_cpu = time.process_time()
+        for _ in range(steps):
+            start, start_thread = time.perf_counter(), time.thread_time()
+            engine.step()
+            cpu.append((time.thread_time() - start_thread) * 1e3)
+            wall.append((time.perf_counter() - start) * 1e3)
+        engine.wait_for_outputs()
+        total_cpu_ms = (time.process_time() - start_cpu) * 1e3 / steps
+    finally:
+        engine.stop_output_thread()
+    if received[-steps:] != [batch] * steps:
+        raise RuntimeError("a timed step did not deliver one output per request")
+    result = {f"loop_cpu_{k}": v for k, v in percentiles(cpu).items()}
+    result |= {f"loop_wall_{k}": v for k, v in percentiles(wall).items()}
+    result["total_cpu_mean_ms"] = round(total_cpu_ms, 4)
+    return result
+
+
+def time_async(engine: Engine, batch: int, steps: int) -> dict[str, float]:
+    """The serving path: AsyncEngine with one consuming task per request (as the gRPC servicer has),
+    from the first add to the last output. ms per step = wall time / steps run."""
+    from splitserve.engine.async_engine import AsyncEngine
+
+    stub = engine.runner.forward
+    rng = random.Random(SEED)
+    prompts = [[rng.randrange(1, engine.vocab_size) for _ in range(rng.randrange(4, 20))] for _ in range(batch)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps)
+
+    async def run() -> tuple[float, int]:
+        aengine = AsyncEngine(engine)
+
+        async def consume(prompt: list[int]) -> int:
+            return sum([len(out.new_token_ids) async for out in aengine.generate(prompt, params)])
+
+        start, calls = time.perf_counter(), stub.calls
+        counts = await asyncio.gather(*(consume(p) for p in prompts))
+        wall_ms = (time.perf_counter() - start) * 1e3
+        await aengine.shutdown()
+        if counts != [steps] * batch:
+            raise RuntimeError("a stream lost tokens")
+        return wall_ms, stub.calls - calls
+
+    wall_ms, num_steps = asyncio.run(run())
+    return {"ms_per_step": round(wall_ms / num_steps, 4), "steps": num_steps}
+
+
+def profile(model: str, batch: int, steps: int) -> None:
+    engine = make_engine(model, batch)
+    add_requests(engine, batch, steps + 5)
+    for _ in range(5):
+        engine.step()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    print(f"cProfile of {steps} Engine.step() at batch {batch} (cumulative ms per step):")
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, name), (_, _, _, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append((cumtime * 1e3 / steps, f"{Path(file).name}:{line}:{name}"))
+    for ms, where in sorted(rows, reverse=True)[:40]:
+        print(f"  {ms:8.3f}  {where}")
+
+
+def measure(model: str, batches: list[int], steps: int, warm_up: int) -> list[dict]:
+    rows = []
+    for batch in batches:
+        row = {"batch": batch, "step": time_steps(make_engine(model, batch), batch, steps, warm_up)}
+        pipelined = time_pipelined(make_engine(model, batch), batch, steps, warm_up)
+        if pipelined is not None:
+            row["pipelined"] = pipelined
+        row["async"] = time_async(make_engine(model, batch), batch, steps)
+        rows.append(row)
+    return rows
+
+
+def run_baseline(pythonpath: str, args: argparse.Namespace, model: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "baseline.json"
+        cmd = [sys.executable, __file__, "--batches", args.batches, "--steps", str(args.steps)]
+        cmd += ["--warm-up", str(args.warm_up), "--model", model, "--json", str(path)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")])))
+        subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)  # its table is printed below
+        return json.loads(path.read_text())
+
+
+def print_table(title: str, rows: list[dict]) -> None:
+    print(title)
+    print(
+        "| batch | step() wall median | step() CPU median | step() CPU p90 | loop CPU median | loop CPU p90 "
+        "| loop wall median | loop wall p90 | total CPU mean | AsyncEngine wall |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        s, p = r["step"], r.get("pipelined")
+        pipe = "- | - | - | - | -"
+        if p:
+            keys = ("loop_cpu_median_ms", "loop_cpu_p90_ms", "loop_wall_median_ms", "loop_wall_p90_ms")
+            pipe = " | ".join(f"{p[k]:.3f}" for k in keys) + f" | {p['total_cpu_mean_ms']:.3f}"
+        step = f"{s['median_ms']:.3f} | {s['cpu_median_ms']:.3f} | {s['cpu_p90_ms']:.3f}"
+        print(f"| {r['batch']} | {step} | {pipe} | {r['async']['ms_per_step']:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="32,256", help="running requests, comma-separated")
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per batch size")
+    parser.add_argument("--warm-up", type=int, default=10)
+    parser.add_argument("--model", help="a tiny checkpoint folder (default: written to a temp dir)")
+    parser.add_argument("--baseline-pythonpath", help="also measure the splitserve found on this PYTHONPATH")
+    parser.add_argument("--profile", type=int, metavar="BATCH", help="print a cProfile of Engine.step() instead")
+    parser.add_argument("--json", metavar="PATH", default="runs/step_overhead.json")
+    args = parser.parse_args()
+    if args.steps + args.warm_up + 8 + 19 > MAX_MODEL_LEN:  # prompts of up to 19 tokens must not reach the context
+        parser.error(f"--steps + --warm-up must stay under {MAX_MODEL_LEN - 27} (the tiny model's context)")
+    torch.set_num_threads(1)
+    batches = [int(b) for b in args.batches.split(",")]
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(_save_tiny(Path(tmp), "llama"))
+        if args.profile:
+            profile(model, args.profile, args.steps)
+            return
+        baseline = run_baseline(args.baseline_pythonpath, args, model) if args.baseline_pythonpath else None
+        rows = measure(model, batches, args.steps, args.warm_up)
+    source = str(Path(splitserve.engine.__file__).parent)
+    if baseline:
+        print_table(f"baseline ({baseline['settings']['engine_source']}), ms per decode step", baseline["results"])
+    print_table(f"this tree ({source}), ms per decode step", rows)
+    if baseline:
+        for base, new in zip(baseline["results"], rows):
+            base_ms = base["step"]["cpu_median_ms"]
+            step_ratio = base_ms / new["step"]["cpu_median_ms"]
+            line = f"batch {new['batch']}: CPU per step, baseline step() / step() {step_ratio:.1f}x"
+            if "pipelined" in new:
+                line += f", baseline step() / step loop {base_ms / new['pipelined']['loop_cpu_median_ms']:.1f}x"
+            print(line)
+    settings = {
+        "engine_source": source,
+        "steps": args.steps,
+        "warm_up": args.warm_up,
+        "torch_threads": 1,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+    }
+    print(f"1-minute load average before / after: {settings['load_average_1m_before_after']}")
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "results": rows, "baseline": baseline}, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,233 @@
+"""Output processing off the step loop (engine/output_processor.py): stop strings still end their
+request within one step, streamed text stays equal to the final text, and cancellation drops a
+request's outputs and frees its blocks, whether outputs are processed inline or on the output thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.engine import Engine, RequestOutput
+from splitserve.engine.output_processor import OutputProcessor
+from splitserve.engine.outputs import StepTokens
+from splitserve.engine.request import FinishReason, Request, RequestId, RequestStatus
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [[5, 17, 42, 7, 99, 3], [250, 11, 64, 8], [19, 23, 1, 77, 140, 31, 2], [9, 9, 8]]
+MAX_TOKENS = 24
+
+
+def _config(folder) -> EngineConfig:
+    cache = CacheConfig(block_size=4, kv_cache_bytes=2 * 1024**2)
+    return EngineConfig(model=str(folder), max_model_len=128, cache=cache, scheduler=SchedulerConfig(max_num_seqs=8))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir) -> Engine:
+    return Engine(_config(tiny_llama_dir))
+
+
+def _all_free(engine: Engine) -> bool:
+    return engine.kv.num_free_blocks == engine.runner.num_blocks and not engine.has_unfinished_requests()
+
+
+def _greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kwargs)
+
+
+def _inline(engine: Engine, params: list[SamplingParams]) -> dict[int, list[RequestOutput]]:
+    """Each prompt's outputs, processed in the step loop (no output thread)."""
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS, params)]
+    outputs: dict[str, list[RequestOutput]] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].append(out)
+    return {i: outputs[rid] for i, rid in enumerate(ids)}
+
+
+def _stop_strings(engine: Engine) -> list[SamplingParams]:
+    """Per prompt, a stop string its greedy text reaches mid-way (across a token boundary)."""
+    free = _inline(engine, [_greedy()] * len(PROMPTS))
+    params = []
+    for outs in free.values():
+        text = "".join(o.new_text for o in outs)
+        assert len(text) > 12, "the tiny model's text is too short to cut"
+        params.append(_greedy(stop=[text[6:9]]))
+    return params
+
+
+def _text(outputs: list[RequestOutput]) -> str:
+    return "".join(o.new_text for o in outputs)
+
+
+class _Collector:
+    """The output thread's deliver callback: every output, in order."""
+
+    def __init__(self) -> None:
+        self.outputs: list[RequestOutput] = []
+        self.threads: set[threading.Thread] = set()
+
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        self.threads.add(threading.current_thread())
+        self.outputs.extend(outputs)
+
+    def of(self, request_id: str) -> list[RequestOutput]:
+        return [o for o in self.outputs if o.request_id == request_id]
+
+
+def test_stop_strings_on_the_output_thread_end_within_one_step_with_the_inline_text(engine, monkeypatch):
+    params = _stop_strings(engine)
+    want = _inline(engine, params)
+    process = OutputProcessor.process
+
+    def slow_process(self, step, pause=None):  # an output thread several steps behind the step loop
+        time.sleep(0.1)
+        return process(self, step, pause)
+
+    monkeypatch.setattr(OutputProcessor, "process", slow_process)
+    collected = _Collector()
+    engine.start_output_thread(collected)
+    try:
+        requests = [engine.make_request(p, sp) for p, sp in zip(PROMPTS, params)]
+        for request in requests:
+            engine.add_request(request)
+        while engine.has_unfinished_requests():
+            assert engine.step() == []  # outputs go to the thread, not to the caller
+        engine.wait_for_outputs()
+    finally:
+        engine.stop_output_thread()
+    assert collected.threads and threading.current_thread() not in collected.threads
+    for i, request in enumerate(requests):
+        got = collected.of(request.request_id)
+        assert [t for o in got for t in o.new_token_ids] == [t for o in want[i] for t in o.new_token_ids]
+        assert _text(got) == _text(want[i]) and params[i].stop[0] not in _text(got)
+        final = got[-1]
+        assert final.finished and sum(o.finished for o in got) == 1
+        assert final.finish_reason is FinishReason.STOP and final.stop_reason == params[i].stop[0]
+        # The engine may have computed one token past the stop string, never more, and streamed none.
+        assert request.num_output_tokens <= final.num_output_tokens + 1
+    assert _all_free(engine)
+
+
+def test_an_aborted_request_streams_nothing_more_and_others_keep_their_text(engine):
+    want = _inline(engine, [_greedy()] * len(PROMPTS))
+    collected = _Collector()
+    engine.start_output_thread(collected)
+    try:
+        ids = [engine.add_request(p, _greedy()) for p in PROMPTS]
+        for _ in range(5):
+            engine.step()
+        assert engine.abort_request(ids[1])
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.wait_for_outputs()
+    finally:
+        engine.stop_output_thread()
+    aborted = collected.of(ids[1])
+    assert len(aborted) <= 5 and not any(o.finished for o in aborted)
+    assert _text(aborted) == _text(want[1])[: len(_text(aborted))]
+    for i in (0, 2, 3):
+        assert _text(collected.of(ids[i])) == _text(want[i])
+    assert _all_free(engine)
+
+
+def test_async_streams_with_stop_strings_and_cancellation(engine):
+    params = _stop_strings(engine)
+    want = _inline(engine, params)
+
+    async def main():
+        aengine = AsyncEngine(engine)
+
+        async def collect(i: int) -> list[RequestOutput]:
+            outs = []
+            async for out in aengine.generate(PROMPTS[i], params[i]):
+                outs.append(out)
+                await asyncio.sleep(0.01 * i)  # slow consumers get merged chunks
+            return outs
+
+        async def cancelled() -> None:
+            async for _ in aengine.generate([3] * 30, _greedy(stop=["never appears \u2603"])):
+                await asyncio.sleep(10)  # cancelled here, after its first chunk
+
+        victim = asyncio.create_task(cancelled())
+        got = await asyncio.gather(*(collect(i) for i in range(len(PROMPTS))))
+        victim.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await victim
+        for _ in range(100):  # the abort reaches the step thread between steps
+            if _all_free(engine):
+                break
+            await asyncio.sleep(0.02)
+        await aengine.shutdown()
+        return got
+
+    got = asyncio.run(main())
+    for i, outs in enumerate(got):
+        assert _text(outs) == _text(want[i])
+        assert outs[-1].finished and outs[-1].finish_reason is FinishReason.STOP
+        assert [t for o in outs for t in o.new_token_ids] == [t for o in want[i] for t in o.new_token_ids]
+    assert _all_free(engine)
+
+
+# -- the processor alone ----------------------------------------------------------------------------
+
+
+def _request(rid: str, params: SamplingParams) -> Request:
+    return Request(RequestId(rid), [1, 2, 3], params, max_tokens=50, eos_token_ids=frozenset(), block_size=4)
+
+
+def test_processor_drops_tokens_after_a_stop_and_of_forgotten_requests(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("the quick brown fox jumps over the lazy dog")
+    stop = "brown"
+    processor = OutputProcessor(tok)
+    a, b = _request("a", SamplingParams(stop=[stop])), _request("b", SamplingParams())
+    processor.add(a, arrival=0.0)
+    processor.add(b, arrival=0.0)
+    streamed: dict[str, str] = {"a": "", "b": ""}
+    finished_at = None
+    for step, token in enumerate(ids):
+        done = processor.process(StepTokens([a, b], [token, token], {}, time=1.0))
+        for out in done.outputs:
+            streamed[out.request_id] += out.new_text
+            if out.finished:
+                finished_at = step
+                assert out.stop_reason == stop and out.finish_reason is FinishReason.STOP
+                assert done.to_finish == [("a", RequestStatus.FINISHED_STOPPED)]
+        if step == 4:
+            processor.forget("b")
+    assert finished_at is not None and streamed["a"] == tok.decode(ids).split(stop)[0]
+    assert streamed["b"] == tok.decode(ids[:5])[: len(streamed["b"])]
+    assert processor.num_tracked() == 0
+
+
+def test_processor_isolates_a_request_whose_processing_fails(engine):
+    processor = OutputProcessor(engine.tokenizer)
+    good, bad = _request("good", SamplingParams()), _request("bad", SamplingParams())
+    processor.add(good, arrival=0.0)
+    processor.add(bad, arrival=0.0)
+    done = processor.process(StepTokens([bad, good], [-1, 7], {}, time=1.0))  # the tokenizer cannot decode -1
+    by_id = {o.request_id: o for o in done.outputs}
+    assert by_id["bad"].finished and by_id["bad"].error and by_id["bad"].finish_reason is FinishReason.ABORT
+    assert not by_id["good"].finished and by_id["good"].error is None
+    assert done.to_finish == [("bad", RequestStatus.FINISHED_ABORTED)]
+
+
+def test_async_engine_steps_from_a_new_event_loop_after_the_last_one_closed(engine):
+    """Without shutdown, the step thread ends with its event loop; the next loop gets a new one."""
+    aengine = AsyncEngine(engine)
+
+    async def tokens() -> list[int]:
+        return [t async for out in aengine.generate(PROMPTS[0], _greedy()) for t in out.new_token_ids]
+
+    first = asyncio.run(tokens())
+    assert asyncio.run(tokens()) == first and len(first) == MAX_TOKENS
+    assert _all_free(engine)
