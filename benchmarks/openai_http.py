@@ -6,9 +6,9 @@ cluster (gateway + 1 unified worker, the bundled SmolLM2), in alternating rounds
   TTFT         one request at a time (--ttft-requests per round, 32-token prompts, 4 tokens), the
                APIs taking turns: p50 of the time from sending to the first token
 
-gRPC: grpc.aio Generate streams. HTTP: httpx streaming POST /v1/completions (stream=true, token-id
-prompt, include_usage), parsing each event as a light client would (the openai SDK's pydantic
-models cost the client more CPU, which on a small machine the workers would feel).
+Both through the experiments' clients (splitserve.experiments.loadgen): GrpcClient (grpc.aio Generate
+streams) and OpenAIClient (httpx streaming POST /v1/completions, token-id prompts, include_usage,
+ignore_eos), the one `splitserve bench --backend openai` uses; prompts from the workload generator.
 Targets: HTTP throughput >= 0.9x gRPC's; TTFT p50 within 5 ms of gRPC's.
 
 Usage: python benchmarks/openai_http.py [--rounds 3] [--json out.json]
@@ -19,109 +19,63 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
-import time
-from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
-import grpc
-import httpx
-
+from splitserve.experiments.loadgen import GenerationClient, GrpcClient, OpenAIConfig, record_one, run_load
+from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
 from splitserve.launch.launcher import start_cluster, stop_cluster
-from splitserve.protos.v1 import generation_pb2 as pb
-from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 
 VOCAB_SIZE = 49152
 KV_CACHE_BYTES = 1024**3
-Send = Callable[[list[int], int], Awaitable[tuple[float, int]]]  # (prompt, max tokens) -> (TTFT s, tokens)
 
 
-def grpc_sender(stub: pb_grpc.GenerationStub) -> Send:
-    async def send(ids: list[int], max_tokens: int) -> tuple[float, int]:
-        request = pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=ids),
-            sampling=pb.SamplingParameters(temperature=0.0),
-            stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
-        )
-        start, ttft, tokens = time.perf_counter(), 0.0, 0
-        async for chunk in stub.Generate(request, timeout=600):
-            if chunk.token_ids and not tokens:
-                ttft = time.perf_counter() - start
-            tokens += len(chunk.token_ids)
-        return ttft, tokens
-
-    return send
+async def throughput_round(client: GenerationClient, workload: WorkloadConfig) -> float:
+    """Output tokens / s of the whole workload (the same prompts every round and API)."""
+    records, seconds = await run_load(client, workload)
+    tokens = [r.output_tokens for r in records]
+    assert all(r.ok for r in records) and all(t == workload.output_len.a for t in tokens), [r.code for r in records]
+    return sum(tokens) / seconds
 
 
-def http_sender(client: httpx.AsyncClient) -> Send:
-    async def send(ids: list[int], max_tokens: int) -> tuple[float, int]:
-        body = {
-            "prompt": ids,
-            "max_tokens": max_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        start, ttft, tokens = time.perf_counter(), 0.0, 0
-        async with client.stream("POST", "/v1/completions", json=body) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
-                if event["choices"] and not ttft:
-                    ttft = time.perf_counter() - start
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-        return ttft, tokens
-
-    return send
-
-
-async def throughput_round(send: Send, prompts: list[list[int]], output_len: int, concurrency: int) -> float:
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(ids: list[int]) -> int:
-        async with gate:
-            return (await send(ids, output_len))[1]
-
-    start = time.perf_counter()
-    tokens = await asyncio.gather(*(one(ids) for ids in prompts))
-    assert all(t == output_len for t in tokens), tokens
-    return sum(tokens) / (time.perf_counter() - start)
-
-
-async def ttft_round(senders: dict[str, Send], prompts: list[list[int]], results: dict) -> None:
+async def ttft_round(clients: dict[str, GenerationClient], specs: list[RequestSpec], results: dict) -> None:
     """One request at a time, the APIs taking turns request by request (each goes first every other one)."""
-    for i, ids in enumerate(prompts):
-        for api in list(senders)[:: 1 if i % 2 == 0 else -1]:
-            results[api]["ttft_s"].append((await senders[api](ids, 4))[0])
+    for i, spec in enumerate(specs):
+        for api in list(clients)[:: 1 if i % 2 == 0 else -1]:
+            record = await record_one(clients[api], spec)
+            assert record.ok and record.ttft_s is not None, record.code
+            results[api]["ttft_s"].append(record.ttft_s)
 
 
 async def compare(grpc_address: str, http_address: str, args: argparse.Namespace) -> dict:
-    rng = random.Random(0)
-    prompts = [[rng.randrange(VOCAB_SIZE) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    short = [[rng.randrange(VOCAB_SIZE) for _ in range(32)] for _ in range(args.ttft_requests * args.rounds)]
-    channel = grpc.aio.insecure_channel(grpc_address)
-    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
-    client = httpx.AsyncClient(base_url=f"http://{http_address}", timeout=600, limits=limits)
-    senders = {"grpc": grpc_sender(pb_grpc.GenerationStub(channel)), "http": http_sender(client)}
-    results: dict[str, dict[str, list[float]]] = {api: {"tok_s": [], "ttft_s": []} for api in senders}
+    workload = WorkloadConfig(
+        num_requests=args.num_requests,
+        arrival="concurrency",
+        concurrency=args.concurrency,
+        prompt_len=LengthDist("fixed", args.prompt_len),
+        output_len=LengthDist("fixed", args.output_len),
+        vocab_high=VOCAB_SIZE,
+    )
+    short = make_requests(
+        replace(workload, num_requests=args.ttft_requests * args.rounds, prompt_len=LengthDist("fixed", 32), seed=1)
+    )
+    short = [replace(spec, max_tokens=4) for spec in short]
+    http = OpenAIConfig(f"http://{http_address}")
+    clients: dict[str, GenerationClient] = {"grpc": GrpcClient(grpc_address), "http": http.connect(workload)}
+    results: dict[str, dict[str, list[float]]] = {api: {"tok_s": [], "ttft_s": []} for api in clients}
+    warmup = replace(workload, num_requests=args.concurrency, output_len=LengthDist("fixed", 4))
     try:
-        for send in senders.values():  # warm-up: connections, the worker's first steps
-            await throughput_round(send, prompts[: args.concurrency], 4, args.concurrency)
+        for client in clients.values():  # warm-up: connections, the worker's first steps
+            await throughput_round(client, warmup)
         for r in range(args.rounds):
-            order = list(senders) if r % 2 == 0 else list(reversed(senders))  # neither always goes first
+            order = list(clients) if r % 2 == 0 else list(reversed(clients))  # neither always goes first
             for api in order:
-                results[api]["tok_s"].append(
-                    await throughput_round(senders[api], prompts, args.output_len, args.concurrency)
-                )
+                results[api]["tok_s"].append(await throughput_round(clients[api], workload))
                 print(f"round {r + 1} {api}: {results[api]['tok_s'][-1]:.1f} tok/s", flush=True)
-            await ttft_round(senders, short[r * args.ttft_requests : (r + 1) * args.ttft_requests], results)
+            await ttft_round(clients, short[r * args.ttft_requests : (r + 1) * args.ttft_requests], results)
     finally:
-        await client.aclose()
-        await channel.close()
+        for client in clients.values():
+            await client.close()
     return results
 
 

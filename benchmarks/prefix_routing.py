@@ -28,6 +28,8 @@ from splitserve.launch.launcher import start_cluster, stop_cluster
 
 ROUTERS = (("kv-aware", "kv-aware"), ("round-robin", "round-robin"), ("oracle", "prefix-affinity"))
 HIT_METRICS = ("splitserve_prefix_cache_queries_total", "splitserve_prefix_cache_hits_total")
+# Live workers the index purged for missed heartbeats (target 0: heartbeats must not starve under load).
+LIVE_PURGES = 'splitserve_gateway_prefix_index_purged_workers_total{live="true"}'
 
 
 def workload(a: argparse.Namespace) -> WorkloadConfig:
@@ -74,6 +76,7 @@ def run(router: str, cfg: WorkloadConfig, a: argparse.Namespace) -> dict[str, fl
         before = _hit_counts(workers)
         records, elapsed = send_workload(children[0].address, cfg, timeout_s=3600)
         queries, hits = (after - b for after, b in zip(_hit_counts(workers), before))
+        live_purges = _metric_sum(children[0].metrics, LIVE_PURGES)
     finally:
         stop_cluster(children)
     ttft = summarize(records, elapsed).ttft_ms
@@ -82,6 +85,7 @@ def run(router: str, cfg: WorkloadConfig, a: argparse.Namespace) -> dict[str, fl
         "ttft_p50": ttft["p50"] / 1e3,
         "ttft_p90": ttft["p90"] / 1e3,
         "seconds": elapsed,
+        "live_purges": live_purges,
     }
 
 
@@ -104,11 +108,11 @@ def main() -> None:
         f"\n{a.requests} requests = {a.groups} system prompts x {a.prefix_len} tokens + {a.suffix_len}-token "
         f"suffixes, {a.output_len} output tokens, concurrency {a.concurrency}, {a.workers} unified workers"
     )
-    print(f"{'router':<13}{'hit rate':>9}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'wall s':>8}")
+    print(f"{'router':<13}{'hit rate':>9}{'TTFT p50 ms':>13}{'TTFT p90 ms':>13}{'wall s':>8}{'live purges':>13}")
     for name, r in results.items():
         print(
             f"{name:<13}{r['hit_rate']:>9.3f}{r['ttft_p50'] * 1e3:>13.0f}{r['ttft_p90'] * 1e3:>13.0f}"
-            f"{r['seconds']:>8.1f}"
+            f"{r['seconds']:>8.1f}{r['live_purges']:>13.0f}"
         )
     kv, rr, oracle = results["kv-aware"], results["round-robin"], results["oracle"]
     print(

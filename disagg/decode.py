@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from splitserve.common.tracing import Span, ended, fail, stage, tracer
 from splitserve.disagg.handoff import (
     FirstToken,
     HandoffError,
@@ -79,7 +80,14 @@ class DecodeHandoff:
         engine.open_stream(rid, request.label)
         finished = streaming = False
         try:
-            reservation = await self._reserve(request)
+            with stage("decode.reserve") as span:  # waiting for room in the KV cache
+                reservation = await self._reserve(request)
+                span.set_attributes(
+                    {
+                        "splitserve.num_held_blocks": reservation.num_held_blocks,  # prefix hits: not sent
+                        "splitserve.num_blocks_to_land": reservation.num_blocks_to_land,
+                    }
+                )
             ask = asyncio.create_task(self._ask(reservation, peer, wire))
             try:
                 first, job, events = await asyncio.shield(ask)
@@ -96,8 +104,10 @@ class DecodeHandoff:
                 return
             await asyncio.shield(landing)
             streaming = True
-            async for out in engine.stream(rid):
-                yield out
+            with ended(tracer.start_span("decode.decode")) as span:  # in the continuous batch, to the end
+                async for out in engine.stream(rid):
+                    yield out
+                span.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
         finally:
             if not streaming:
                 engine.close_stream(rid, finished)
@@ -154,6 +164,13 @@ class DecodeHandoff:
         return first, job, events
 
     async def _land(self, reservation: Reservation, job: HandoffJob, first: FirstToken, events) -> None:
+        """The landing under its span (a child of the request's: this task inherits its context)."""
+        with stage("decode.kv_transfer", {"splitserve.num_blocks": first.num_blocks}) as span:
+            await self._land_or_recompute(reservation, job, first, events, span)
+
+    async def _land_or_recompute(
+        self, reservation: Reservation, job: HandoffJob, first: FirstToken, events, span: Span
+    ) -> None:
         """Receive the blocks and admit the request, or fall back to recomputing the prompt here."""
         rid = reservation.request.request_id
         staging = self.port.acquire_staging(first.num_blocks)
@@ -172,13 +189,16 @@ class DecodeHandoff:
             if self.metrics is not None:
                 self.metrics.observe_transfer("received", done.num_blocks, done.num_bytes, seconds)
             log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)
+            span.set_attributes({"splitserve.num_bytes": done.num_bytes, "splitserve.transfer_ms": seconds * 1e3})
         except PREFILL_FAILURES as e:
+            fail(span, f"KV transfer failed: {_describe(e)}")
             reason = e.reason if isinstance(e, TransferError) else TransferFailure.PREFILL_FAILED
             if reason.drops_channel:
                 self.receiver.drop(job.channel)
             if self.metrics is not None:
                 self.metrics.observe_transfer_failure(reason)
             if await self.port.recompute(reservation):
+                span.set_attribute("splitserve.recomputed", True)
                 log.warning("request %s: KV transfer failed (%s); recomputing the prompt here", rid, _describe(e))
                 if self.metrics is not None:
                     self.metrics.observe_recompute_fallback()

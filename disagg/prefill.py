@@ -7,8 +7,10 @@ token; blocks kept under a lease) -> sent -> released (the whole handoff: disagg
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
+from splitserve.common.tracing import stage, tracer
 from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, TransferDone
 from splitserve.disagg.transfer.base import KVSender, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
@@ -37,7 +39,9 @@ async def prefill_and_send(
             f"has {port.kv_layout}; run both tiers with the same model, dtype and --block-size"
         )
     sender.connect(job.channel)  # build the pair's group while the prompt computes
+    started_ns = time.time_ns()
     final = await _run_prompt(engine, request)
+    _trace_compute(started_ns, final)
     if final.handoff is None:
         raise RuntimeError(f"request {request.request_id} ended without its KV ({final.finish_reason})")
     block_ids = final.handoff.block_ids[job.num_skip_blocks :]
@@ -48,6 +52,19 @@ async def prefill_and_send(
         final.new_token_ids[0], logprobs, final.handoff.sampler_state, len(block_ids), final.timings.queue_ms
     )
     yield await asyncio.shield(send)
+
+
+def _trace_compute(started_ns: int, final: RequestOutput) -> None:
+    """The engine's queue time and compute time (to the first token), after the fact, as two spans."""
+    scheduled_ns = started_ns + int(final.timings.queue_ms * 1e6)
+    ttft_ms = final.timings.ttft_ms
+    first_token_ns = time.time_ns() if ttft_ms is None else started_ns + int(ttft_ms * 1e6)
+    tracer.start_span("prefill.queue", start_time=started_ns).end(end_time=scheduled_ns)
+    tokens = {
+        "splitserve.num_prompt_tokens": final.num_prompt_tokens,
+        "splitserve.num_cached_tokens": final.num_cached_tokens,  # prefix cache hits: not computed
+    }
+    tracer.start_span("prefill.compute", start_time=scheduled_ns, attributes=tokens).end(end_time=first_token_ns)
 
 
 async def _zero() -> float:
@@ -68,6 +85,22 @@ async def _run_prompt(engine: AsyncEngine, request: Request) -> RequestOutput:
 
 
 async def _send(
+    port: HandoffPort,
+    sender: KVSender,
+    job: HandoffJob,
+    request_id: str,
+    block_ids: Sequence[int],
+    metrics: WorkerMetrics | None,
+    send_delay_s: float,
+) -> TransferDone:
+    """The send under its span (a child of the Prefill call's: this task inherits its context)."""
+    with stage("prefill.kv_send", {"splitserve.num_blocks": len(block_ids)}) as span:
+        done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s)
+        span.set_attributes({"splitserve.num_bytes": done.num_bytes, "splitserve.transfer_ms": done.seconds * 1e3})
+    return done
+
+
+async def _send_held(
     port: HandoffPort,
     sender: KVSender,
     job: HandoffJob,

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from splitserve.common.security import OPEN_CLUSTER
+from splitserve.common.tracing import SpanKind, ended, trace_metadata, tracer
 from splitserve.common.wire import (
     PEER_CHANNEL_OPTIONS,
     logprobs_from_proto,
@@ -78,12 +79,20 @@ class GrpcPrefillClient(PrefillClient):
             kv_layout=job.kv_layout,
             channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key, secret=job.channel.secret),
         )
-        call = self._stub(peer).Prefill(msg)
-        try:
-            async for response in call:
-                yield event_from_proto(response)
-        finally:
-            call.cancel()  # no-op once finished
+        # A child of the current span (the request's); ends at TransferDone, after which nobody reads on.
+        span = tracer.start_span("decode.prefill_rpc", kind=SpanKind.CLIENT, attributes={"splitserve.peer": peer})
+        with ended(span):
+            call = self._stub(peer).Prefill(msg, metadata=trace_metadata(span))
+            try:
+                async for response in call:
+                    event = event_from_proto(response)
+                    if isinstance(event, TransferDone):
+                        span.end()
+                    else:
+                        span.add_event("first token")
+                    yield event
+            finally:
+                call.cancel()  # no-op once finished
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -18,11 +18,11 @@ class RequestRecord:
 
     prompt_tokens: int
     max_tokens: int
-    code: str = "OK"  # gRPC status name
+    code: str = "OK"  # or how it failed: a gRPC status name, "HTTP 429", a transport error (loadgen.ClientError)
     ttft_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)  # arrival of each output token
     e2e_s: float | None = None
-    queue_ms: float = 0.0  # reported by the server on the last chunk
+    queue_ms: float | None = None  # reported by the server on the last chunk (splitserve's gRPC API only)
     start_s: float = 0.0  # send time relative to the run's start
 
     @property
@@ -124,7 +124,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO = SL
         itl_ms=_pcts([x for r in ok for x in r.itls_s]),
         tpot_ms=_pcts([t for r in ok if (t := r.tpot_s) is not None]),
         e2e_ms=_pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
-        queue_ms=_pcts([r.queue_ms for r in ok], scale=1.0),
+        queue_ms=_pcts([r.queue_ms for r in ok if r.queue_ms is not None], scale=1.0),
         errors=dict(Counter(r.code for r in records if not r.ok)),
         slo={"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms},
     )

@@ -13,12 +13,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 
 import grpc
+from opentelemetry import trace
 
 from splitserve.common.tokenizer import Tokenizer
+from splitserve.common.tracing import Context, SpanKind, fail, request_context, stage, steps_in, tracer
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.planner import Planner
 from splitserve.gateway.proxy import Abort, Proxy, WorkerFailed
@@ -70,32 +73,47 @@ class GenerationCore:
         return self.planner.can_serve()
 
     async def generate(
-        self, request: gen_pb.GenerateRequest, deadline: float | None = None
+        self, request: gen_pb.GenerateRequest, deadline: float | None = None, parent: Context | None = None
     ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
         """The client's responses; raises Abort(code, message). deadline: time.monotonic() by which the
-        request must end (the worker call's timeout), None for none."""
+        request must end (the worker call's timeout), None for none. parent: the trace context the client
+        sent (the request's span is its child), None for none (the request's span starts a trace)."""
         arrival = time.monotonic()
         code = grpc.StatusCode.OK
+        request_id = request.request_id or uuid.uuid4().hex
+        span = tracer.start_span("gateway.generate", parent, SpanKind.SERVER)
         self.num_pending += 1
         self.metrics.pending.inc()
         try:
             # aclosing: a stream closed at a yield (an HTTP client gone) cancels the worker call now, not at GC
-            async with aclosing(self._generate(request, deadline, arrival)) as responses:
+            ctx = request_context(span, request_id, parent)
+            async with aclosing(steps_in(ctx, self._generate(request, request_id, deadline, arrival))) as responses:
                 async for response in responses:
                     yield response
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (HTTP closes the stream)
             code = grpc.StatusCode.CANCELLED
+            span.add_event("cancelled")
             raise
         except Abort as e:
             code = e.code
+            fail(span, f"{e.code.name}: {e.message}")
             raise
         finally:
             self.num_pending -= 1
             self.metrics.pending.dec()
             self.metrics.requests.labels(code=code.name).inc()
+            span.set_attribute("rpc.grpc.status_code", code.value[0])
+            span.end()
 
-    async def _generate(self, request: gen_pb.GenerateRequest, deadline: float | None, arrival: float):
-        worker_request = await self._validate(request)
+    async def _generate(
+        self, request: gen_pb.GenerateRequest, request_id: str, deadline: float | None, arrival: float
+    ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
+        """Runs with the request's span current (steps_in): the stages' spans are its children."""
+        with stage("gateway.validate"):
+            worker_request = await self._validate(request, request_id)
+        trace.get_current_span().set_attributes(
+            {"splitserve.request_id": request_id, "splitserve.num_prompt_tokens": len(worker_request.prompt_token_ids)}
+        )
         if self.num_pending > self.max_pending:
             raise Abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -104,7 +122,8 @@ class GenerationCore:
             )
         avoid: set[str] = set()  # addresses of the workers blamed for a failed attempt
         for attempt in range(2):
-            plan = await self.planner.plan(worker_request.prompt_token_ids, avoid, retry=attempt > 0)
+            with stage("gateway.plan", {"splitserve.attempt": attempt}):
+                plan = await self.planner.plan(worker_request.prompt_token_ids, avoid, retry=attempt > 0)
             if plan is None:
                 raise Abort(grpc.StatusCode.UNAVAILABLE, NO_WORKER)
             worker_request.prefill_address = plan.prefill.worker.address if plan.prefill else ""
@@ -122,8 +141,8 @@ class GenerationCore:
                 self.metrics.retries.labels(role=e.worker.role_name).inc()
                 log.warning("request %s: %s; retrying once elsewhere", worker_request.request_id, e.message)
 
-    async def _validate(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
+    async def _validate(self, request: gen_pb.GenerateRequest, request_id: str) -> pb.WorkerGenerateRequest:
         try:
-            return await self.validator.worker_request(request)
+            return await self.validator.worker_request(request, request_id)
         except ValueError as e:
             raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None

@@ -12,6 +12,7 @@ from collections.abc import AsyncGenerator
 
 import grpc
 
+from splitserve.common.tracing import SpanKind, ended, trace_metadata, tracer
 from splitserve.common.wire import FAILED_PEER_KEY
 from splitserve.gateway.planner import Plan
 from splitserve.gateway.workers import WorkerHandle, WorkerSet
@@ -51,17 +52,20 @@ class Proxy:
     async def stream(
         self, plan: Plan, req: pb.WorkerGenerateRequest, deadline: float | None, arrival: float
     ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
-        """deadline: time.monotonic() by which the worker call must end (None: no timeout)."""
+        """deadline: time.monotonic() by which the worker call must end (None: no timeout). The attempt's
+        span is a child of the current one (the request's); the worker's spans are its children."""
         worker, prefill = plan.target.worker, plan.prefill_worker
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-        with self.workers.lease(*(d.worker for d in plan.decisions)) as lease:
-            call = worker.stub.Generate(req, timeout=timeout)
+        span = tracer.start_span("gateway.attempt", kind=SpanKind.CLIENT, attributes=_attributes(plan))
+        with ended(span), self.workers.lease(*(d.worker for d in plan.decisions)) as lease:
+            call = worker.stub.Generate(req, timeout=timeout, metadata=trace_metadata(span))
             first_token_at = None
             try:
                 async for chunk in call:
                     now = time.monotonic()
                     if first_token_at is None:
                         first_token_at = now
+                        span.add_event("first token")
                         if prefill is not None:  # its part is done
                             lease.release(prefill)
                     yield _response(req.request_id, chunk, arrival, first_token_at, now)
@@ -83,6 +87,15 @@ class Proxy:
             f"{failed.role_name} worker {failed.worker_id} at {failed.address} failed "
             f"during the request ({error.code().name}: {error.details()}); retry the request",
         )
+
+
+def _attributes(plan: Plan) -> dict[str, str]:
+    """The attempt span's: which workers, and why the router picked them."""
+    attributes = {"splitserve.worker": plan.target.worker.address, "splitserve.route_reason": plan.target.reason}
+    if plan.prefill is not None:
+        attributes |= {"splitserve.prefill_worker": plan.prefill.worker.address}
+        attributes |= {"splitserve.prefill_route_reason": plan.prefill.reason}
+    return attributes
 
 
 def _response(

@@ -25,6 +25,7 @@ from splitserve.common.model_files import model_name
 from splitserve.common.security import AccessGuard, ClusterSecurity, TlsIdentity
 from splitserve.common.serving import start_metrics_server
 from splitserve.common.tokenizer import load_tokenizer
+from splitserve.common.tracing import context_from_metadata
 from splitserve.gateway.auth import ApiKeys, PublicAccess
 from splitserve.gateway.generation import Abort, GenerationCore
 from splitserve.gateway.http.server import HttpApi, HttpSettings
@@ -117,7 +118,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         try:
-            async for response in self.core.generate(request, deadline):
+            parent = context_from_metadata(context.invocation_metadata())  # a traceparent the client sent
+            async for response in self.core.generate(request, deadline, parent):
                 yield response
         except Abort as e:
             if not context.done():  # past its deadline the client already has DEADLINE_EXCEEDED

@@ -12,7 +12,6 @@ INVALID_ARGUMENT.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
@@ -127,12 +126,13 @@ def clip(text: str, num_chars: int = 64) -> str:
 
 
 class RequestValidator:
-    """Turns a client's request into the request a worker runs: checked, tokenized once, with an id."""
+    """Turns a client's request into the request a worker runs: checked and tokenized once."""
 
     def __init__(self, limits: RequestLimits, tokenizer: Tokenizer, model_name: str, workers: WorkerSet) -> None:
         self.limits, self.tokenizer, self.model_name, self.workers = limits, tokenizer, model_name, workers
 
-    async def worker_request(self, request: gen_pb.GenerateRequest) -> pb.WorkerGenerateRequest:
+    async def worker_request(self, request: gen_pb.GenerateRequest, request_id: str) -> pb.WorkerGenerateRequest:
+        """request_id: the client's, or one the gateway made for it (GenerationCore)."""
         check_sizes(request, self.limits)
         self._check_model(request.model)
         logprobs = request.logprobs if request.HasField("logprobs") else None
@@ -144,7 +144,7 @@ class RequestValidator:
         check_token_ids(token_ids, self._vocab_size(), "prompt token ids")
         check_fits_context(len(token_ids), params.max_tokens, max_model_len)
         return pb.WorkerGenerateRequest(
-            request_id=request.request_id or uuid.uuid4().hex,
+            request_id=request_id,
             prompt_token_ids=token_ids,
             sampling=request.sampling,
             stopping=request.stopping,

@@ -148,14 +148,14 @@ def _generate_remote(a: argparse.Namespace) -> int:
 
 def _worker(a: argparse.Namespace) -> int:
     import asyncio
-    import logging
     import os
 
     import torch
 
+    from splitserve.common.tracing import setup_tracing
     from splitserve.worker.server import EngineDied, WorkerConfig, serve_worker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing = setup_tracing(a.mode, a.otlp_traces_endpoint)  # logging too: lines name their request and trace
     if a.cpus:
         cores = {int(c) for c in a.cpus.split(",")}
         os.sched_setaffinity(0, cores)  # this worker's cores only (fair colocated vs disaggregated runs)
@@ -178,17 +178,19 @@ def _worker(a: argparse.Namespace) -> int:
     except EngineDied as e:
         print(f"worker: {e}", file=sys.stderr, flush=True)
         return 3  # non-zero: `splitserve up` or the container's restart policy starts a new one
+    finally:
+        tracing.shutdown()  # sends the spans still buffered
     return 0
 
 
 def _gateway(a: argparse.Namespace) -> int:
     import asyncio
-    import logging
 
+    from splitserve.common.tracing import setup_tracing
     from splitserve.gateway.server import GatewayConfig, serve_gateway
     from splitserve.gateway.validation import RequestLimits
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    tracing = setup_tracing("gateway", a.otlp_traces_endpoint)  # logging too: lines name their request and trace
     limits = RequestLimits(
         max_prompt_bytes=a.max_prompt_bytes,
         max_stop_bytes=a.max_stop_bytes,
@@ -209,8 +211,11 @@ def _gateway(a: argparse.Namespace) -> int:
         security=gateway_security_from_args(a),
         http_port=_http_port(a),
     )
-    with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
-        runner.run(serve_gateway(config))
+    try:
+        with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+            runner.run(serve_gateway(config))
+    finally:
+        tracing.shutdown()  # sends the spans still buffered
     return 0
 
 
@@ -236,14 +241,15 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
     workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
     gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
     gateway_argv += [arg for flag in _LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
+    traces = ["--otlp-traces-endpoint", a.otlp_traces_endpoint] if a.otlp_traces_endpoint else []
     return run_up(
         workers,
-        engine_argv,
+        engine_argv + traces,
         a.host,
         a.port,
         a.prefill,
         a.decode,
-        gateway_argv,
+        gateway_argv + traces,
         a.admin_port or a.port + 1,
         parse_devices(a.devices),
         prepare_access(Path(a.secrets_dir), a.secure, a.host),
@@ -383,6 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
     add_cluster_args(worker)
+    _add_tracing_args(worker)
     add_engine_args(worker)
     worker.set_defaults(func=_worker)
 
@@ -405,16 +412,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_args(gateway)
     add_gateway_security_args(gateway)
     add_cluster_args(gateway)
+    _add_tracing_args(gateway)
     gateway.set_defaults(func=_gateway)
 
-    bench = sub.add_parser("bench", help="send a workload to a gateway; report latency, throughput, goodput")
-    bench.add_argument("--url", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    bench = sub.add_parser(
+        "bench", help="send a workload to a gateway or an OpenAI-compatible server; report latency, goodput"
+    )
     bench.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50 (goodput counts requests meeting both)")
     bench.add_argument("--json", default=None, help="write the report (summary + every request) here")
     bench.add_argument("--no-progress", action="store_true")
     add_client_args(bench)
-    from splitserve.experiments.bench import add_workload_args
+    from splitserve.experiments.bench import add_target_args, add_workload_args
 
+    add_target_args(bench)
     add_workload_args(bench)
     bench.set_defaults(func=_bench)
 
@@ -482,6 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=".splitserve",
         help="where `up` keeps the join secret (and with --secure the CA, certificates and API key); reused",
     )
+    _add_tracing_args(up)
     up.set_defaults(func=None)
     return parser
 
@@ -523,6 +534,15 @@ def _add_http_args(p: argparse.ArgumentParser, default_port: int) -> None:
         f"(HTTPS with --tls-cert; 0: a free one, -1: off; default {default_port})",
     )
     g.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
+
+
+def _add_tracing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send traces (OpenTelemetry) to this OTLP/gRPC collector, e.g. http://localhost:4317; the standard "
+        "OTEL_TRACES_EXPORTER=otlp / OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT variables turn them on too (default: off)",
+    )
 
 
 def _add_server_args(p: argparse.ArgumentParser) -> None:

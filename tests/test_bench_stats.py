@@ -124,7 +124,44 @@ def test_shipped_experiment_configs_load():
     from splitserve.experiments.experiment import load_config
 
     configs = sorted((Path(__file__).resolve().parents[1] / "experiments" / "configs").glob("*.toml"))
-    assert [p.name for p in configs] == ["cpu-smollm2.toml", "gpu-8x.toml"]
+    assert [p.name for p in configs] == ["cpu-smollm2.toml", "gpu-8x.toml", "gpu-vs-vllm.toml"]
     for path in configs:
         cfg = load_config(path)
         assert cfg.deployments and cfg.rates and cfg.workloads, path
+    vs = {d.name: d for d in load_config(configs[2]).deployments}
+    assert vs["vllm"].endpoint == "http://127.0.0.1:8001" and vs["vllm"].protocol == "completions"
+    assert vs["splitserve 1P1D"].endpoint is None and vs["splitserve 1P1D"].protocol == "completions"
+
+
+def test_deployments_are_a_cluster_shape_or_an_endpoint():
+    from splitserve.experiments.experiment import Deployment
+
+    assert Deployment("x", workers=1).protocol == "grpc"
+    assert Deployment("y", endpoint="http://h:8000").protocol == "completions"
+    with pytest.raises(ValueError, match="not both"):
+        Deployment("both", workers=1, endpoint="http://h:8000")
+    with pytest.raises(ValueError, match="or an endpoint"):
+        Deployment("neither")
+    with pytest.raises(ValueError, match="api must be"):
+        Deployment("z", endpoint="http://h:8000", api="responses")
+    with pytest.raises(ValueError, match="completions or chat"):
+        Deployment("g", endpoint="http://h:8000", api="grpc")
+
+
+def test_word_prompts_keep_shared_prefixes_shared():
+    from splitserve.experiments.prompts import WORDS, word_prompt
+
+    assert word_prompt([0, 1, len(WORDS)]) == f"{WORDS[0]} {WORDS[1]} {WORDS[0]}"
+    assert word_prompt([5, 6, 7, 8]).startswith(word_prompt([5, 6]) + " ")
+    assert len(word_prompt(range(100)).split()) == 100
+
+
+def test_error_events_in_a_stream_name_their_code():
+    from splitserve.experiments.loadgen import _stream_error
+
+    assert _stream_error({"choices": [{"text": "hi"}], "usage": None}) is None
+    assert _stream_error({"error": {"message": "m", "type": "server_error", "code": 500}}).code == "stream error: 500"
+    assert _stream_error({"object": "error", "message": "m", "type": "BadRequestError"}).code == (
+        "stream error: BadRequestError"
+    )
+    assert _stream_error({"error": "overloaded"}).code == "stream error: unknown"

@@ -9,6 +9,17 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from splitserve.common.roles import Role
+from splitserve.common.tracing import (
+    Context,
+    Span,
+    SpanKind,
+    context_from_metadata,
+    ended,
+    fail,
+    request_context,
+    steps_in,
+    tracer,
+)
 from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffJob
@@ -54,6 +65,26 @@ def _status_of(error: Exception) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
+def _server_span(
+    name: str, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext, role: Role
+) -> tuple[Span, Context]:
+    """A call's span, a child of the caller's (its traceparent), and the context its work runs in."""
+    parent = context_from_metadata(context.invocation_metadata())
+    attributes = {
+        "splitserve.request_id": request.request_id,
+        "splitserve.role": role.value,
+        "splitserve.num_prompt_tokens": len(request.prompt_token_ids),
+    }
+    span = tracer.start_span(name, parent, SpanKind.SERVER, attributes=attributes)
+    return span, request_context(span, request.request_id, parent)
+
+
+async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode, message: str) -> None:
+    """Ends the call with this status, recorded on its span first (ended() does not count the abort)."""
+    fail(span, f"{code.name}: {message}")
+    await context.abort(code, message)
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self,
@@ -75,15 +106,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down; retry on another")
         timing = RequestTiming(arrival=time.monotonic())
-        try:
-            async for out in self._outputs(request, context):
-                yield self._response(out, timing)
-        except _ENGINE_ERRORS as e:
-            await context.abort(_status_of(e), str(e))
-        except HandoffError as e:
-            if e.failed_peer:
-                context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
-            await context.abort(e.code, e.message)
+        span, ctx = _server_span("worker.generate", request, context, self.role)
+        with ended(span):
+            try:
+                async for out in steps_in(ctx, self._outputs(request, context)):
+                    yield self._response(out, timing, span)
+            except _ENGINE_ERRORS as e:
+                await _abort(context, span, _status_of(e), str(e))
+            except HandoffError as e:
+                if e.failed_peer:
+                    context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
+                await _abort(context, span, e.code, e.message)
 
     async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
         params = sampling_params_from_proto(
@@ -113,10 +146,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         async for out in stream:
             yield out
 
-    def _response(self, out: RequestOutput, timing: RequestTiming) -> pb.WorkerGenerateResponse:
+    def _response(self, out: RequestOutput, timing: RequestTiming, span: Span) -> pb.WorkerGenerateResponse:
         now = time.monotonic()
         if timing.first_token is None:
             timing.first_token = now
+            span.add_event("first token")
         elif timing.last_token is not None:
             self.metrics.observe_token_gap(now - timing.last_token)
         timing.last_token = now
@@ -137,6 +171,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 )
             )
             msg.queue_ms = out.timings.queue_ms
+            span.set_attributes({"splitserve.num_output_tokens": out.num_output_tokens, "splitserve.finish": reason})
         return msg
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
@@ -144,6 +179,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
+        span, ctx = _server_span("worker.prefill", request.request, context, self.role)
+        with ended(span):
+            try:
+                async for response in steps_in(ctx, self._prefill(request)):
+                    yield response
+            except _ENGINE_ERRORS as e:
+                await _abort(context, span, _status_of(e), str(e))
+            except TransferError as e:
+                await _abort(context, span, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
+
+    async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[pb.PrefillResponse]:
+        assert self.sender is not None  # a prefill worker's (checked by Prefill)
         r = request.request
         job = HandoffJob(
             ChannelSpec(request.channel.store_address, request.channel.key, request.channel.secret),
@@ -152,21 +199,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             request.kv_layout,
         )
         timing = RequestTiming(arrival=time.monotonic())
-        try:
-            params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-            engine_request = self.port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
-            async for event in prefill_and_send(
-                self.engine, engine_request, self.sender, job, self.metrics, self.send_delay_s
-            ):
-                if isinstance(event, FirstToken):
-                    timing.first_token = timing.finished = time.monotonic()
-                    timing.queue_s = event.queue_ms / 1e3
-                    self.metrics.observe_finished(timing, engine_request.num_prompt_tokens, 1, "length")
-                yield event_to_proto(event)
-        except _ENGINE_ERRORS as e:
-            await context.abort(_status_of(e), str(e))
-        except TransferError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
+        params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
+        engine_request = self.port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
+        async for event in prefill_and_send(
+            self.engine, engine_request, self.sender, job, self.metrics, self.send_delay_s
+        ):
+            if isinstance(event, FirstToken):
+                timing.first_token = timing.finished = time.monotonic()
+                timing.queue_s = event.queue_ms / 1e3
+                self.metrics.observe_finished(timing, engine_request.num_prompt_tokens, 1, "length")
+            yield event_to_proto(event)
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         if self.request_drain is None:

@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from splitserve.common.tracing import context_from_headers
 from splitserve.gateway.generation import Abort, GenerationCore
 from splitserve.gateway.http.access import AccessMiddleware
 from splitserve.gateway.http.errors import ApiError, bad_request
@@ -66,7 +67,8 @@ class OpenAIRoutes:
         body = await read_json(request, self.settings.max_body_bytes)
         request_id = request.headers.get("x-request-id", "")[:_REQUEST_ID_CHARS] or None
         parsed = parse(body, self.core.model_name, self.core.max_pending, request_id)
-        streams = [self.core.generate(r) for r in parsed.requests]
+        parent = context_from_headers(request.headers)  # a traceparent the client sent: each choice's span's parent
+        streams = [self.core.generate(r, parent=parent) for r in parsed.requests]
         stream = await cancel_on_disconnect(request.receive, _started(streams))
         if stream is None:  # the client left; nobody reads what is returned
             return Response(status_code=499)
