@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 
@@ -91,6 +92,7 @@ class DecodeHandoff:
             ask = asyncio.create_task(self._ask(reservation, peer, wire))
             try:
                 first, job, events = await asyncio.shield(ask)
+                stages = StageClock(first)
             except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
                 ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
                 raise
@@ -99,13 +101,18 @@ class DecodeHandoff:
             if out is None:  # aborted meanwhile
                 return
             finished = out.finished
+            if finished:
+                out.stages = stages.as_dict()
             yield out
             if finished:
                 return
-            await asyncio.shield(landing)
+            stages.landed_at = await asyncio.shield(landing)
             streaming = True
             with ended(tracer.start_span("decode.decode")) as span:  # in the continuous batch, to the end
                 async for out in engine.stream(rid):
+                    stages.decoded(request.first_scheduled_time)
+                    if out.finished:
+                        out.stages = stages.as_dict()
                     yield out
                 span.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
         finally:
@@ -163,10 +170,12 @@ class DecodeHandoff:
             ) from None
         return first, job, events
 
-    async def _land(self, reservation: Reservation, job: HandoffJob, first: FirstToken, events) -> None:
-        """The landing under its span (a child of the request's: this task inherits its context)."""
+    async def _land(self, reservation: Reservation, job: HandoffJob, first: FirstToken, events) -> float:
+        """The landing under its span (a child of the request's: this task inherits its context); returns
+        when it ended (time.monotonic())."""
         with stage("decode.kv_transfer", {"splitserve.num_blocks": first.num_blocks}) as span:
             await self._land_or_recompute(reservation, job, first, events, span)
+        return time.monotonic()
 
     async def _land_or_recompute(
         self, reservation: Reservation, job: HandoffJob, first: FirstToken, events, span: Span
@@ -224,6 +233,34 @@ class DecodeHandoff:
                 if not task.done():
                     task.cancel()
                 task.add_done_callback(_consume_error)
+
+
+class StageClock:
+    """One disaggregated request's stages as the decode worker sees them (splitserve.v1.StageTimings):
+    the prefill worker's own two from its first token, then the transfer, the decode queue and the
+    first decode step from this worker's clock."""
+
+    def __init__(self, first: FirstToken) -> None:
+        self.first = first
+        self.first_token_at = time.monotonic()
+        self.landed_at: float | None = None
+        self.scheduled_at: float | None = None  # the first decode step (after the landing)
+        self.decoded_at: float | None = None  # its token
+
+    def decoded(self, first_scheduled_time: float | None) -> None:
+        if self.decoded_at is None:
+            self.decoded_at, self.scheduled_at = time.monotonic(), first_scheduled_time
+
+    def as_dict(self) -> dict[str, float]:
+        stages = {"prefill_queue_ms": self.first.queue_ms, "prefill_compute_ms": self.first.compute_ms}
+        if self.landed_at is None:
+            return stages
+        stages["kv_transfer_ms"] = (self.landed_at - self.first_token_at) * 1e3
+        if self.decoded_at is not None and self.scheduled_at is not None:
+            scheduled_at = max(self.scheduled_at, self.landed_at)  # a recomputed prompt was scheduled before
+            stages["decode_queue_ms"] = (scheduled_at - self.landed_at) * 1e3
+            stages["first_decode_step_ms"] = (self.decoded_at - scheduled_at) * 1e3
+        return stages
 
 
 def _consume_error(task: asyncio.Future) -> None:

@@ -62,7 +62,8 @@ class FirstToken:
     logprobs: TokenLogprobs | None
     sampler_state: bytes | None  # seeded requests: the generator after this sample
     num_blocks: int  # blocks the transfer will carry
-    queue_ms: float = 0.0
+    queue_ms: float = 0.0  # the prompt's wait on the prefill worker
+    compute_ms: float = 0.0  # from first scheduled there to this token
 
 
 @dataclass(frozen=True, slots=True)

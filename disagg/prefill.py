@@ -48,8 +48,10 @@ async def prefill_and_send(
     send = asyncio.create_task(_send(port, sender, job, request.request_id, block_ids, metrics, send_delay_s))
     send.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
     logprobs = final.new_logprobs[0] if final.new_logprobs else None
+    queue_ms, ttft_ms = final.timings.queue_ms, final.timings.ttft_ms
+    compute_ms = 0.0 if ttft_ms is None else ttft_ms - queue_ms
     yield FirstToken(
-        final.new_token_ids[0], logprobs, final.handoff.sampler_state, len(block_ids), final.timings.queue_ms
+        final.new_token_ids[0], logprobs, final.handoff.sampler_state, len(block_ids), queue_ms, compute_ms
     )
     yield await asyncio.shield(send)
 

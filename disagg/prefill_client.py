@@ -31,6 +31,7 @@ def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
                 sampler_state=event.sampler_state or b"",
                 num_blocks=event.num_blocks,
                 queue_ms=event.queue_ms,
+                compute_ms=event.compute_ms,
             )
         )
     return pb.PrefillResponse(
@@ -47,9 +48,8 @@ def event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
     if msg.WhichOneof("event") == "first_token":
         f = msg.first_token
         logprobs = logprobs_from_proto(f.logprobs)
-        return FirstToken(
-            f.token_id, logprobs[0] if logprobs else None, f.sampler_state or None, f.num_blocks, f.queue_ms
-        )
+        first_logprobs = logprobs[0] if logprobs else None
+        return FirstToken(f.token_id, first_logprobs, f.sampler_state or None, f.num_blocks, f.queue_ms, f.compute_ms)
     d = msg.transfer_done
     return TransferDone(d.num_blocks, d.num_bytes, d.checksum_crc32, d.send_ms / 1e3)
 

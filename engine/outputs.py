@@ -44,6 +44,9 @@ class RequestOutput:
     timings: RequestTimings = field(default_factory=lambda: RequestTimings())
     handoff: PrefillHandoff | None = None  # prefill tier, on the finished output
     error: str | None = None  # the step failed for this request (finished, aborted, blocks freed)
+    # Time by stage in ms, keyed as splitserve.v1.StageTimings' fields, set by the tier that knows
+    # them (the decode handoff) on the final output; None: the worker derives them from timings.
+    stages: dict[str, float] | None = None
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -87,8 +87,10 @@ class GenerationCore:
         try:
             # aclosing: a stream closed at a yield (an HTTP client gone) cancels the worker call now, not at GC
             ctx = request_context(span, request_id, parent)
+            clock = self.metrics.latency.clock(arrival)
             async with aclosing(steps_in(ctx, self._generate(request, request_id, deadline, arrival))) as responses:
                 async for response in responses:
+                    clock.observe(response)
                     yield response
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (HTTP closes the stream)
             code = grpc.StatusCode.CANCELLED

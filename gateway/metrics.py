@@ -6,10 +6,13 @@ Series that only move on failure start at zero, so rate() over them has data bef
 
 from __future__ import annotations
 
+import time
+
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from splitserve.common.roles import Role
+from splitserve.common.serving import LATENCY_BUCKETS
 from splitserve.gateway.prefix import PrefixIndexMetrics
 
 # The HTTP API's routes (the `route` label) and the statuses its generation routes start at zero with.
@@ -65,6 +68,7 @@ class GatewayMetrics:
         ):
             self.denied.labels(plane=plane, code=code)
         self.http_requests = _http_requests(self.registry)
+        self.latency = ClientLatency(self.registry)
 
     def count_denial(self, plane: str, code: grpc.StatusCode) -> None:
         self.denied.labels(plane=plane, code=code.name).inc()
@@ -89,3 +93,72 @@ def _http_requests(registry: CollectorRegistry) -> Counter:
         for status in _GENERATION_STATUSES:
             counter.labels(route=route, status=status)
     return counter
+
+
+# StageTimings' fields without "_ms": the `stage` label of splitserve_gateway_request_stage_seconds.
+STAGES = (
+    "gateway_queue",
+    "prefill_queue",
+    "prefill_compute",
+    "kv_transfer",
+    "decode_queue",
+    "first_decode_step",
+)
+
+
+class ClientLatency:
+    """Latency as the gateway's clients see it, and where each request's time went by stage."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        def histogram(name: str, doc: str, labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(f"splitserve_gateway_{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival at the gateway to the first token leaving it.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between two chunks of tokens leaving the gateway.")
+        self.tpot = histogram("time_per_output_token_seconds", "(e2e - TTFT) / (output tokens - 1), per request.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival at the gateway to the last token leaving it.")
+        self.stage = histogram(
+            "request_stage_seconds",
+            "Each finished request's time by stage (docs/observability.md); decode stages: disaggregated only.",
+            ("stage",),
+        )
+        self._stages = {name: self.stage.labels(stage=name) for name in STAGES}
+
+    def clock(self, arrival: float) -> RequestClock:
+        return RequestClock(self, arrival)
+
+
+class RequestClock:
+    """One request's token times as its responses leave the gateway."""
+
+    __slots__ = ("latency", "arrival", "first_at", "last_at", "num_tokens")
+
+    def __init__(self, latency: ClientLatency, arrival: float) -> None:
+        self.latency, self.arrival = latency, arrival
+        self.first_at: float | None = None
+        self.last_at = arrival
+        self.num_tokens = 0
+
+    def observe(self, response) -> None:
+        """response: a splitserve.v1.GenerateResponse on its way to the client."""
+        now = time.monotonic()
+        if response.token_ids:
+            if self.first_at is None:
+                self.first_at = now
+                self.latency.ttft.observe(now - self.arrival)
+            else:
+                self.latency.itl.observe(now - self.last_at)
+            self.last_at, self.num_tokens = now, self.num_tokens + len(response.token_ids)
+        if response.finish_reason:
+            self._finished(response, now)
+
+    def _finished(self, response, now: float) -> None:
+        self.latency.e2e.observe(now - self.arrival)
+        if self.first_at is not None and self.num_tokens > 1:
+            self.latency.tpot.observe((now - self.first_at) / (self.num_tokens - 1))
+        stages = response.timings.stages
+        # The decode stages exist only for a disaggregated request (its KV moved); a zero there is a
+        # real zero (no wait), as is one in the stages every request goes through.
+        names = STAGES if stages.kv_transfer_ms > 0 else STAGES[:3]
+        for name in names:
+            self.latency._stages[name].observe(getattr(stages, f"{name}_ms") / 1e3)

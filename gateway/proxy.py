@@ -58,6 +58,7 @@ class Proxy:
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         span = tracer.start_span("gateway.attempt", kind=SpanKind.CLIENT, attributes=_attributes(plan))
         with ended(span), self.workers.lease(*(d.worker for d in plan.decisions)) as lease:
+            sent_at = time.monotonic()
             call = worker.stub.Generate(req, timeout=timeout, metadata=trace_metadata(span))
             first_token_at = None
             try:
@@ -68,7 +69,7 @@ class Proxy:
                         span.add_event("first token")
                         if prefill is not None:  # its part is done
                             lease.release(prefill)
-                    yield _response(req.request_id, chunk, arrival, first_token_at, now)
+                    yield _response(req.request_id, chunk, (arrival, sent_at, first_token_at, now))
             except grpc.aio.AioRpcError as e:
                 raise self._failure(e, worker, prefill) from None
             finally:
@@ -99,19 +100,25 @@ def _attributes(plan: Plan) -> dict[str, str]:
 
 
 def _response(
-    request_id: str, chunk: pb.WorkerGenerateResponse, arrival: float, first_token_at: float, now: float
+    request_id: str, chunk: pb.WorkerGenerateResponse, times: tuple[float, float, float, float]
 ) -> gen_pb.GenerateResponse:
+    """times: (arrival at the gateway, worker call sent, first token, now), time.monotonic()."""
     response = gen_pb.GenerateResponse(
         request_id=request_id, text=chunk.text, token_ids=chunk.token_ids, logprobs=chunk.logprobs
     )
     if chunk.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
         response.finish_reason, response.stop_reason = chunk.finish_reason, chunk.stop_reason
         response.usage.CopyFrom(chunk.usage)
+        arrival, sent_at, first_token_at, now = times
         response.timings.CopyFrom(
             gen_pb.Timings(
-                queue_ms=chunk.queue_ms, ttft_ms=(first_token_at - arrival) * 1e3, e2e_ms=(now - arrival) * 1e3
+                queue_ms=chunk.queue_ms,
+                ttft_ms=(first_token_at - arrival) * 1e3,
+                e2e_ms=(now - arrival) * 1e3,
+                stages=chunk.stages,
             )
         )
+        response.timings.stages.gateway_queue_ms = (sent_at - arrival) * 1e3
     return response
 
 

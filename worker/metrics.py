@@ -13,32 +13,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from splitserve.common.serving import LATENCY_BUCKETS
+
 if TYPE_CHECKING:
     from splitserve.disagg.transfer.base import TransferFailure
 
 PREFIX = "splitserve_"
 _SENDS = {"prefill": "sent", "decode": "received"}  # role -> the direction of its KV transfers
-_LATENCY_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +111,7 @@ class WorkerMetrics:
         names = list(self.labels)
 
         def hist(name: str, doc: str) -> Histogram:
-            return Histogram(PREFIX + name, doc, names, buckets=_LATENCY_BUCKETS, registry=self.registry)
+            return Histogram(PREFIX + name, doc, names, buckets=LATENCY_BUCKETS, registry=self.registry)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, names + list(extra), registry=self.registry)
@@ -151,7 +132,7 @@ class WorkerMetrics:
             PREFIX + "kv_transfer_seconds",
             "Time of one KV transfer.",
             names + ["direction"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.kv_failures = counter("kv_transfer_failures", "Failed KV handoffs, by reason.", ("reason",))

@@ -79,6 +79,15 @@ def _server_span(
     return span, request_context(span, request.request_id, parent)
 
 
+def _stages(out: RequestOutput) -> gen_pb.StageTimings:
+    """The request's stages on this tier: the decode handoff's, or this engine's queue and compute."""
+    if out.stages is not None:
+        return gen_pb.StageTimings(**out.stages)
+    ttft_ms = out.timings.ttft_ms
+    compute_ms = 0.0 if ttft_ms is None else ttft_ms - out.timings.queue_ms
+    return gen_pb.StageTimings(prefill_queue_ms=out.timings.queue_ms, prefill_compute_ms=compute_ms)
+
+
 async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode, message: str) -> None:
     """Ends the call with this status, recorded on its span first (ended() does not count the abort)."""
     fail(span, f"{code.name}: {message}")
@@ -171,6 +180,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 )
             )
             msg.queue_ms = out.timings.queue_ms
+            msg.stages.CopyFrom(_stages(out))
             span.set_attributes({"splitserve.num_output_tokens": out.num_output_tokens, "splitserve.finish": reason})
         return msg
 

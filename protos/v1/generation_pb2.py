@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%splitserve/protos/v1/generation.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x83\x02\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xc7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.splitserve.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x06 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\tB\x08\n\x06promptB\x0b\n\t_logprobs\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"<\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelCard\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%splitserve/protos/v1/generation.proto\x12\rsplitserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x83\x02\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x02\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"\xc7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.splitserve.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x06 \x01(\x0b\x32\x1f.splitserve.v1.StoppingCriteria\x12\x15\n\x08logprobs\x18\x07 \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x12\n\nrequest_id\x18\t \x01(\tB\x08\n\x06promptB\x0b\n\t_logprobs\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"i\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x03 \x01(\x01\x12+\n\x06stages\x18\x04 \x01(\x0b\x32\x1b.splitserve.v1.StageTimings\"\xad\x01\n\x0cStageTimings\x12\x18\n\x10gateway_queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10prefill_queue_ms\x18\x02 \x01(\x01\x12\x1a\n\x12prefill_compute_ms\x18\x03 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x04 \x01(\x01\x12\x17\n\x0f\x64\x65\x63ode_queue_ms\x18\x05 \x01(\x01\x12\x1c\n\x14\x66irst_decode_step_ms\x18\x06 \x01(\x01\"\x8d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12#\n\x05usage\x18\x07 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x08 \x01(\x0b\x32\x16.splitserve.v1.Timings\"\x13\n\x11ListModelsRequest\".\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelCard\"f\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfb\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1759
-  _globals['_FINISHREASON']._serialized_end=1879
+  _globals['_FINISHREASON']._serialized_start=1980
+  _globals['_FINISHREASON']._serialized_end=2100
   _globals['_CHATMESSAGE']._serialized_start=56
   _globals['_CHATMESSAGE']._serialized_end=100
   _globals['_CHATMESSAGES']._serialized_start=102
@@ -52,19 +52,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=1060
   _globals['_USAGE']._serialized_end=1147
   _globals['_TIMINGS']._serialized_start=1149
-  _globals['_TIMINGS']._serialized_end=1209
-  _globals['_GENERATERESPONSE']._serialized_start=1212
-  _globals['_GENERATERESPONSE']._serialized_end=1481
-  _globals['_LISTMODELSREQUEST']._serialized_start=1483
-  _globals['_LISTMODELSREQUEST']._serialized_end=1502
-  _globals['_MODELCARD']._serialized_start=1504
-  _globals['_MODELCARD']._serialized_end=1550
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1552
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1614
-  _globals['_TOKENIZEREQUEST']._serialized_start=1616
-  _globals['_TOKENIZEREQUEST']._serialized_end=1718
-  _globals['_TOKENIZERESPONSE']._serialized_start=1720
-  _globals['_TOKENIZERESPONSE']._serialized_end=1757
-  _globals['_GENERATION']._serialized_start=1882
-  _globals['_GENERATION']._serialized_end=2133
+  _globals['_TIMINGS']._serialized_end=1254
+  _globals['_STAGETIMINGS']._serialized_start=1257
+  _globals['_STAGETIMINGS']._serialized_end=1430
+  _globals['_GENERATERESPONSE']._serialized_start=1433
+  _globals['_GENERATERESPONSE']._serialized_end=1702
+  _globals['_LISTMODELSREQUEST']._serialized_start=1704
+  _globals['_LISTMODELSREQUEST']._serialized_end=1723
+  _globals['_MODELCARD']._serialized_start=1725
+  _globals['_MODELCARD']._serialized_end=1771
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1773
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1835
+  _globals['_TOKENIZEREQUEST']._serialized_start=1837
+  _globals['_TOKENIZEREQUEST']._serialized_end=1939
+  _globals['_TOKENIZERESPONSE']._serialized_start=1941
+  _globals['_TOKENIZERESPONSE']._serialized_end=1978
+  _globals['_GENERATION']._serialized_start=2103
+  _globals['_GENERATION']._serialized_end=2354
 # @@protoc_insertion_point(module_scope)

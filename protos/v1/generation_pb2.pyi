@@ -123,14 +123,32 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_ms", "ttft_ms", "e2e_ms")
+    __slots__ = ("queue_ms", "ttft_ms", "e2e_ms", "stages")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     E2E_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     ttft_ms: float
     e2e_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ...) -> None: ...
+    stages: StageTimings
+    def __init__(self, queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., e2e_ms: _Optional[float] = ..., stages: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+
+class StageTimings(_message.Message):
+    __slots__ = ("gateway_queue_ms", "prefill_queue_ms", "prefill_compute_ms", "kv_transfer_ms", "decode_queue_ms", "first_decode_step_ms")
+    GATEWAY_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    gateway_queue_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    kv_transfer_ms: float
+    decode_queue_ms: float
+    first_decode_step_ms: float
+    def __init__(self, gateway_queue_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., decode_queue_ms: _Optional[float] = ..., first_decode_step_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "timings")

@@ -70,18 +70,20 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprobs", "sampler_state", "num_blocks", "queue_ms")
+    __slots__ = ("token_id", "logprobs", "sampler_state", "num_blocks", "queue_ms", "compute_ms")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     sampler_state: bytes
     num_blocks: int
     queue_ms: float
-    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    compute_ms: float
+    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("num_blocks", "num_bytes", "checksum_crc32", "send_ms")
@@ -96,7 +98,7 @@ class TransferDone(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., checksum_crc32: _Optional[int] = ..., send_ms: _Optional[float] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "queue_ms")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "queue_ms", "stages")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class WorkerGenerateResponse(_message.Message):
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
@@ -111,7 +114,8 @@ class WorkerGenerateResponse(_message.Message):
     stop_reason: str
     usage: _generation_pb2.Usage
     queue_ms: float
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    stages: _generation_pb2.StageTimings
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., usage: _Optional[_Union[_generation_pb2.Usage, _Mapping]] = ..., queue_ms: _Optional[float] = ..., stages: _Optional[_Union[_generation_pb2.StageTimings, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
