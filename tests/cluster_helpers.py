@@ -27,6 +27,16 @@ from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 KV_BYTES = 4 * 1024**2
 
 
+def secrets_bundle(folder, api_keys: str):
+    """A throwaway CA, certificates and join secret in folder (launch/certs.py), plus `test-keys`:
+    the API keys file the test's gateway is given instead of the bundle's."""
+    from splitserve.launch.certs import make_bundle
+
+    bundle = make_bundle(folder, ("localhost", "127.0.0.1"))
+    (folder / "test-keys").write_text(api_keys)
+    return bundle
+
+
 def engine_argv(folder) -> list[str]:
     return ["--model", str(folder), "--kv-cache-bytes", str(KV_BYTES), "--block-size", "8", "--max-model-len", "256"]
 

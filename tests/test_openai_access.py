@@ -14,10 +14,10 @@ import grpc
 import httpx
 import openai
 import pytest
+from cluster_helpers import secrets_bundle
 
 from splitserve.common.security import GatewayCredentials, TlsIdentity
 from splitserve.common.serving import free_port
-from splitserve.launch.certs import make_bundle
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 
@@ -28,10 +28,7 @@ KEYS = "sk-main name=main\nsk-slow name=slow rps=0.01 burst=1\n"
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("secrets")
-    made = make_bundle(folder, ("localhost", "127.0.0.1"))
-    (folder / "test-keys").write_text(KEYS)
-    return made
+    return secrets_bundle(tmp_path_factory.mktemp("secrets"), KEYS)
 
 
 @pytest.fixture(scope="module")

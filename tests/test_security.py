@@ -12,12 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_helpers import engine_argv, greedy_request
+from cluster_helpers import engine_argv, greedy_request, secrets_bundle
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.security import JOIN_SECRET_HEADER, ClusterSecurity, GatewayCredentials, TlsIdentity
 from splitserve.gateway.auth import RETRY_AFTER_KEY
-from splitserve.launch.certs import make_bundle
 from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
@@ -32,10 +31,7 @@ KEYS = "sk-main name=main\nsk-limited name=limited rps=1 burst=2\nsk-single name
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("secrets")
-    made = make_bundle(folder, ("localhost", "127.0.0.1"))
-    (folder / "test-keys").write_text(KEYS)
-    return made
+    return secrets_bundle(tmp_path_factory.mktemp("secrets"), KEYS)
 
 
 @pytest.fixture(scope="module")
