@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,7 @@ from splitserve.launch.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 
+RESULTS_ENV = "SPLITSERVE_DASHBOARD_RESULTS"  # a file to write every query's result to
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "splitserve-dashboard.json"
 SHARED = [(5 * j) % 300 + 1 for j in range(24)]  # three blocks of 8: later prompts hit them
 PROMPTS = [SHARED + [(11 * i + j) % 300 + 1 for j in range(3 + 5 * i)] for i in range(6)] + [
@@ -118,6 +120,8 @@ def test_every_dashboard_query_has_data_in_a_real_prometheus(cluster, tmp_path):
 
         try:
             _wait("every dashboard query to return data", all_answered, 15)
+            if os.environ.get(RESULTS_ENV):  # docs/observability.md shows what a real Prometheus answered
+                Path(os.environ[RESULTS_ENV]).write_text(json.dumps(results, indent=1))
         except AssertionError:
             empty = [e for e, r in results.items() if not _has_number(r)]
             pytest.fail(f"{len(empty)} of {len(exprs)} dashboard queries return no data:\n" + "\n".join(empty))
