@@ -38,11 +38,12 @@ async def throughput_round(client: GenerationClient, workload: WorkloadConfig) -
     return sum(tokens) / seconds
 
 
-async def ttft_round(clients: dict[str, GenerationClient], specs: list[RequestSpec], results: dict) -> None:
-    """One request at a time, the APIs taking turns request by request (each goes first every other one)."""
-    for i, spec in enumerate(specs):
+async def ttft_round(clients: dict[str, GenerationClient], specs: dict[str, list[RequestSpec]], results: dict) -> None:
+    """One request at a time, the APIs taking turns request by request (each goes first every other one).
+    Each API has prompts of its own: the same prompt twice would hit the prefix cache the second time."""
+    for i in range(len(specs["grpc"])):
         for api in list(clients)[:: 1 if i % 2 == 0 else -1]:
-            record = await record_one(clients[api], spec)
+            record = await record_one(clients[api], specs[api][i])
             assert record.ok and record.ttft_s is not None, record.code
             results[api]["ttft_s"].append(record.ttft_s)
 
@@ -56,10 +57,20 @@ async def compare(grpc_address: str, http_address: str, args: argparse.Namespace
         output_len=LengthDist("fixed", args.output_len),
         vocab_high=VOCAB_SIZE,
     )
-    short = make_requests(
-        replace(workload, num_requests=args.ttft_requests * args.rounds, prompt_len=LengthDist("fixed", 32), seed=1)
-    )
-    short = [replace(spec, max_tokens=4) for spec in short]
+    short = {
+        api: [
+            replace(spec, max_tokens=4)
+            for spec in make_requests(
+                replace(
+                    workload,
+                    num_requests=args.ttft_requests * args.rounds,
+                    prompt_len=LengthDist("fixed", 32),
+                    seed=seed,
+                )
+            )
+        ]
+        for api, seed in (("grpc", 1), ("http", 2))
+    }
     http = OpenAIConfig(f"http://{http_address}")
     clients: dict[str, GenerationClient] = {"grpc": GrpcClient(grpc_address), "http": http.connect(workload)}
     results: dict[str, dict[str, list[float]]] = {api: {"tok_s": [], "ttft_s": []} for api in clients}
@@ -72,7 +83,8 @@ async def compare(grpc_address: str, http_address: str, args: argparse.Namespace
             for api in order:
                 results[api]["tok_s"].append(await throughput_round(clients[api], workload))
                 print(f"round {r + 1} {api}: {results[api]['tok_s'][-1]:.1f} tok/s", flush=True)
-            await ttft_round(clients, short[r * args.ttft_requests : (r + 1) * args.ttft_requests], results)
+            batch = slice(r * args.ttft_requests, (r + 1) * args.ttft_requests)
+            await ttft_round(clients, {api: specs[batch] for api, specs in short.items()}, results)
     finally:
         for client in clients.values():
             await client.close()
