@@ -26,8 +26,8 @@ from splitserve.common.security import Admission, Metadata
 API_KEYS_ENV = "SPLITSERVE_API_KEYS"
 RETRY_AFTER_KEY = "retry-after"
 _UNAUTHENTICATED = (
-    "a valid API key is required: send the metadata `authorization: Bearer <key>` "
-    "(the Python client reads SPLITSERVE_API_KEY)"
+    "a valid API key is required: send `authorization: Bearer <key>` (gRPC metadata or HTTP header; "
+    "`splitserve generate` and `bench` read SPLITSERVE_API_KEY)"
 )
 
 
