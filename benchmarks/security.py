@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from splitserve.common.security import PLAINTEXT_GATEWAY, ClusterSecurity, GatewayCredentials, TlsIdentity
+from splitserve.common.security import PLAINTEXT_GATEWAY, GatewayCredentials
 from splitserve.experiments.loadgen import send_workload
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
 from splitserve.launch.certs import SecureBundle, make_bundle
@@ -26,19 +26,15 @@ WORKER_ARGV = ["--kv-cache-bytes", str(512 * 1024**2), "--num-threads", "1"]
 
 
 def _secure_cluster(bundle: SecureBundle) -> tuple[list[Child], GatewayCredentials]:
-    cluster = ClusterSecurity.from_files(
-        str(bundle.ca_cert), str(bundle.cluster_cert), str(bundle.cluster_key), str(bundle.join_secret)
-    )
     children = start_cluster(
         0,
         WORKER_ARGV + bundle.worker_argv(),
         num_prefill=1,
         num_decode=1,
         gateway_argv=bundle.gateway_argv() + ["--tls-client-ca", str(bundle.ca_cert)],
-        cluster=cluster,
+        cluster=bundle.cluster(),
     )
-    identity = TlsIdentity.load(str(bundle.client_cert), str(bundle.client_key))
-    return children, GatewayCredentials(str(bundle.ca_cert), bundle.api_key, identity)
+    return children, GatewayCredentials(str(bundle.ca_cert), bundle.api_key, bundle.client_identity())
 
 
 def _throughput(children: list[Child], credentials: GatewayCredentials, workload: WorkloadConfig) -> float:

@@ -124,6 +124,14 @@ class ClientLatency:
         )
         self._stages = {name: self.stage.labels(stage=name) for name in STAGES}
 
+    def observe_stages(self, stages) -> None:
+        """stages: a finished request's splitserve.v1.StageTimings. The decode stages exist only for a
+        disaggregated request (its KV moved); a zero there is a real zero (no wait), as is one in the
+        stages every request goes through."""
+        names = STAGES if stages.kv_transfer_ms > 0 else STAGES[:3]
+        for name in names:
+            self._stages[name].observe(getattr(stages, f"{name}_ms") / 1e3)
+
     def clock(self, arrival: float) -> RequestClock:
         return RequestClock(self, arrival)
 
@@ -156,9 +164,4 @@ class RequestClock:
         self.latency.e2e.observe(now - self.arrival)
         if self.first_at is not None and self.num_tokens > 1:
             self.latency.tpot.observe((now - self.first_at) / (self.num_tokens - 1))
-        stages = response.timings.stages
-        # The decode stages exist only for a disaggregated request (its KV moved); a zero there is a
-        # real zero (no wait), as is one in the stages every request goes through.
-        names = STAGES if stages.kv_transfer_ms > 0 else STAGES[:3]
-        for name in names:
-            self.latency._stages[name].observe(getattr(stages, f"{name}_ms") / 1e3)
+        self.latency.observe_stages(response.timings.stages)

@@ -88,13 +88,13 @@ class GatewaySecurity:
             if self.client_ca_pem is not None:
                 raise ValueError("--tls-client-ca needs a server certificate (--tls-cert and --tls-key)")
             return None
+        if self.client_ca_pem is None:
+            return grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)])
         # Workers present cluster certificates (a worker never holds a public client's), so with
         # client certificates required both CAs are trusted; each plane still checks its own secret.
-        roots = b"\n".join(filter(None, (self.client_ca_pem, self.cluster.ca_pem))) or None
+        roots = b"\n".join(filter(None, (self.client_ca_pem, self.cluster.ca_pem)))
         return grpc.ssl_server_credentials(
-            [(identity.key_pem, identity.cert_pem)],
-            root_certificates=roots if self.client_ca_pem else None,
-            require_client_auth=self.client_ca_pem is not None,
+            [(identity.key_pem, identity.cert_pem)], root_certificates=roots, require_client_auth=True
         )
 
     def public_access(self) -> PublicAccess | None:

@@ -66,7 +66,7 @@ def _secure(folder: Path, host: str) -> UpAccess:
     hosts = ("localhost", "127.0.0.1", *([host] if host not in ("localhost", "127.0.0.1", "0.0.0.0") else []))
     bundle = make_bundle(folder, hosts)
     secret = str(bundle.join_secret)
-    cluster = ClusterSecurity.from_files(str(bundle.ca_cert), str(bundle.cluster_cert), str(bundle.cluster_key), secret)
+    cluster = bundle.cluster()
     operator = ["--cluster-ca", str(bundle.ca_cert), "--join-secret-file", secret]
     return UpAccess(
         bundle.gateway_argv(), bundle.worker_argv(), cluster, operator, bundle.client_hint, bundle.http_hint

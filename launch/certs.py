@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from splitserve.common.security import CLUSTER_TLS_NAME
+from splitserve.common.security import CLUSTER_TLS_NAME, ClusterSecurity, TlsIdentity
 from splitserve.launch.security_args import DEFAULT_HOSTS, add_certs_args
 
 VALID_FOR = timedelta(days=365)
@@ -79,6 +79,16 @@ class SecureBundle:
         """Flags of `splitserve worker` (and the gateway's cluster side): mTLS and the join secret."""
         cluster = ["--cluster-ca", self.ca_cert, "--cluster-cert", self.cluster_cert, "--cluster-key", self.cluster_key]
         return [str(arg) for arg in [*cluster, "--join-secret-file", self.join_secret]]
+
+    def cluster(self, join_secret: bool = True) -> ClusterSecurity:
+        """How a member of the cluster reaches the others: the cluster CA and certificate, and the join
+        secret (without it: an outsider holding a cluster certificate, for tests)."""
+        secret = str(self.join_secret) if join_secret else None
+        return ClusterSecurity.from_files(str(self.ca_cert), str(self.cluster_cert), str(self.cluster_key), secret)
+
+    def client_identity(self) -> TlsIdentity:
+        """The client certificate, for a gateway that requires one (--tls-client-ca)."""
+        return TlsIdentity.load(str(self.client_cert), str(self.client_key))
 
     def client_hint(self, address: str) -> str:
         """How a user calls the gateway at address (HOST:PORT) with this bundle's CA and API key."""

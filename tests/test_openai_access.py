@@ -16,7 +16,7 @@ import openai
 import pytest
 from cluster_helpers import secrets_bundle
 
-from splitserve.common.security import GatewayCredentials, TlsIdentity
+from splitserve.common.security import GatewayCredentials
 from splitserve.common.serving import free_port
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
@@ -100,7 +100,7 @@ def test_no_worker_is_503(gateway, bundle):
 def test_a_key_limit_counts_grpc_and_http_calls(gateway, bundle):
     """sk-slow has one call (burst 1, then 0.01/s): spent on gRPC, the HTTP call is refused."""
     address, base, _ = gateway
-    identity = TlsIdentity.load(str(bundle.client_cert), str(bundle.client_key))
+    identity = bundle.client_identity()
     channel = GatewayCredentials(str(bundle.ca_cert), "sk-slow", identity).blocking_channel(address)
     with channel:
         pb_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest(), timeout=10)

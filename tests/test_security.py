@@ -15,7 +15,7 @@ import pytest
 from cluster_helpers import engine_argv, greedy_request, secrets_bundle
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.common.security import JOIN_SECRET_HEADER, ClusterSecurity, GatewayCredentials, TlsIdentity
+from splitserve.common.security import JOIN_SECRET_HEADER, ClusterSecurity, GatewayCredentials
 from splitserve.gateway.auth import RETRY_AFTER_KEY
 from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
@@ -42,16 +42,13 @@ def secure(bundle, tiny_llama_dir):
         "--tls-client-ca",
         str(bundle.ca_cert),
     ]
-    cluster = ClusterSecurity.from_files(
-        str(bundle.ca_cert), str(bundle.cluster_cert), str(bundle.cluster_key), str(bundle.join_secret)
-    )
     children = start_cluster(
         0,
         engine_argv(tiny_llama_dir) + bundle.worker_argv(),
         num_prefill=1,
         num_decode=1,
         gateway_argv=gateway_argv,
-        cluster=cluster,
+        cluster=bundle.cluster(),
     )
     try:
         yield children
@@ -60,7 +57,7 @@ def secure(bundle, tiny_llama_dir):
 
 
 def _stub(bundle, address: str, key: str | None = "sk-main", client_cert: bool = True) -> pb_grpc.GenerationStub:
-    identity = TlsIdentity.load(str(bundle.client_cert), str(bundle.client_key)) if client_cert else None
+    identity = bundle.client_identity() if client_cert else None
     return pb_grpc.GenerationStub(GatewayCredentials(str(bundle.ca_cert), key, identity).blocking_channel(address))
 
 
@@ -98,7 +95,7 @@ def test_missing_or_wrong_key_is_unauthenticated_and_health_stays_open(secure, b
     assert _code(lambda: _stub(bundle, address, None).ListModels(pb.ListModelsRequest(), timeout=5)) == (
         grpc.StatusCode.UNAUTHENTICATED
     )
-    identity = TlsIdentity.load(str(bundle.client_cert), str(bundle.client_key))
+    identity = bundle.client_identity()
     channel = GatewayCredentials(str(bundle.ca_cert), None, identity).blocking_channel(address)
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
@@ -139,7 +136,7 @@ def test_concurrency_limit_per_key(secure, bundle):
 
 def test_outsiders_cannot_register_publish_or_call_workers(secure, bundle):
     gateway, decode = secure[0], secure[2]
-    no_secret = ClusterSecurity.from_files(str(bundle.ca_cert), str(bundle.cluster_cert), str(bundle.cluster_key))
+    no_secret = bundle.cluster(join_secret=False)
     registry = wpb_grpc.RegistryStub(no_secret.blocking_channel(gateway.address, to_worker=False))
     register = wpb.RegisterWorkerRequest(address="127.0.0.1:1", model="rogue")
     assert _code(lambda: registry.RegisterWorker(register, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
@@ -152,9 +149,7 @@ def test_outsiders_cannot_register_publish_or_call_workers(secure, bundle):
     with_secret_no_cert = ClusterSecurity.from_files(str(bundle.ca_cert), secret_file=str(bundle.join_secret))
     worker = wpb_grpc.WorkerStub(with_secret_no_cert.blocking_channel(decode.address))  # no certificate: no TLS
     assert _code(lambda: list(worker.Generate(request, timeout=5))) == grpc.StatusCode.UNAVAILABLE
-    members = ClusterSecurity.from_files(
-        str(bundle.ca_cert), str(bundle.cluster_cert), str(bundle.cluster_key), str(bundle.join_secret)
-    )
+    members = bundle.cluster()
     listed = wpb_grpc.RegistryStub(members.blocking_channel(gateway.address, to_worker=False)).ListWorkers(
         wpb.ListWorkersRequest(), timeout=5
     )
