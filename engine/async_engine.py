@@ -57,6 +57,7 @@ class AsyncEngine:
         self._watch: asyncio.Task | None = None  # ends the step thread if the event loop goes away
         self._error: EngineDead | None = None
         self.died = asyncio.Event()  # the step loop raised: this engine serves nothing more
+        engine.runner.on_ranks_lost(self._fail_loop)  # a tensor-parallel rank exited
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -153,6 +154,11 @@ class AsyncEngine:
         await self._stopped
         self._step_thread, self._stopped, self._watch = None, None, None
 
+    def start(self) -> None:
+        """Start the step thread now (from the event loop) rather than at the first request: a server
+        does, so that a failure found while idle (a tensor-parallel rank that exited) ends the loop."""
+        self._start()
+
     # -- the event loop's side ----------------------------------------------------------------------
     def _command(self, fn: Callable, *args: Any) -> None:
         self._commands.append((fn, args, None))
@@ -228,7 +234,13 @@ class AsyncEngine:
 
     def _output_died(self, e: BaseException) -> None:
         """The output thread raised: the step loop raises at its next step; wake it if idle."""
-        self._commands.append((_raise, (e,), None))
+        error = RuntimeError(f"the output thread died ({type(e).__name__}: {e})")
+        error.__cause__ = e
+        self._fail_loop(error)
+
+    def _fail_loop(self, error: BaseException) -> None:
+        """From any thread: the step loop raises error at its next turn (the loop dies); wake it if idle."""
+        self._commands.append((_raise, (error,), None))
         self._wakeup.set()
 
     def _idle(self, closing: threading.Event) -> None:
@@ -282,4 +294,4 @@ def _set_exception(future: asyncio.Future, error: BaseException) -> None:
 
 
 def _raise(error: BaseException) -> None:
-    raise RuntimeError(f"the output thread died ({type(error).__name__}: {error})") from error
+    raise error

@@ -57,12 +57,16 @@ class EngineConfig:
     attention_backend: str | None = None  # None: the device's default backend
     max_model_len: int | None = None  # None: the model's context length
     seed: int = 0
+    # Ranks per worker (engine/ranks.py): the model and the KV cache sharded by head (Megatron style).
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -48,6 +48,7 @@ from splitserve.engine.outputs import (  # noqa: F401  (re-exported: the engine'
     StepTokens,
     merge_outputs,
 )
+from splitserve.engine.ranks import RanksLost
 from splitserve.engine.request import Request, RequestId, RequestStatus
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.engine.scheduler import Scheduler
@@ -333,6 +334,8 @@ class Engine:
         try:
             batch = self.runner.prepare(out)
             logits = self.runner.forward(batch)
+        except RanksLost:  # not this batch's fault: the worker's ranks are out of step for good
+            raise
         except Exception as e:  # isolation boundary: a failed forward fails its batch, not the engine
             scheduled = out.decodes + [s.request for s in out.chunks]
             log.exception("the forward failed; failing the %d requests of this batch", len(scheduled))
@@ -424,6 +427,11 @@ class Engine:
         self._recent_tickets.clear()
         if thread is not None:
             thread.close()
+
+    def close(self) -> None:
+        """Stop the output thread and the tensor-parallel ranks; the engine runs nothing more."""
+        self.stop_output_thread()
+        self.runner.close()
 
     def warm_up(self) -> WarmUpReport:
         """Run every kernel variant a step can hit, once, on a fresh engine (what a server does

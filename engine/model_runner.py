@@ -10,16 +10,19 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 from splitserve.engine.kv_cache.staging import StagingPool
 from splitserve.engine.memory import MemorySnapshot, profile_memory
+from splitserve.engine.ranks import Followers, RankGroups, RanksLost, kv_heads_of, rank_device
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.step_inputs import ForwardBatch, StepArrays, StepInputBuffer, scheduled_arrays
 from splitserve.model.arch import ModelArchConfig
 from splitserve.model.attention import get_backend
 from splitserve.model.loader import ModelSource, build_model
+from splitserve.model.parallel import TensorParallel
 
 _DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -51,10 +54,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V."""
+def kv_block_bytes(arch: ModelArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None) -> int:
+    """Bytes of one block across all layers, K and V (of num_kv_heads heads: default all of them)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+    heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return arch.num_layers * 2 * block_size * heads * arch.head_dim * elem
 
 
 class StepShape(NamedTuple):
@@ -71,8 +75,22 @@ class WarmUpReport:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, max_model_len: int) -> None:
-        self.device = resolve_device(config.device)
+    """One rank's model shard and KV cache. Rank 0 (groups None) is the engine's: with
+    config.tensor_parallel_size N > 1 it starts the other N - 1 ranks (engine/ranks.py) and drives
+    them, so callers see one runner with whole KV blocks; a follower rank is built with its groups."""
+
+    def __init__(
+        self, config: EngineConfig, source: ModelSource, max_model_len: int, groups: RankGroups | None = None
+    ) -> None:
+        device = resolve_device(config.device)
+        self.followers: Followers | None = None
+        if groups is None and config.tensor_parallel_size > 1:
+            TensorParallel(0, config.tensor_parallel_size).check(source.arch)  # refuse before spawning
+            self.followers = Followers.start(config, max_model_len, device)
+            groups = self.followers.groups
+        self.groups = groups or RankGroups()
+        self.tp = self.groups.tp
+        self.device = rank_device(device, self.tp.rank)
         bind_thread(self.device)  # this thread loads and profiles (and steps, under LLM / a bare Engine)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.arch = source.arch
@@ -80,56 +98,94 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.scheduler_config = config.scheduler
         backend_cls = get_backend(config.attention_backend, self.device)
-        self.backend = backend_cls(self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim, self.block_size)
+        num_heads, self.num_local_kv_heads = self.tp.local_heads(self.arch)
+        self.backend = backend_cls(num_heads, self.num_local_kv_heads, self.arch.head_dim, self.block_size)
         before_load = MemorySnapshot.take(self.device) if self.device.type == "cuda" else None
-        self.model = build_model(source, self.backend, max_model_len, self.dtype, self.device)
-        self.num_blocks = self._num_kv_blocks(config, max_model_len, before_load)
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; see attention/backend.py
-        self.kv_cache = torch.zeros(
-            self.arch.num_layers,
-            2,
-            self.num_blocks,
-            self.block_size,
-            self.arch.num_kv_heads,
-            self.arch.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        self.model = build_model(source, self.backend, max_model_len, self.dtype, self.device, self.tp)
+        self.num_blocks = self._agree(self._num_kv_blocks(config, max_model_len, before_load))
+        # [num_layers, 2, num_blocks, block_size, local kv heads, head_dim]; see attention/backend.py
+        self.kv_cache = self._new_kv_cache(self.num_blocks)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self._staging: StagingPool | None = None
         self._inputs = StepInputBuffer(self.device, self.block_size)
         self._kv_written = False  # by a step or a KV transfer: warm_up may no longer scribble on block 0
 
+    def _new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        a = self.arch
+        shape = (a.num_layers, 2, num_blocks, self.block_size, self.num_local_kv_heads, a.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _agree(self, num_blocks: int) -> int:
+        """Every rank's cache has the same number of blocks: the smallest any rank can hold."""
+        if self.groups.kv is None:
+            return num_blocks
+        count = torch.tensor([num_blocks], dtype=torch.int64)
+        self.groups.kv.allreduce([count], dist.ReduceOp.MIN).wait()
+        return int(count.item())
+
     @property
     def kv_layout(self) -> str:
-        """What must match between two workers for KV blocks to move between them."""
-        _, _, _, bs, kvh, d = self.kv_cache.shape
+        """What must match between two workers for KV blocks to move between them: whole blocks (all KV
+        heads) move, whatever each worker's tensor-parallel size."""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{dtype}/layers={self.arch.num_layers}/block={bs}/kv_heads={kvh}/head_dim={d}"
+        a = self.arch
+        return f"{dtype}/layers={a.num_layers}/block={self.block_size}/kv_heads={a.num_kv_heads}/head_dim={a.head_dim}"
 
     @property
     def staging(self) -> StagingPool:
-        """Reused host buffers for KV transfers (made on first use)."""
+        """Reused host buffers for KV transfers (made on first use), of whole blocks."""
         if self._staging is None:
-            _, two, _, bs, kvh, d = self.kv_cache.shape
-            self._staging = StagingPool((self.arch.num_layers, two, bs, kvh, d), self.dtype)
+            a = self.arch
+            self._staging = StagingPool((a.num_layers, 2, self.block_size, a.num_kv_heads, a.head_dim), self.dtype)
         return self._staging
 
     def read_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kvh, head_dim]
-        (into out when given, e.g. a host staging buffer)."""
+        """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kv heads, head_dim],
+        every KV head (gathered from the ranks), into out when given (e.g. a host staging buffer)."""
+        if self.followers is not None:
+            return self._read_from_ranks(self.followers, block_ids, out)
         if out is not None and out.device != self.kv_cache.device:
             return out.copy_(gather_blocks(self.kv_cache, block_ids))
         return gather_blocks(self.kv_cache, block_ids, out)
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i]."""
+        """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i] (each rank gets its heads)."""
         self._kv_written = True
-        scatter_blocks(self.kv_cache, block_ids, blocks)
+        if self.followers is not None:
+            heads = [kv_heads_of(self.tp, self.arch.num_kv_heads, r) for r in range(self.tp.size)]
+            shards = [blocks[:, :, :, :, h.start : h.stop].contiguous() for h in heads]
+            blocks = self.followers.write_kv(block_ids, shards)
+        scatter_blocks(self.kv_cache, block_ids, blocks.to(self.device))
+
+    def _read_from_ranks(
+        self, followers: Followers, block_ids: Sequence[int], out: torch.Tensor | None
+    ) -> torch.Tensor:
+        shards = followers.read_kv(block_ids, self.read_local_blocks(block_ids))
+        a = self.arch
+        shape = (a.num_layers, 2, len(block_ids), self.block_size, a.num_kv_heads, a.head_dim)
+        out = torch.empty(shape, dtype=self.dtype) if out is None else out
+        for rank, shard in enumerate(shards):  # replicated heads are written once per holder: equal values
+            heads = kv_heads_of(self.tp, a.num_kv_heads, rank)
+            out[:, :, :, :, heads.start : heads.stop].copy_(shard)
+        return out
+
+    # -- a rank's own shard (the followers' side of read_blocks / write_blocks) ---------------------
+    def read_local_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """This rank's heads of these blocks, on the host: [L, 2, n, block_size, local kv heads, d]."""
+        return gather_blocks(self.kv_cache, block_ids).cpu()
+
+    def empty_local_blocks(self, num_blocks: int) -> torch.Tensor:
+        a = self.arch
+        shape = (a.num_layers, 2, num_blocks, self.block_size, self.num_local_kv_heads, a.head_dim)
+        return torch.empty(shape, dtype=self.dtype)
+
+    def write_local_blocks(self, block_ids: Sequence[int], shard: torch.Tensor) -> None:
+        self._kv_written = True
+        scatter_blocks(self.kv_cache, block_ids, shard.to(self.device))
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, before_load: MemorySnapshot | None) -> int:
         budget, source = self._kv_cache_bytes(config, max_model_len, before_load)
-        per_block = kv_block_bytes(self.arch, self.block_size, self.dtype)
+        per_block = kv_block_bytes(self.arch, self.block_size, self.dtype, self.num_local_kv_heads)
         num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(
@@ -175,16 +231,7 @@ class ModelRunner:
         for n in lens:
             block_ids.append(list(range(next_block, next_block + -(-n // bs))))
             next_block += len(block_ids[-1])
-        scratch = torch.zeros(
-            self.arch.num_layers,
-            2,
-            next_block,
-            bs,
-            self.arch.num_kv_heads,
-            self.arch.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        scratch = self._new_kv_cache(next_block)
         self._run_shape(StepShape(lens, lens), block_ids, list(scratch.unbind(0)))
 
     @torch.inference_mode()
@@ -201,6 +248,8 @@ class ModelRunner:
         bind_thread(self.device)  # Triton compiles and launches for the calling thread's device
         start = time.perf_counter()
         full = self.device.type == "cuda" if full is None else full
+        if self.followers is not None:
+            self.followers.warm_up(full)
         decode_lens = self.backend.warm_up_decode_lens(self.max_model_len, self.device) if full else []
         sched = self.scheduler_config
         shapes = warm_up_shapes(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, decode_lens, full)
@@ -224,12 +273,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the step; returns float32 logits [num_sampling_seqs, vocab]."""
+        """Run the step (on every rank); returns float32 logits [num_sampling_seqs, vocab]."""
+        if self.followers is None:
+            return self._forward(batch)
+        assert batch.arrays is not None  # prepare() packs from arrays
+        self.followers.step(batch.arrays)
+        try:
+            return self._forward(batch)
+        except Exception as e:  # the followers may be inside a collective of this step: out of step for good
+            raise RanksLost(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})") from e
+
+    @torch.inference_mode()
+    def follow_step(self, arrays: StepArrays) -> None:
+        """A follower rank's side of rank 0's step (its logits are rank 0's to sample)."""
+        self._forward(self._inputs.pack(arrays, []))
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._kv_written = True
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        if not batch.sampling_requests:
+        if batch.sample_rows.numel() == 0:  # the same test on every rank: compute_logits has collectives
             return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows])
+
+    def on_ranks_lost(self, callback) -> None:
+        """callback(RanksLost), from another thread, when a follower rank exits (tensor parallel only)."""
+        if self.followers is not None:
+            self.followers.on_lost = callback
+
+    def close(self) -> None:
+        """Stop the follower ranks (nothing to do without tensor parallelism)."""
+        if self.followers is not None:
+            self.followers.close()
 
 
 def warm_up_shapes(

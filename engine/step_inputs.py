@@ -30,6 +30,7 @@ class ForwardBatch:
     sample_rows: torch.Tensor  # [num_sampling_seqs]: index of each sampling sequence's last token
     sampling_requests: list[Request]  # the requests that sample, in sample_rows order
     out: SchedulerOutput | None = None  # the schedule it was built from (None: a warm-up shape)
+    arrays: StepArrays | None = None  # the host arrays it was packed from (what follower ranks get)
 
     @property
     def sampling(self) -> list[ScheduledRequest]:
@@ -108,7 +109,7 @@ class StepInputBuffer:
             seq_lens_cpu=seq_lens_cpu,
             query_lens_cpu=a.query_lens.tolist(),
         )
-        return ForwardBatch(ids, pos, meta, rows, sampling, out)
+        return ForwardBatch(ids, pos, meta, rows, sampling, out, a)
 
     def _to_device(self, parts: tuple[np.ndarray, ...]) -> list[torch.Tensor]:
         if self.device.type == "cpu":

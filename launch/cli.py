@@ -26,6 +26,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="ranks per worker, the model sharded over them by head (on CUDA rank r uses cuda:N+r)",
+    )
     g.add_argument("--attention-backend", default=None, help="attention backend name (default: per device)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
@@ -59,6 +66,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=a.model,
         dtype=a.dtype,
         device=a.device,
+        tensor_parallel_size=a.tensor_parallel_size,
         attention_backend=a.attention_backend,
         max_model_len=a.max_model_len,
         seed=a.seed,
@@ -254,6 +262,7 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         parse_devices(a.devices),
         prepare_access(Path(a.secrets_dir), a.secure, a.host),
         _http_port(a),
+        {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
     )
 
 
@@ -463,6 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
+    up.add_argument(
+        "--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill worker (default: --tp)"
+    )
+    up.add_argument(
+        "--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode worker (default: --tp)"
+    )
     up.add_argument(
         "--devices",
         default=None,

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -34,7 +34,7 @@ class Child:
     proc: subprocess.Popen = field(repr=False)
     mode: str = "gateway"
     log: deque[str] = field(default_factory=lambda: deque(maxlen=500), repr=False)  # last output lines
-    device: str = ""  # the --device it was given, if any
+    device: str = ""  # the device(s) it was given, if any: "cuda:2", or "cuda:0,cuda:1" for 2 ranks
     http: str = ""  # the gateway's OpenAI HTTP API, HOST:PORT ("" for workers, or with it off)
 
 
@@ -112,13 +112,16 @@ def start_cluster(
     devices: list[str] | None = None,
     cluster: ClusterSecurity = OPEN_CLUSTER,
     http_port: int | None = 0,
+    tp_sizes: dict[str, int] | None = None,
 ) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
     worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
     (e.g. --router, --redis-url); env adds environment variables. worker_cpus pins worker i to the
-    cores worker_cpus[i] ("0,1"), with as many torch threads. devices spreads workers over
-    accelerators: worker i gets devices[i % len(devices)] (e.g. one GPU per worker; see spawn_worker).
+    cores worker_cpus[i] ("0,1"), with as many torch threads. tp_sizes gives a mode's workers that many
+    tensor-parallel ranks each (--tensor-parallel-size). devices spreads workers over accelerators:
+    each worker takes as many distinct devices as it has ranks, the least used first (one GPU per
+    rank while there are enough; see pick_devices and spawn_worker).
     Workers that share a GPU start one after another, each once the one before is healthy: each sizes
     its KV cache from what it measures on the device while it starts. cluster is how this process
     reaches them (their security flags are in gateway_argv and worker_argv). http_port: the gateway's
@@ -127,7 +130,9 @@ def start_cluster(
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
         raise ValueError("start at least one worker (--workers N, or --prefill P --decode D)")
-    threads = threads_per_worker(len(modes))
+    tp_sizes = tp_sizes or {}
+    threads = threads_per_worker(sum(tp_sizes.get(mode, 1) for _, mode in modes))
+    used: Counter[str] = Counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     model = _model_argv(engine_argv)
     gw_port, gw_metrics = gateway_port or free_port(host), free_port(host)
@@ -142,11 +147,11 @@ def start_cluster(
         for i, (name, mode) in enumerate(modes):
             pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
             n = len(worker_cpus[i].split(",")) if worker_cpus else threads
-            device = device_for(i, devices) if devices else ""
+            tp = tp_sizes.get(mode, 1)
+            device = pick_devices(devices, tp, used) if devices else ""
             wait_for_gpu_peer(children[1:], device, timeout_s, cluster)
-            children.append(
-                spawn_worker(name, mode, gateway.address, engine_argv + pin + (worker_argv or []), host, n, env, device)
-            )
+            argv = engine_argv + pin + (worker_argv or [])
+            children.append(spawn_worker(name, mode, gateway.address, argv, host, n, env, device, tp))
         for child in children[1:]:
             wait_healthy(child.address, timeout_s, child.proc, cluster)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
@@ -159,8 +164,9 @@ def start_cluster(
 def wait_for_gpu_peer(
     started: list[Child], device: str, timeout_s: float, cluster: ClusterSecurity = OPEN_CLUSTER
 ) -> None:
-    """Before starting a worker on GPU device: wait until the last one started there is healthy."""
-    peers = [c for c in started if c.device == device and device.startswith("cuda")]
+    """Before starting a worker on GPU device(s): wait until the last one started on any of them is healthy."""
+    mine = set(device.split(",")) if device.startswith("cuda") else set()
+    peers = [c for c in started if mine & set(c.device.split(","))]
     if peers:
         wait_healthy(peers[-1].address, timeout_s, peers[-1].proc, cluster)
 
@@ -170,9 +176,17 @@ def threads_per_worker(num_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, num_workers))
 
 
-def device_for(index: int, devices: list[str]) -> str:
-    """Worker index's device when workers are spread over devices round robin."""
-    return devices[index % len(devices)]
+def pick_devices(devices: list[str], count: int, used: Counter[str]) -> str:
+    """count distinct devices for one worker's ranks, the least used first (ties: list order), as
+    "cuda:0,cuda:1"; counts them in used. Workers of one rank each go round robin."""
+    if count > len(devices):
+        raise ValueError(
+            f"a worker with {count} tensor-parallel ranks needs {count} distinct devices; "
+            f"--devices lists {len(devices)} ({','.join(devices)})"
+        )
+    chosen = sorted(sorted(range(len(devices)), key=lambda i: (used[devices[i]], i))[:count])
+    used.update(devices[i] for i in chosen)
+    return ",".join(devices[i] for i in chosen)
 
 
 def parse_devices(text: str | None) -> list[str] | None:
@@ -197,9 +211,10 @@ def spawn_worker(
     threads: int = 0,
     env: dict[str, str] | None = None,
     device: str = "",
+    tp: int = 1,
 ) -> Child:
-    """Start one worker process. device (e.g. "cuda:3"; "" keeps argv's --device) binds it for life:
-    see child_device."""
+    """Start one worker process with tp tensor-parallel ranks (1: argv decides). device (e.g. "cuda:3",
+    or "cuda:0,cuda:1" for 2 ranks; "" keeps argv's --device) binds it for life: see child_device."""
     port, metrics = free_port(host), free_port(host)
     device_arg, env = child_device(device, env or dict(os.environ, PYTHONUNBUFFERED="1"))
     full = [
@@ -218,6 +233,7 @@ def spawn_worker(
         str(threads),
         *argv,
         *(["--device", device_arg] if device_arg else []),
+        *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
     ]
     log: deque[str] = deque(maxlen=500)
     proc = _spawn(name, full, env, log)
@@ -225,19 +241,20 @@ def spawn_worker(
 
 
 def child_device(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """(--device, environment) of a child given device. A child on "cuda:N" sees only that GPU
-    (CUDA_VISIBLE_DEVICES, mapped through the parent's own list if it has one) and gets --device cuda:
-    nothing it runs, in any thread, can touch another GPU. Other devices pass through unchanged."""
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index:
+    """(--device, environment) of a child given device(s). A child on "cuda:N" (or "cuda:N,cuda:M",
+    one per rank) sees only those GPUs (CUDA_VISIBLE_DEVICES, mapped through the parent's own list if
+    it has one) and gets --device cuda, its rank r on cuda:r: nothing it runs, in any thread, can touch
+    another GPU. Other devices pass through unchanged."""
+    parts = [d.strip().partition(":") for d in device.split(",")]
+    if any(kind != "cuda" or not index for kind, _, index in parts):
         return device, env
+    indices = [int(index) for _, _, index in parts]
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    if not visible:
-        return "cuda", dict(env, CUDA_VISIBLE_DEVICES=index)
-    gpu_ids = [d.strip() for d in visible.split(",")]  # the parent's cuda:i is gpu_ids[i]
-    if int(index) >= len(gpu_ids):
+    gpu_ids = [d.strip() for d in visible.split(",")] if visible else None  # the parent's cuda:i is gpu_ids[i]
+    if gpu_ids is not None and max(indices) >= len(gpu_ids):
         raise ValueError(f"device {device}: CUDA_VISIBLE_DEVICES={visible} lists only {len(gpu_ids)} GPUs")
-    return "cuda", dict(env, CUDA_VISIBLE_DEVICES=gpu_ids[int(index)])
+    ids = [gpu_ids[i] if gpu_ids is not None else str(i) for i in indices]
+    return "cuda", dict(env, CUDA_VISIBLE_DEVICES=",".join(ids))
 
 
 def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:
@@ -273,6 +290,7 @@ def run_up(
     devices: list[str] | None = None,
     access: UpAccess | None = None,
     http_port: int | None = None,
+    tp_sizes: dict[str, int] | None = None,
 ) -> int:
     from splitserve.launch.supervisor import Supervisor, serve_launcher
 
@@ -289,8 +307,9 @@ def run_up(
         devices=devices,
         cluster=access.cluster,
         http_port=http_port,
+        tp_sizes=tp_sizes,
     )
-    supervisor = Supervisor(children, engine_argv, host, devices=devices, cluster=access.cluster)
+    supervisor = Supervisor(children, engine_argv, host, devices=devices, cluster=access.cluster, tp_sizes=tp_sizes)
     admin = serve_launcher(supervisor, host, admin_port or free_port(host), access.cluster)
     print(
         f"\nsplitserve is up: gateway grpc {children[0].address} "

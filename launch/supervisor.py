@@ -12,6 +12,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections import Counter
 from concurrent import futures
 
 import grpc
@@ -19,7 +20,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.common.roles import MODES
 from splitserve.common.security import OPEN_CLUSTER, BlockingAccessGuard, ClusterSecurity
-from splitserve.launch.launcher import Child, spawn_worker, threads_per_worker, wait_for_gpu_peer, wait_healthy
+from splitserve.launch.launcher import (
+    Child,
+    pick_devices,
+    spawn_worker,
+    threads_per_worker,
+    wait_for_gpu_peer,
+    wait_healthy,
+)
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
 
@@ -38,10 +46,12 @@ class Supervisor:
         start_timeout_s: float = 180.0,
         devices: list[str] | None = None,
         cluster: ClusterSecurity = OPEN_CLUSTER,
+        tp_sizes: dict[str, int] | None = None,
     ) -> None:
         self.children = children
         self.cluster = cluster  # how to reach the workers it starts
-        self.devices = devices or []  # new workers take the device the fewest live workers use
+        self.devices = devices or []  # new workers take the devices the fewest live workers use
+        self.tp_sizes = tp_sizes or {}  # mode -> tensor-parallel ranks per worker (default 1)
         self.engine_argv, self.host = engine_argv, host
         self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
         self.admin_address = ""
@@ -72,10 +82,11 @@ class Supervisor:
             return started, drained
 
     def _start(self, mode: str, n: int) -> list[Child]:
-        threads = threads_per_worker(len(self.children) - 1 + n)
+        tp = self.tp_sizes.get(mode, 1)
+        threads = threads_per_worker(self._num_ranks() + n * tp)
         new: list[Child] = []
         for _ in range(n):
-            device = self._least_used_device() if self.devices else ""
+            device = pick_devices(self.devices, tp, self._device_use()) if self.devices else ""
             wait_for_gpu_peer(new, device, self.start_timeout_s, self.cluster)  # one at a time per GPU
             new.append(
                 spawn_worker(
@@ -86,6 +97,7 @@ class Supervisor:
                     self.host,
                     threads,
                     device=device,
+                    tp=tp,
                 )
             )
             self.children.append(new[-1])
@@ -111,19 +123,20 @@ class Supervisor:
                     self.children[0].address,
                     self.engine_argv,
                     self.host,
-                    threads_per_worker(len(self.children) - 1),
+                    threads_per_worker(self._num_ranks()),
                     device=child.device,
+                    tp=self.tp_sizes.get(child.mode, 1),
                 )
                 self._restarted_at[child.name] = now
                 restarted.append(self.children[i])
             return restarted
 
-    def _least_used_device(self) -> str:
-        used = {d: 0 for d in self.devices}
-        for child in self.children[1:]:
-            if child.proc.poll() is None and child.device in used:
-                used[child.device] += 1
-        return min(self.devices, key=lambda d: used[d])
+    def _device_use(self) -> Counter[str]:
+        """How many live workers' ranks run on each device."""
+        return Counter(d for c in self.children[1:] if c.proc.poll() is None and c.device for d in c.device.split(","))
+
+    def _num_ranks(self) -> int:
+        return sum(self.tp_sizes.get(c.mode, 1) for c in self.children[1:])
 
     def _drain(self, victims: list[Child]) -> list[Child]:
         for child in victims:

@@ -3,6 +3,10 @@
 Parameter names follow the Hugging Face checkpoints except two fused projections:
 qkv_proj = cat(q_proj, k_proj, v_proj) and gate_up_proj = cat(gate_proj, up_proj) (rows).
 
+Tensor parallel (model/parallel.py): built for rank r of N, the model holds its shard (local heads,
+its slice of the MLP and of the vocab) and all-reduces after o_proj, down_proj and the embedding, and
+all-gathers the logits; at N = 1 (SINGLE) it is the plain model, with no collectives.
+
 RMSNorm, RoPE and SiLU-and-mul run through the attention backend's `ops` (plain torch, or Triton
 kernels on the triton backend). The residual stream is carried beside each layer's output rather than
 added to it, so every norm after the first can fuse the add: layer(h, residual) -> (mlp_out, residual).
@@ -19,6 +23,14 @@ from splitserve.model.attention.backend import (
     AttentionMetadata,
     ModelOps,
     apply_rotary,  # noqa: F401  (the torch RoPE, re-exported)
+)
+from splitserve.model.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
 )
 
 
@@ -60,14 +72,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelArchConfig, backend: AttentionBackend) -> None:
+    """Over this rank's heads: qkv_proj holds their rows (q | k | v of the local heads), o_proj the
+    matching input columns, summed over ranks."""
+
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.num_heads, self.num_kv_heads = tp.local_heads(config)
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, tp)
         self.backend = backend
 
     def forward(self, x, rope, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -82,10 +97,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelArchConfig, ops: ModelOps) -> None:
+    """Over this rank's slice of the intermediate size: gate_up_proj holds (local gate | local up)
+    rows, down_proj the matching input columns, summed over ranks."""
+
+    def __init__(self, config: ModelArchConfig, ops: ModelOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = config.intermediate_size // tp.size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,12 +112,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
-        self.self_attn = Attention(config, backend)
+        self.self_attn = Attention(config, backend, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
-        self.mlp = MLP(config, backend.ops)
+        self.mlp = MLP(config, backend.ops, tp)
 
     def forward(self, h, residual, rope, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's MLP output (the embedding in the first layer, residual None there);
@@ -110,19 +129,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelArchConfig, backend: AttentionBackend, max_len: int) -> None:
+    def __init__(
+        self, config: ModelArchConfig, backend: AttentionBackend, max_len: int, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.config = config
+        tp.check(config)
+        _check_backend_heads(backend, tp.local_heads(config))
+        self.config, self.tp = config, tp
         self.ops = backend.ops
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.rotary = RotaryEmbedding(config, max_len)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, tp) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        """Share lm_head with the embedding when the config says so (again after to_empty)."""
+        """Share lm_head with the embedding when the config says so (again after to_empty); under
+        tensor parallelism both hold the same vocab rows, so they share this rank's shard."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -140,6 +164,15 @@ class LlamaForCausalLM(nn.Module):
         return residual + h  # only the sampled rows go through the final norm (compute_logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, hidden] -> [n, vocab] float32 logits for the rows that sample."""
+        """[n, hidden] -> [n, vocab] float32 logits for the rows that sample (all of them, on every rank)."""
         normed, _ = self.norm(hidden)
         return self.lm_head(normed).float()
+
+
+def _check_backend_heads(backend: AttentionBackend, local_heads: tuple[int, int]) -> None:
+    """The backend attends over this rank's heads only; built for others it would misread the cache."""
+    if (backend.num_heads, backend.num_kv_heads) != local_heads:
+        raise ValueError(
+            f"the attention backend is built for {backend.num_heads} query / {backend.num_kv_heads} KV heads, "
+            f"this rank holds {local_heads[0]} / {local_heads[1]}: build it with tp.local_heads(arch)"
+        )

@@ -54,6 +54,27 @@ def test_child_device_gives_one_gpu():
         assert child_device(device, env) == (device, env)
 
 
+def test_child_device_gives_a_tensor_parallel_worker_its_gpus():
+    # One GPU per rank, in rank order (rank r runs on the child's cuda:r), mapped through the parent's list.
+    assert child_device("cuda:2,cuda:3", {}) == ("cuda", {"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert child_device("cuda:0,cuda:2", {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == ("cuda", {"CUDA_VISIBLE_DEVICES": "4,6"})
+    with pytest.raises(ValueError, match="lists only 2 GPUs"):
+        child_device("cuda:1,cuda:2", {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_pick_devices_puts_the_ranks_of_a_worker_on_distinct_devices():
+    from collections import Counter
+
+    from splitserve.launch.launcher import pick_devices
+
+    gpus, used = [f"cuda:{i}" for i in range(4)], Counter()
+    # 1 prefill worker of 2 ranks, then 2 decode workers of 1: every GPU used once.
+    assert [pick_devices(gpus, n, used) for n in (2, 1, 1)] == ["cuda:0,cuda:1", "cuda:2", "cuda:3"]
+    assert pick_devices(gpus, 4, used) == "cuda:0,cuda:1,cuda:2,cuda:3"  # shares, each GPU once more
+    with pytest.raises(ValueError, match="needs 4 distinct devices"):
+        pick_devices(gpus[:2], 4, Counter())
+
+
 def test_spawned_worker_sees_only_its_gpu(spawned):
     child = spawn_worker(
         "decode-0",

@@ -166,15 +166,18 @@ def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
 
 
 def test_workers_are_spread_over_devices(tiny_llama_dir):
-    from splitserve.launch.launcher import device_for, parse_devices
+    from collections import Counter
+
+    from splitserve.launch.launcher import parse_devices, pick_devices
 
     assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"] and parse_devices(None) is None
-    assert [device_for(i, ["cuda:0", "cuda:1"]) for i in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
+    used: Counter[str] = Counter()
+    assert [pick_devices(["cuda:0", "cuda:1"], 1, used) for _ in range(3)] == ["cuda:0", "cuda:1", "cuda:0"]
     children = start_cluster(2, engine_argv(tiny_llama_dir), devices=["cpu"])  # the only device here
     supervisor = Supervisor(children, engine_argv(tiny_llama_dir), "127.0.0.1", devices=["cpu", "meta"])
     try:
         assert [c.device for c in children[1:]] == ["cpu", "cpu"]
-        assert supervisor._least_used_device() == "meta"  # where a new worker would go
+        assert pick_devices(supervisor.devices, 1, supervisor._device_use()) == "meta"  # where a new worker goes
         assert len(tokens(stub(children[0].address), greedy_request([1, 2, 3], 3))) == 3
     finally:
         stop_cluster(children)

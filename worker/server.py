@@ -112,6 +112,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     core = Engine(config.engine)
     _warm_up(core)
     engine = AsyncEngine(core)
+    engine.start()
     name = model_name(config.engine.model)
     port = HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
@@ -155,6 +156,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     log.info("drained: %s", _pool_report(port))
     await server.stop(grace=1.0)
     await engine.shutdown()
+    core.close()
     if servicer.sender is not None:
         servicer.sender.close()
     if servicer.handoff is not None:

@@ -53,7 +53,6 @@ import hashlib
 import hmac
 import itertools
 import secrets
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -63,6 +62,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
+from splitserve.common.dist_store import Device, gloo_device, host_store
 from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
 
 # Blocking gloo calls (group construction, work.wait) run here; one thread per transfer in flight.
@@ -71,54 +71,6 @@ SENDER_RANK, RECEIVER_RANK = 0, 1
 AUTH_TAG = 0  # the handshake's nonce; KV transfers use tags from 1
 NONCE_BYTES = SECRET_BYTES = 32
 SENDER_PROOF, RECEIVER_PROOF = "auth/sender", "auth/receiver"  # store keys, under the channel's prefix
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
-Device = dist.ProcessGroupGloo.Device
-
-
-def _listen(host: str) -> socket.socket:
-    """A listening socket on host alone (TCPStore, left to itself, listens on every interface)."""
-    family, kind, proto, _, address = socket.getaddrinfo(
-        host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.bind(address)
-        sock.listen(socket.SOMAXCONN)
-    except OSError as e:
-        sock.close()
-        raise OSError(
-            e.errno,
-            f"cannot listen for KV channels on {host!r} ({e.strerror}): the worker's advertised "
-            "host must be an address of this machine",
-        ) from e
-    return sock
-
-
-def _host_store(host: str, timeout_s: float) -> dist.TCPStore:
-    sock = _listen(host)
-    try:
-        store = dist.TCPStore(
-            host,
-            sock.getsockname()[1],
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=timeout_s),
-            master_listen_fd=sock.fileno(),
-            use_libuv=True,
-        )
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the descriptor now and closes it when it goes (torch 2.13, libuv)
-    return store
-
-
-def _device(host: str) -> Device:
-    """Where gloo's pair sockets listen: host, or gloo's default (this machine's address) for a wildcard."""
-    # Not lazy: the pairs connect while the group is built, so the handshake sees every address read.
-    if host in _WILDCARD_HOSTS:
-        return dist.ProcessGroupGloo.create_default_device(lazy_init=False)
-    return dist.ProcessGroupGloo.create_device(hostname=host, lazy_init=False)
 
 
 class _Rendezvous(dist.Store):
@@ -254,9 +206,9 @@ class TorchDistReceiver(KVReceiver):
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
-        self.store = _host_store(host, timeout_s)
+        self.store = host_store(host, timeout_s)
         self.address = f"{host}:{self.store.port}"
-        self._device = _device(host)
+        self._device = gloo_device(host)
         self._tags = itertools.count(AUTH_TAG + 1)
         self._channels: dict[str, tuple[ChannelSpec, Future]] = {}  # by peer
 
@@ -313,7 +265,7 @@ class TorchDistSender(KVSender):
 
     def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
         self.timeout_s = timeout_s
-        self._device = _device(host)
+        self._device = gloo_device(host)
         self._lock = threading.Lock()  # guards _stores (filled from executor threads)
         self._stores: dict[str, dist.TCPStore] = {}
         self._groups: dict[str, tuple[str, Future]] = {}  # receiver address -> (key, group)

@@ -1,0 +1,158 @@
+"""Tensor parallelism inside a worker (engine/ranks.py): follower rank processes over gloo, the KV cache
+sharded by KV head, whole blocks handed off between tiers of different sizes, and a lost rank ending
+its worker. The model's sharding itself is tests/test_tp_model.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens, wait_all_free
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.llm import LLM
+from splitserve.engine.ranks import Op, RanksLost, decode, encode, step_arrays_from_wire, step_arrays_to_wire
+from splitserve.engine.step_inputs import StepArrays
+from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+
+PROMPTS = [[(5 * i + j) % 300 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens
+SEEDED = dict(temperature=0.8, top_p=0.95, seed=7)
+
+
+def _llm(folder, tp: int, **overrides) -> LLM:
+    cache = CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2)
+    return LLM(EngineConfig(model=str(folder), max_model_len=256, cache=cache, tensor_parallel_size=tp, **overrides))
+
+
+def _generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(PROMPTS, params)]
+
+
+@pytest.mark.unit
+def test_orders_round_trip_the_pipe_encoding():
+    arrays = StepArrays(
+        np.array([5, 6, 7], dtype=np.int64),
+        np.array([4, 0], dtype=np.int64),
+        np.array([1, 2], dtype=np.int64),
+        np.array([[3, 0], [1, 2]], dtype=np.int64),
+        np.array([True, False]),
+    )
+    op, wire = decode(encode(Op.STEP, *step_arrays_to_wire(arrays)))
+    back = step_arrays_from_wire(wire)
+    assert op is Op.STEP and back.samples.dtype == bool
+    for name in ("input_ids", "starts", "query_lens", "block_table", "samples"):
+        assert np.array_equal(getattr(back, name), getattr(arrays, name)), name
+    assert decode(encode(Op.STOP)) == (Op.STOP, [])
+    empty_op, (ids,) = decode(encode(Op.READ_KV, np.zeros(0, dtype=np.int64)))
+    assert empty_op is Op.READ_KV and ids.shape == (0,)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_two_ranks_generate_what_one_does(fixture, request):
+    """Greedy and seeded output with the model split over 2 ranks (fp32) equals 1 rank's, token for
+    token: Llama (separate LM head) and Qwen2 (tied embeddings, q/k/v biases)."""
+    folder = request.getfixturevalue(fixture)
+    greedy, seeded = SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(max_tokens=12, **SEEDED)
+    one = _llm(folder, 1)
+    expected = _generate(one, greedy), _generate(one, seeded)
+    two = _llm(folder, 2)
+    try:
+        assert (_generate(two, greedy), _generate(two, seeded)) == expected
+        # Per rank: the KV cache holds that rank's KV head (of 2); its blocks are as many as rank 0's.
+        assert two.engine.runner.kv_cache.shape[4] == 1 and one.engine.runner.kv_cache.shape[4] == 2
+    finally:
+        two.engine.close()
+
+
+@pytest.mark.integration
+def test_kv_blocks_are_whole_whatever_the_size(tiny_llama_dir):
+    """read_blocks / write_blocks carry every KV head, gathered from and scattered to the ranks (4
+    ranks over 2 KV heads: each head on two ranks), so tiers of any two sizes exchange the same blocks."""
+    llm = _llm(tiny_llama_dir, 4)
+    runner = llm.engine.runner
+    try:
+        blocks = torch.randn(2, 2, 3, 8, 2, 16)  # [layers, K/V, blocks, block_size, kv heads, head_dim]
+        runner.write_blocks([5, 9, 2], blocks)
+        assert torch.equal(runner.read_blocks([5, 9, 2]), blocks)
+        assert torch.equal(runner.read_blocks([2]), blocks[:, :, 2:3])
+        assert torch.equal(runner.read_local_blocks([5]), blocks[:, :, :1, :, :1])  # rank 0 holds head 0
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.integration
+def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, 2)
+    try:
+        (follower,) = llm.engine.runner.followers._procs
+        follower.kill()
+        follower.join(10)
+        with pytest.raises(RanksLost):
+            _generate(llm, SamplingParams(temperature=0.0, max_tokens=4))
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=["prefill2-decode1", "prefill1-decode2"])
+def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
+    """1P1D with a prefill tier of one size and a decode tier of another: output equals the unified
+    in-process engine's, every block crossed over the KV plane, nothing recomputed or leaked."""
+    prefill_tp, decode_tp = sizes
+    children = start_cluster(
+        0,
+        engine_argv(tiny_llama_dir),
+        num_prefill=1,
+        num_decode=1,
+        tp_sizes={"prefill": prefill_tp, "decode": decode_tp},
+    )
+    try:
+        gateway, prefill, decode_worker = children
+        s = stub(gateway.address)
+        got = [tokens(s, greedy_request(p, 10)) for p in PROMPTS] + [
+            tokens(s, greedy_request(p, 10, **SEEDED)) for p in PROMPTS
+        ]
+        one = _llm(tiny_llama_dir, 1)
+        expected = _generate(one, SamplingParams(temperature=0.0, max_tokens=10))
+        expected += _generate(one, SamplingParams(max_tokens=10, **SEEDED))
+        assert got == expected
+        assert metric(decode_worker.metrics, "splitserve_kv_transfer_blocks_total", direction="received") > 0
+        assert metric(decode_worker.metrics, "splitserve_kv_transfer_recompute_fallbacks_total") == 0
+        assert wait_all_free([prefill.address, decode_worker.address])
+    finally:
+        stop_cluster(children)
+
+
+def _follower_pids(pid: int) -> list[int]:
+    # Not the resource tracker multiprocessing also starts: the spawned ranks run spawn_main.
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.integration
+def test_a_killed_rank_takes_its_worker_down_cleanly(tiny_llama_dir):
+    """SIGKILL a follower rank of an idle worker: the worker leaves the gateway and exits 3 (what `up`
+    restarts); the other worker of the cluster goes on serving."""
+    children = start_cluster(2, engine_argv(tiny_llama_dir), tp_sizes={"unified": 2})
+    try:
+        gateway, victim, other = children
+        (follower,) = _follower_pids(victim.proc.pid)
+        os.kill(follower, signal.SIGKILL)
+        assert victim.proc.wait(30) == 3
+        assert any("tensor-parallel rank" in line for line in victim.log)
+        registry = wpb_grpc.RegistryStub(grpc.insecure_channel(gateway.address))
+        listed = [w.address for w in registry.ListWorkers(wpb.ListWorkersRequest(), timeout=5).workers]
+        assert listed == [other.address]  # it deregistered before exiting
+        assert len(tokens(stub(gateway.address), greedy_request(PROMPTS[0], 4))) == 4
+        assert _follower_pids(other.proc.pid)  # the survivor's rank is untouched
+    finally:
+        stop_cluster(children)
