@@ -1,140 +1,51 @@
 """`splitserve experiment CONFIG`: start each deployment (or reach a running OpenAI-compatible server),
-warm it up, sweep request rates (and workloads), stop it; write a report folder: runs.json, PNG plots,
-summary.md.
+warm it up, run every workload at every offered rate `repeats` times (then more rates, when the goodput
+search asks for them), stop it; write a report folder: runs.json, PNG plots, summary.md.
 
-Config (TOML; examples in experiments/configs/):
-
-    name = "cpu-smollm2"
-    engine_args = ["--kv-cache-bytes", "268435456"]   # passed to every worker
-    warmup_requests = 2
-    [[slos]]                       # goodput is computed for each; the summary names a winner per SLO
-    name = "interactive"; ttft_ms = 2000; tpot_ms = 150
-    [[deployments]]
-    name = "unified x1"; workers = 1
-    [[deployments]]
-    name = "1P1D"; prefill = 1; decode = 1; pin_cpus = true   # each worker on its own cores
-    [[deployments]]                # a server already running: only sent to (API key: OPENAI_API_KEY)
-    name = "vllm"; endpoint = "http://127.0.0.1:8000"; api = "completions"   # or "chat"
-    [sweep]
-    rates = [0.5, 1.0, 2.0]        # requests/s, Poisson arrivals
-    [[workloads]]                  # WorkloadConfig fields; lengths as "N", "uniform:LO:HI", "normal:M:S"
-    name = "chat"; num_requests = 16; prompt_len = "uniform:64:256"; output_len = "32"
+The config is described in config.py (examples in experiments/configs/). Each run is sized by time
+([sweep] duration_s) or by count (a workload's num_requests); requests sent in its warm-up and cool-down
+are sent but not counted (stats.Window). Repeats at one rate get fresh prompts and arrivals (a seed per
+rate and repeat), the same ones for every deployment, so deployments see identical load. analysis.py
+turns the runs into intervals over repeats and DistServe goodput; summary.py and plots.py report them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import random
 import time
-import tomllib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
-from splitserve.experiments.bench import measure
-from splitserve.experiments.loadgen import ENDPOINTS, Connect, OpenAIConfig, grpc_connect
-from splitserve.experiments.stats import SLO, summarize
-from splitserve.experiments.workload import LengthDist, WorkloadConfig
-from splitserve.launch.launcher import Child, start_cluster, stop_cluster
+from splitserve.experiments.analysis import analyze
+from splitserve.experiments.config import Deployment, ExperimentConfig, Workloads, load_config
+from splitserve.experiments.goodput import search_goodput
+from splitserve.experiments.loadgen import Connect, progress_bar, run_connected
+from splitserve.experiments.stats import RequestRecord, run_stats, summarize
+from splitserve.experiments.workload import WorkloadConfig
+from splitserve.launch.launcher import start_cluster, stop_cluster
+
+__all__ = ["Deployment", "ExperimentConfig", "load_config", "run_experiment", "run_experiment_file"]
+
+# Send one workload to a started deployment: (records in send order, seconds from first send to last end).
+Send = Callable[[WorkloadConfig, bool], tuple[list[RequestRecord], float]]
 
 
 @dataclass(frozen=True, slots=True)
-class Deployment:
-    """A cluster shape the experiment starts (workers, or prefill + decode), or a running server it
-    only sends to (endpoint: an OpenAI-compatible base URL, e.g. vLLM or SGLang on the same host)."""
+class Started:
+    """A deployment ready for load: how to send to it, and the core sets its workers are pinned to."""
 
-    name: str
-    workers: int = 0
-    prefill: int = 0
-    decode: int = 0
-    pin_cpus: bool = False
-    devices: tuple[str, ...] = ()  # spread workers over these devices round robin, e.g. ("cuda:0", "cuda:1")
-    worker_args: tuple[str, ...] = ()
-    gateway_args: tuple[str, ...] = ()
-    endpoint: str | None = None  # a running server's base URL: nothing is started or stopped
-    api: str | None = None  # grpc | completions | chat; default: grpc for a cluster, completions for an endpoint
-    model: str | None = None  # endpoint / HTTP API: the model to ask for (default: the first /v1/models lists)
-    ignore_eos: bool = True  # HTTP API: send ignore_eos (false for servers that reject unknown fields)
-
-    def __post_init__(self) -> None:
-        if self.endpoint is not None and self.num_workers:
-            raise ValueError(f"deployment {self.name!r}: give an endpoint or a cluster shape, not both")
-        if self.endpoint is None and not self.num_workers:
-            raise ValueError(f"deployment {self.name!r}: give workers = N, prefill + decode, or an endpoint")
-        if self.api not in (None, "grpc", *ENDPOINTS):
-            raise ValueError(f"deployment {self.name!r}: api must be grpc, completions or chat, got {self.api!r}")
-        if self.endpoint is not None and self.api == "grpc":
-            raise ValueError(f"deployment {self.name!r}: an endpoint is reached with api = completions or chat")
-
-    @property
-    def num_workers(self) -> int:
-        return self.workers + self.prefill + self.decode
-
-    @property
-    def protocol(self) -> str:
-        return self.api or ("completions" if self.endpoint is not None else "grpc")
-
-    def connect(self, gateway: Child | None) -> Connect:
-        """The client for this deployment: to the endpoint, or to the started gateway's gRPC or HTTP API."""
-        if gateway is None:  # an endpoint deployment (so endpoint is set, and api is completions or chat)
-            return self._openai(str(self.endpoint))
-        if self.protocol == "grpc":
-            return grpc_connect(gateway.address)
-        return self._openai(f"http://{gateway.http}")
-
-    def _openai(self, base_url: str) -> Connect:
-        return OpenAIConfig(base_url, self.protocol, self.model, ignore_eos=self.ignore_eos).connect
+    send: Send
+    cpu_sets: list[str] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ExperimentConfig:
-    name: str
-    deployments: tuple[Deployment, ...]
-    workloads: tuple[tuple[str, WorkloadConfig], ...]
-    rates: tuple[float, ...]
-    slos: tuple[tuple[str, SLO], ...] = (("none", SLO()),)
-    engine_args: tuple[str, ...] = ()
-    warmup_requests: int = 2
-    settings: dict = field(default_factory=dict)  # the raw config, recorded in the report
-
-
-def load_config(path: str | Path) -> ExperimentConfig:
-    raw = tomllib.loads(Path(path).read_text())
-    try:
-        deployments = tuple(
-            Deployment(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})  # type: ignore[arg-type]
-            for d in raw["deployments"]
-        )
-        workloads = tuple(
-            (w.pop("name", f"workload-{i}"), _workload(w))
-            for i, w in enumerate(dict(w) for w in raw.get("workloads", [{}]))
-        )
-        slos = tuple((s.pop("name", f"slo-{i}"), SLO(**s)) for i, s in enumerate(dict(s) for s in raw.get("slos", [])))
-        rates = tuple(float(r) for r in raw["sweep"]["rates"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(
-            f"{path}: bad experiment config ({e!r}); see the docstring of "
-            "splitserve/experiments/experiment.py or experiments/configs/"
-        ) from None
-    if not deployments or not rates:
-        raise ValueError(f"{path}: needs at least one [[deployments]] and [sweep] rates")
-    return ExperimentConfig(
-        raw.get("name", Path(path).stem),
-        deployments,
-        workloads,
-        rates,
-        slos or (("none", SLO()),),
-        tuple(raw.get("engine_args", ())),
-        int(raw.get("warmup_requests", 2)),
-        raw,
-    )
-
-
-def _workload(fields: dict) -> WorkloadConfig:
-    for key in ("prompt_len", "output_len"):
-        if key in fields:
-            fields[key] = LengthDist.parse(str(fields[key]))
-    return WorkloadConfig(**fields)
+Start = Callable[[ExperimentConfig, Deployment], AbstractContextManager[Started]]
 
 
 def cpu_sets(num_workers: int) -> list[str]:
@@ -146,9 +57,19 @@ def cpu_sets(num_workers: int) -> list[str]:
     ]
 
 
-def run_deployment(cfg: ExperimentConfig, dep: Deployment) -> list[dict]:
+def _sender(connect: Connect) -> Send:
+    def send(workload: WorkloadConfig, show_progress: bool) -> tuple[list[RequestRecord], float]:
+        return asyncio.run(run_connected(connect, workload, progress_bar if show_progress else None))
+
+    return send
+
+
+@contextmanager
+def start_deployment(cfg: ExperimentConfig, dep: Deployment) -> Iterator[Started]:
+    """Start the deployment's cluster with the local launcher (nothing for an endpoint); stop it after."""
     if dep.endpoint is not None:
-        return sweep(cfg, dep, dep.connect(None), None)
+        yield Started(_sender(dep.connect(None)))
+        return
     pinning = cpu_sets(dep.num_workers) if dep.pin_cpus else None
     children = start_cluster(
         dep.workers,
@@ -161,61 +82,147 @@ def run_deployment(cfg: ExperimentConfig, dep: Deployment) -> list[dict]:
         devices=list(dep.devices) or None,
     )
     try:
-        return sweep(cfg, dep, dep.connect(children[0]), pinning)
+        yield Started(_sender(dep.connect(children[0])), pinning)
     finally:
         stop_cluster(children)
 
 
-def sweep(cfg: ExperimentConfig, dep: Deployment, connect: Connect, pinning: list[str] | None) -> list[dict]:
-    """Warm the deployment up, then run every workload at every rate."""
-    _, first_workload = cfg.workloads[0]
+def run_seed(base: int, rate: float, repeat: int) -> int:
+    """A workload seed per (rate, repeat): fresh prompts for every run of a deployment (repeating them would
+    turn later runs into prefix-cache hits), the same ones for every deployment (identical load).
+    A string seed is hashed with SHA-512 by random, so this is the same in every process."""
+    return random.Random(f"{base}/{rate!r}/{repeat}").randrange(2**31)
+
+
+def sized(workload: WorkloadConfig, duration_s: float | None) -> WorkloadConfig:
+    """The workload sized by time when a duration is set (its own, else [sweep] duration_s): Poisson and
+    burst arrivals get enough requests that sending stops at the duration, not when they run out, so the
+    arrivals are the process the rate promises over the whole run."""
+    duration = workload.duration_s if workload.duration_s is not None else duration_s
+    if duration is None or workload.arrival == "concurrency":
+        return workload
+    if workload.arrival not in ("poisson", "burst"):  # a trace: its rows, cut at the duration
+        return replace(workload, duration_s=duration)
+    per_arrival = workload.burst_size if workload.arrival == "burst" else 1
+    expected = workload.rate * duration
+    # A Poisson count exceeds its mean by 8 standard deviations (+8) with negligible probability.
+    enough = math.ceil(expected + 8 * math.sqrt(expected) + 8) * per_arrival
+    return replace(workload, duration_s=duration, num_requests=enough)
+
+
+def planned_span(workload: WorkloadConfig) -> float | None:
+    """The send span the measurement window is cut from: the duration for time-sized Poisson and burst
+    runs, None (the last send) otherwise."""
+    return workload.duration_s if workload.arrival in ("poisson", "burst") else None
+
+
+@dataclass
+class RateRuns:
+    """One started deployment x one workload, run at offered rates `repeats` times each, once per rate:
+    every SLO's goodput search reads the same runs."""
+
+    cfg: ExperimentConfig
+    dep: Deployment
+    started: Started
+    workload_name: str
+    workload: WorkloadConfig
+    by_rate: dict[float, list[dict]] = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)  # in the order they ran
+
+    def ensure(self, rates: Sequence[float]) -> None:
+        """Run the rates not run yet: repeat by repeat over all of them (not rate by rate), so a slow drift
+        of the machine spreads over every rate instead of biasing one."""
+        missing = [r for r in dict.fromkeys(rates) if r not in self.by_rate]
+        for repeat in range(self.cfg.sweep.repeats):
+            for rate in missing:
+                run = self._run(rate, repeat)
+                self.by_rate.setdefault(rate, []).append(run)
+                self.runs.append(run)
+
+    def attainment(self, rate: float, slo: str) -> list[float]:
+        self.ensure([rate])
+        return [run["stats"]["slos"][slo]["both"] for run in self.by_rate[rate]]
+
+    def _run(self, rate: float, repeat: int) -> dict:
+        repeats = self.cfg.sweep.repeats
+        print(f"[experiment] {self.dep.name} / {self.workload_name} / {rate} req/s / {repeat + 1} of {repeats}")
+        seed = run_seed(self.workload.seed, rate, repeat)
+        workload = sized(replace(self.workload, rate=rate, seed=seed), self.cfg.sweep.duration_s)
+        records, seconds = self.started.send(workload, True)
+        stats = run_stats(records, rate, self.cfg.slos, self.cfg.sweep.window, planned_span(workload))
+        return {
+            "deployment": self.dep.name,
+            "workload": self.workload_name,
+            "rate": rate,
+            "repeat": repeat,
+            "seed": seed,
+            "budget": self.dep.budget,
+            "api": self.dep.protocol,
+            "endpoint": self.dep.endpoint,
+            "cpu_sets": self.started.cpu_sets,
+            "duration_s": planned_span(workload),
+            "summary": summarize(records, seconds).to_dict(),  # every record, no SLO: latencies as sent
+            "stats": stats.to_dict(),  # the counted records: realised rate, attainment per SLO
+            "goodput": {name: s.met_rate for name, s in stats.slos.items()},
+            "records": [asdict(r) for r in records],
+        }
+
+
+def warm_up(cfg: ExperimentConfig, started: Started, workloads: Workloads) -> None:
+    """A few requests one at a time before anything is measured (first-call compilation, allocator growth)."""
+    if not cfg.warmup_requests:
+        return
+    _, first = workloads[0]
+    # A trace's first rows only (a trace sends all its rows, whatever num_requests says).
+    rows = cfg.warmup_requests if first.trace is not None else first.trace_max_rows
     warmup = replace(
-        first_workload,
+        first,
         num_requests=cfg.warmup_requests,
         arrival="concurrency",
         concurrency=1,
         duration_s=None,
-        seed=first_workload.seed + 999_999,
+        trace_max_rows=rows,
     )
-    asyncio.run(measure(connect, warmup, SLO(), show_progress=False))
-    runs = []
-    for workload_name, workload in cfg.workloads:
-        for i, rate in enumerate(cfg.rates):
-            print(f"[experiment] {dep.name} / {workload_name} / {rate} req/s", flush=True)
-            # Fresh prompts per rate: repeating them would turn later rates into prefix-cache hits.
-            run_workload = replace(workload, rate=rate, seed=workload.seed + 1000 * (i + 1))
-            summary, records = asyncio.run(measure(connect, run_workload, SLO()))
-            goodput = {name: summarize(records, summary.duration_s, slo).goodput for name, slo in cfg.slos}
-            runs.append(
-                {
-                    "deployment": dep.name,
-                    "workload": workload_name,
-                    "rate": rate,
-                    "api": dep.protocol,
-                    "endpoint": dep.endpoint,
-                    "cpu_sets": pinning,
-                    "summary": summary.to_dict(),
-                    "goodput": goodput,
-                    "records": [asdict(r) for r in records],
-                }
-            )
+    started.send(replace(warmup, seed=first.seed + 999_999), False)
+
+
+def measure_deployment(cfg: ExperimentConfig, started: Started, dep: Deployment, workloads: Workloads) -> list[dict]:
+    """Warm up, then for each workload: every grid rate, then the goodput search's extra rates per SLO."""
+    warm_up(cfg, started, workloads)
+    runs: list[dict] = []
+    for name, workload in workloads:
+        rate_runs = RateRuns(cfg, dep, started, name, workload)
+        rate_runs.ensure(cfg.sweep.rates)
+        for slo_name, slo in cfg.slos:
+            # Run for the rates it makes run; analysis.py repeats the search over the recorded runs.
+            probe = partial(rate_runs.attainment, slo=slo_name)
+            search_goodput(probe, cfg.sweep.rates, slo.attainment, cfg.search, cfg.sweep.interval)
+        runs += rate_runs.runs
     return runs
 
 
-def run_experiment(cfg: ExperimentConfig, out: Path) -> list[dict]:
+def run_experiment(cfg: ExperimentConfig, out: Path, start: Start = start_deployment) -> list[dict]:
+    """Every planned deployment in turn; then runs.json (settings, runs, their analysis), plots, summary."""
     from splitserve.experiments.plots import write_plots
     from splitserve.experiments.summary import write_summary
 
     out.mkdir(parents=True, exist_ok=True)
-    runs = [run for dep in cfg.deployments for run in run_deployment(cfg, dep)]
+    runs: list[dict] = []
+    for dep, workloads in cfg.plan():
+        with start(cfg, dep) as started:
+            runs += measure_deployment(cfg, started, dep, workloads)
+    analysis = analyze(runs, cfg)
     settings = {
         "config": cfg.settings,
         "cpus": sorted(os.sched_getaffinity(0)),
         "slos": {name: asdict(slo) for name, slo in cfg.slos},
+        "sweep": asdict(cfg.sweep),
+        "goodput_search": asdict(cfg.search),
     }
-    (out / "runs.json").write_text(json.dumps({"settings": settings, "runs": runs}, indent=1))
-    write_plots(runs, cfg, out)
-    write_summary(runs, cfg, out)
+    report = {"settings": settings, "analysis": analysis.to_dict(), "runs": runs}
+    (out / "runs.json").write_text(json.dumps(report, indent=1))
+    write_plots(runs, analysis, cfg, out)
+    write_summary(runs, analysis, cfg, out)
     return runs
 
 

@@ -1,4 +1,10 @@
-"""PNG plots of an experiment (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of an experiment (matplotlib, Agg backend: no display needed).
+
+Per workload: latency percentiles vs offered rate (means over repeats), SLO attainment vs offered rate
+(TTFT, TPOT, both; one row per SLO; the target as a horizontal line; interval error bars; each
+deployment's DistServe goodput as a dotted vertical line), goodput per worker vs offered rate, and TTFT /
+TPOT CDFs. With a [pd_sweep]: one heat map of goodput per worker, layouts x prompt:output ratios.
+"""
 
 from __future__ import annotations
 
@@ -9,75 +15,144 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
+from splitserve.experiments.analysis import Analysis, Point, pd_grid  # noqa: E402
+from splitserve.experiments.config import ExperimentConfig  # noqa: E402
+from splitserve.experiments.intervals import Interval  # noqa: E402
 from splitserve.experiments.stats import RequestRecord  # noqa: E402
 
 
-def _series(runs: list[dict], workload: str):
-    by_dep: dict[str, list[dict]] = {}
+def _runs_by_deployment(runs: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
     for run in runs:
-        if run["workload"] == workload:
-            by_dep.setdefault(run["deployment"], []).append(run)
-    return {dep: sorted(rs, key=lambda r: r["rate"]) for dep, rs in by_dep.items()}
+        out.setdefault(run["deployment"], []).append(run)
+    return out
 
 
-def _percentile_plot(runs, workload: str, metric: str, label: str, path: Path) -> None:
+def _points_by_deployment(points: list[Point]) -> dict[str, list[Point]]:
+    out: dict[str, list[Point]] = {}
+    for p in points:  # analysis.points_of: sorted by rate within each deployment
+        out.setdefault(p.deployment, []).append(p)
+    return out
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _errorbar(ax, rates: list[float], intervals: list[Interval], **style) -> None:
+    """Means with their intervals as error bars (none for a single repeat)."""
+    means = [i.mean for i in intervals]
+    below = [i.mean - i.lo if i.lo is not None else 0.0 for i in intervals]
+    above = [i.hi - i.mean if i.hi is not None else 0.0 for i in intervals]
+    ax.errorbar(rates, means, yerr=[below, above], capsize=3, **style)
+
+
+def _percentile_plot(runs: list[dict], metric: str, label: str, title: str, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for dep, rs in _series(runs, workload).items():
-        rates = [r["rate"] for r in rs]
+    for dep, rs in _runs_by_deployment(runs).items():
+        rates = sorted({r["rate"] for r in rs})
         for q, style in (("p50", "-o"), ("p90", "--s")):
-            ax.plot(rates, [r["summary"][metric][q] or float("nan") for r in rs], style, label=f"{dep} {q}")
-    ax.set(xlabel="request rate (req/s)", ylabel=f"{label} (ms)", title=f"{label} vs rate ({workload})")
+            values = [[r["summary"][metric][q] for r in rs if r["rate"] == rate] for rate in rates]
+            means = [sum(v) / len(v) if None not in v else float("nan") for v in values]
+            ax.plot(rates, means, style, label=f"{dep} {q}")
+    ax.set(xlabel="offered rate (req/s)", ylabel=f"{label} (ms, mean over repeats)", title=f"{label} vs rate ({title})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
-def _goodput_plot(runs, workload: str, slo_names: list[str], path: Path) -> None:
+def _attainment_plot(analysis: Analysis, cfg: ExperimentConfig, workload: str, path: Path) -> None:
+    slos = cfg.slos
+    fig, axes = plt.subplots(len(slos), 3, figsize=(15, 4.2 * len(slos)), squeeze=False)
+    points = _points_by_deployment(analysis.points_of(workload))
+    for row, (slo, objectives) in zip(axes, slos):
+        for ax, part in zip(row, ("ttft", "tpot", "both")):
+            for n, (dep, ps) in enumerate(points.items()):
+                intervals = [getattr(p.slos[slo], part) for p in ps]
+                _errorbar(ax, [p.rate for p in ps], intervals, fmt="-o", color=f"C{n}", label=dep)
+                knee = analysis.knee(dep, workload, slo)
+                if part == "both" and knee is not None and knee.result.goodput:
+                    ax.axvline(knee.result.goodput, color=f"C{n}", linestyle=":", alpha=0.7)
+            ax.axhline(objectives.attainment, color="black", linestyle="--", linewidth=1, label="target")
+            what = {"ttft": "TTFT met", "tpot": "TPOT met", "both": "both met (SLO attainment)"}[part]
+            ax.set(xlabel="offered rate (req/s)", ylabel="share of counted requests", ylim=(-0.03, 1.03))
+            ax.set_title(f"{what}, SLO {slo} ({workload})", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    _save(fig, path)
+
+
+def _goodput_plot(analysis: Analysis, cfg: ExperimentConfig, workload: str, path: Path) -> None:
+    slo_names = [name for name, _ in cfg.slos]
     fig, axes = plt.subplots(1, len(slo_names), figsize=(6 * len(slo_names), 4.5), squeeze=False)
+    points = _points_by_deployment(analysis.points_of(workload))
     for ax, slo in zip(axes[0], slo_names):
-        for dep, rs in _series(runs, workload).items():
-            ax.plot([r["rate"] for r in rs], [r["goodput"][slo] for r in rs], "-o", label=dep)
-        ax.set(xlabel="request rate (req/s)", ylabel="goodput (req/s)", title=f"goodput, SLO {slo} ({workload})")
+        for dep, ps in points.items():
+            _errorbar(ax, [p.rate for p in ps], [p.slos[slo].goodput_per_worker for p in ps], fmt="-o", label=dep)
+        ax.set(xlabel="offered rate (req/s)", ylabel="req/s meeting the SLO, per worker")
+        ax.set_title(f"goodput per worker, SLO {slo} ({workload})", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
-def _cdf_plot(runs, workload: str, path: Path) -> None:
-    """TTFT and TPOT CDFs of each deployment at its highest rate."""
+def _cdf_plot(runs: list[dict], rates: tuple[float, ...], workload: str, path: Path) -> None:
+    """TTFT and TPOT CDFs of each deployment at its highest grid rate, all repeats pooled."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for dep, rs in _series(runs, workload).items():
-        top = rs[-1]
-        ok = [rec for rec in (RequestRecord(**r) for r in top["records"]) if rec.ok]
+    for dep, rs in _runs_by_deployment(runs).items():
+        top = max((r["rate"] for r in rs if r["rate"] in rates), default=max(r["rate"] for r in rs))
+        ok = [rec for r in rs if r["rate"] == top for rec in map(lambda d: RequestRecord(**d), r["records"]) if rec.ok]
         ttft = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s is not None)
         tpot = sorted(t * 1e3 for r in ok if (t := r.tpot_s) is not None)
         for ax, values in ((axes[0], ttft), (axes[1], tpot)):
             if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{dep} @ {top['rate']}")
+                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{dep} @ {top}")
     for ax, name in zip(axes, ("TTFT (ms)", "TPOT (ms)")):
         ax.set(xlabel=name, ylabel="fraction of requests", title=f"{name} CDF ({workload})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
-def write_plots(runs: list[dict], cfg, out: Path) -> list[Path]:
-    paths = []
+def _pd_heatmap(analysis: Analysis, cfg: ExperimentConfig, path: Path) -> None:
+    assert cfg.pd_sweep is not None
     slo_names = [name for name, _ in cfg.slos]
-    for workload, _ in cfg.workloads:
-        stem = out / workload.replace("/", "_").replace(" ", "_")
+    num_rows, num_columns = len(cfg.pd_sweep.layouts()), len(cfg.pd_workloads())
+    size = (len(slo_names) * (3 + 1.4 * num_columns), 1.8 + 0.6 * num_rows)
+    fig, axes = plt.subplots(1, len(slo_names), figsize=size, squeeze=False)
+    for ax, slo in zip(axes[0], slo_names):
+        layouts, workloads, values = pd_grid(analysis, cfg, slo)
+        grid = [[float("nan") if v is None else v for v in row] for row in values]
+        image = ax.imshow(grid, cmap="viridis", aspect="auto")
+        for i, row in enumerate(values):
+            for j, v in enumerate(row):
+                light = v is not None and image.norm(v) > 0.6  # viridis is yellow at the top: dark text there
+                text = "-" if v is None else f"{v:.3g}"
+                ax.text(j, i, text, ha="center", va="center", color="black" if light else "white", fontsize=9)
+        ax.set_xticks(range(len(workloads)), [w.rsplit(" ", 1)[-1] for w in workloads])
+        ax.set_yticks(range(len(layouts)), layouts)
+        ax.set(xlabel="prompt:output length ratio", ylabel="layout", title=f"goodput per worker (req/s), SLO {slo}")
+        fig.colorbar(image, ax=ax)
+    _save(fig, path)
+
+
+def write_plots(runs: list[dict], analysis: Analysis, cfg: ExperimentConfig, out: Path) -> list[Path]:
+    paths = []
+    for workload in analysis.workloads():
+        stem = out / workload.replace("/", "_").replace(" ", "_").replace(":", "-")
+        wruns = [r for r in runs if r["workload"] == workload]
         for metric, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
-            path = Path(f"{stem}-{metric.removesuffix('_ms')}_vs_rate.png")
-            _percentile_plot(runs, workload, metric, label, path)
-            paths.append(path)
+            paths.append(Path(f"{stem}-{metric.removesuffix('_ms')}_vs_rate.png"))
+            _percentile_plot(wruns, metric, label, workload, paths[-1])
+        paths.append(Path(f"{stem}-attainment_vs_rate.png"))
+        _attainment_plot(analysis, cfg, workload, paths[-1])
         paths.append(Path(f"{stem}-goodput_vs_rate.png"))
-        _goodput_plot(runs, workload, slo_names, paths[-1])
+        _goodput_plot(analysis, cfg, workload, paths[-1])
         paths.append(Path(f"{stem}-latency_cdf.png"))
-        _cdf_plot(runs, workload, paths[-1])
+        _cdf_plot(wruns, cfg.sweep.rates, workload, paths[-1])
+    if cfg.pd_sweep is not None:
+        paths.append(out / "pd_sweep-goodput_per_worker.png")
+        _pd_heatmap(analysis, cfg, paths[-1])
     return paths

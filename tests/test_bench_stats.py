@@ -49,6 +49,7 @@ def test_goodput_counts_requests_meeting_both_objectives():
     s = summarize(records, duration_s=2.0, slo=SLO(ttft_ms=500, tpot_ms=100))
     assert s.num_requests == 5 and s.num_ok == 4
     assert s.goodput == pytest.approx(2 / 2.0) and s.slo_attainment == pytest.approx(2 / 5)
+    assert s.ttft_attainment == pytest.approx(3 / 5) and s.tpot_attainment == pytest.approx(3 / 5)
     assert s.request_throughput == pytest.approx(4 / 2.0)
     assert s.output_throughput == pytest.approx((3 + 3 + 3 + 2) / 2.0)
     assert s.errors == {"UNAVAILABLE": 1}
@@ -58,6 +59,9 @@ def test_goodput_counts_requests_meeting_both_objectives():
 
 def test_slo_parsing():
     assert SLO.parse("ttft_ms=500,tpot_ms=50") == SLO(500, 50)
+    assert SLO.parse("ttft_ms=500,attainment=0.99") == SLO(500, None, 0.99)
+    with pytest.raises(ValueError, match="attainment"):
+        SLO(attainment=1.5)
     assert SLO.parse("tpot_ms=20") == SLO(None, 20) and SLO.parse("") == SLO()
     with pytest.raises(ValueError, match="ttft_ms=N"):
         SLO.parse("latency=3")
@@ -123,14 +127,20 @@ def test_balanced_prefixes_get_equal_shares_in_random_order():
 def test_shipped_experiment_configs_load():
     from splitserve.experiments.experiment import load_config
 
-    configs = sorted((Path(__file__).resolve().parents[1] / "experiments" / "configs").glob("*.toml"))
-    assert [p.name for p in configs] == ["cpu-smollm2.toml", "gpu-8x.toml", "gpu-vs-vllm.toml"]
-    for path in configs:
+    folder = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+    configs = {p.name: p for p in folder.glob("*.toml")}
+    assert {"cpu-smollm2.toml", "gpu-8x.toml", "gpu-vs-vllm.toml"} <= set(configs)
+    for path in configs.values():
         cfg = load_config(path)
-        assert cfg.deployments and cfg.rates and cfg.workloads, path
-    vs = {d.name: d for d in load_config(configs[2]).deployments}
+        assert cfg.plan() and cfg.rates and cfg.workloads, path
+    vs = {d.name: d for d in load_config(configs["gpu-vs-vllm.toml"]).deployments}
     assert vs["vllm"].endpoint == "http://127.0.0.1:8001" and vs["vllm"].protocol == "completions"
+    assert vs["vllm"].budget == 1 and vs["splitserve 1P1D"].budget == 2
     assert vs["splitserve 1P1D"].endpoint is None and vs["splitserve 1P1D"].protocol == "completions"
+    cpu = load_config(configs["cpu-smollm2.toml"])
+    assert (cpu.sweep.repeats, cpu.sweep.duration_s, cpu.sweep.warmup_s, cpu.sweep.cooldown_s) == (3, 60, 10, 10)
+    gpu = load_config(configs["gpu-8x.toml"])  # the P:D sweep's layouts are the listed unified x2 and 1P1D
+    assert [d.name for d, _ in gpu.plan()] == ["unified x2", "1P1D", "1P2D", "2P1D"]
 
 
 def test_deployments_are_a_cluster_shape_or_an_endpoint():

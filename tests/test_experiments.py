@@ -71,6 +71,7 @@ def test_bench_reports_every_request(system, tmp_path, arrival, capsys):
 
 
 def test_tiny_experiment_writes_report_and_plots(tiny_llama_dir, tmp_path):
+    """Two deployments, two rates, two repeats of 1.5 s each with 0.25 s warm-up and cool-down excluded."""
     argv = json.dumps(engine_argv(tiny_llama_dir))
     config = tmp_path / "tiny.toml"
     config.write_text(f"""
@@ -94,31 +95,55 @@ prefill = 1
 decode = 1
 [sweep]
 rates = [4.0, 8.0]
+repeats = 2
+duration_s = 1.5
+warmup_s = 0.25
+cooldown_s = 0.25
 [[workloads]]
 name = "short"
-num_requests = 4
 prompt_len = "uniform:8:40"
 output_len = "6"
 vocab_high = 300
 """)
     out = tmp_path / "report"
     runs = run_experiment(load_config(config), out)
-    assert [(r["deployment"], r["rate"]) for r in runs] == [
-        ("unified x1", 4.0),
-        ("unified x1", 8.0),
-        ("1P1D", 4.0),
-        ("1P1D", 8.0),
+    assert [(r["deployment"], r["rate"], r["repeat"]) for r in runs] == [
+        (dep, rate, repeat) for dep in ("unified x1", "1P1D") for repeat in (0, 1) for rate in (4.0, 8.0)
     ]
-    assert all(r["summary"]["num_ok"] == 4 for r in runs)
-    assert all(r["goodput"]["impossible"] == 0 and r["goodput"]["loose"] > 0 for r in runs)
-    assert runs[0]["cpu_sets"] and runs[2]["cpu_sets"] is None
+    for r in runs:
+        sent = [rec["start_s"] for rec in r["records"]]
+        assert r["summary"]["num_ok"] == len(sent) and max(sent) < 1.5 + 0.1  # sized by duration
+        counted = sum(0.25 <= t <= 1.25 for t in sent)
+        assert r["stats"]["num_counted"] == counted < len(sent)  # the first send (t = 0) is never counted
+        assert r["stats"]["realised_rate"] == pytest.approx(counted / 1.0)
+        assert r["goodput"]["impossible"] == 0 and r["goodput"]["loose"] == pytest.approx(counted / 1.0)
+    assert runs[0]["seed"] == runs[4]["seed"] != runs[2]["seed"]  # same load for each deployment, fresh per repeat
+    assert runs[0]["cpu_sets"] and runs[4]["cpu_sets"] is None
     saved = json.loads((out / "runs.json").read_text())
-    assert len(saved["runs"]) == 4 and saved["settings"]["config"]["name"] == "tiny"
+    assert len(saved["runs"]) == 8 and saved["settings"]["config"]["name"] == "tiny"
+    points = saved["analysis"]["points"]
+    assert len(points) == 4 and all(
+        p["realised_rate"]["n"] == 2 and p["realised_rate"]["lo"] is not None for p in points
+    )
+    knees = {(k["deployment"], k["slo"]): k for k in saved["analysis"]["knees"]}
+    assert knees[("unified x1", "loose")]["result"]["goodput"] == 8.0  # every rate met it: the top of the grid
+    assert knees[("1P1D", "loose")]["per_worker"]["goodput"] == 4.0  # two workers
+    assert knees[("1P1D", "impossible")]["result"]["goodput"] == 0.0
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs == sorted(
         f"short-{n}.png"
-        for n in ("ttft_vs_rate", "tpot_vs_rate", "itl_vs_rate", "e2e_vs_rate", "goodput_vs_rate", "latency_cdf")
+        for n in (
+            "ttft_vs_rate",
+            "tpot_vs_rate",
+            "itl_vs_rate",
+            "e2e_vs_rate",
+            "attainment_vs_rate",
+            "goodput_vs_rate",
+            "latency_cdf",
+        )
     )
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     summary = (out / "summary.md").read_text()
-    assert "Best for SLO `loose`" in summary and "| 1P1D | 8.0 | 4/4 |" in summary
+    assert "### Goodput, SLO `loose`" in summary and "| 1P1D | 8.0 |" in summary
+    # Every attainment is 100% (loose) or 0% (impossible) with zero spread: the intervals touch.
+    assert "not distinguishable at this rate: 1P1D, unified x1" in summary
