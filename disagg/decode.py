@@ -23,11 +23,11 @@ from splitserve.disagg.handoff import (
     HandoffProtocolError,
     TransferDone,
 )
+from splitserve.disagg.rank_transfers import RankReceivers, Received
 from splitserve.disagg.transfer.base import KVReceiver, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import HandoffPort, Reservation
-from splitserve.engine.kv_cache.block_io import checksum
 from splitserve.engine.request import Request
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.worker.metrics import WorkerMetrics
@@ -56,6 +56,11 @@ class PrefillClient(ABC):
         """Stream FirstToken then TransferDone from the prefill worker at peer. wire is the request
         as this worker received it (forwarded as is), when it came over gRPC."""
 
+    async def tensor_parallel_size(self, peer: str) -> int:
+        """The ranks of the prefill worker at peer (what the plan of a handoff needs); a client that
+        cannot ask (in-process tests) reaches single-rank workers only."""
+        return 1
+
 
 class DecodeHandoff:
     def __init__(
@@ -69,6 +74,8 @@ class DecodeHandoff:
     ) -> None:
         self.engine, self.receiver, self.client, self.metrics = engine, receiver, client, metrics
         self.port = HandoffPort(engine)
+        self.ranks = RankReceivers(receiver, self.port)  # this worker's receiving ranks
+        self._peer_sizes: dict[str, int] = {}  # prefill workers' tensor-parallel sizes, asked once
         self.reserve_timeout_s = reserve_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.landings: set[asyncio.Task] = set()  # transfers in flight (drain waits for them)
@@ -149,18 +156,18 @@ class DecodeHandoff:
             await asyncio.sleep(0.02)
 
     async def _ask(self, reservation: Reservation, peer: str, wire: pb.WorkerGenerateRequest | None):
-        channel = self.receiver.channel_for(peer)
-        job = HandoffJob(channel, self.receiver.next_tag(channel), reservation.num_held_blocks, self.port.kv_layout)
-        events = aiter(self.client.prefill(peer, reservation.request, wire, job))
+        job: HandoffJob | None = None
         try:
+            job = await self._job(reservation, peer)
+            events = aiter(self.client.prefill(peer, reservation.request, wire, job))
             first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
             if not isinstance(first, FirstToken):
                 raise HandoffProtocolError(f"expected the first token, got {type(first).__name__}")
         except HandoffError:
-            self.receiver.drop(channel)
+            self._forget(peer, job)
             raise
         except PREFILL_FAILURES as e:
-            self.receiver.drop(channel)
+            self._forget(peer, job)
             if self.metrics is not None:
                 self.metrics.observe_transfer_failure(TransferFailure.PREFILL_FAILED)
             raise HandoffError(
@@ -169,6 +176,19 @@ class DecodeHandoff:
                 failed_peer=peer,
             ) from None
         return first, job, events
+
+    async def _job(self, reservation: Reservation, peer: str) -> HandoffJob:
+        size = self._peer_sizes.get(peer)
+        if size is None:
+            size = self._peer_sizes[peer] = await self.client.tensor_parallel_size(peer)
+        pieces = await self.ranks.plan(peer, size)
+        return HandoffJob(pieces, reservation.num_held_blocks, self.port.kv_layout, self.port.tensor_parallel_size)
+
+    def _forget(self, peer: str, job: HandoffJob | None) -> None:
+        """Before the first token: the peer's size is asked again next time, the job's channels dropped."""
+        self._peer_sizes.pop(peer, None)
+        for piece in job.pieces if job is not None else ():
+            self.ranks.drop(piece)
 
     async def _land(self, reservation: Reservation, job: HandoffJob, first: FirstToken, events) -> float:
         """The landing under its span (a child of the request's: this task inherits its context); returns
@@ -180,30 +200,25 @@ class DecodeHandoff:
     async def _land_or_recompute(
         self, reservation: Reservation, job: HandoffJob, first: FirstToken, events, span: Span
     ) -> None:
-        """Receive the blocks and admit the request, or fall back to recomputing the prompt here."""
+        """Receive every piece and admit the request, or fall back to recomputing the prompt here."""
         rid = reservation.request.request_id
-        staging = self.port.acquire_staging(first.num_blocks)
-        buffer = staging.tensor
         try:
             if first.num_blocks != reservation.num_blocks_to_land:
                 raise HandoffProtocolError(
                     f"the prefill worker announced {first.num_blocks} blocks, "
                     f"{reservation.num_blocks_to_land} were reserved"
                 )
-            done, seconds = await self._receive(job, buffer, events)
-            if done.checksum != checksum(buffer):
-                raise TransferError(TransferFailure.CHECKSUM, f"KV checksum mismatch on transfer {job.tag}")
-            admitted = await self.port.land(reservation, buffer)
-            self.port.release_staging(staging)  # copied into the cache (or discarded): reusable
-            if self.metrics is not None:
-                self.metrics.observe_transfer("received", done.num_blocks, done.num_bytes, seconds)
+            done, received = await self._receive(job, first.num_blocks, events)
+            admitted = await self._admit(reservation, job, done, received)
+            num_bytes, seconds = self._observe_received(done, received)
             log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)
-            span.set_attributes({"splitserve.num_bytes": done.num_bytes, "splitserve.transfer_ms": seconds * 1e3})
+            span.set_attributes({"splitserve.num_bytes": num_bytes, "splitserve.transfer_ms": seconds * 1e3})
         except PREFILL_FAILURES as e:
             fail(span, f"KV transfer failed: {_describe(e)}")
             reason = e.reason if isinstance(e, TransferError) else TransferFailure.PREFILL_FAILED
             if reason.drops_channel:
-                self.receiver.drop(job.channel)
+                for piece in job.pieces:
+                    self.ranks.drop(piece)
             if self.metrics is not None:
                 self.metrics.observe_transfer_failure(reason)
             if await self.port.recompute(reservation):
@@ -212,27 +227,70 @@ class DecodeHandoff:
                 if self.metrics is not None:
                     self.metrics.observe_recompute_fallback()
 
-    async def _receive(self, job: HandoffJob, buffer, events) -> tuple[TransferDone, float]:
-        """Post the receive and read the sender's report together; the first failure wins."""
-        if buffer.shape[2] == 0:
-            return await anext(events), 0.0
-        recv = asyncio.ensure_future(self.receiver.recv(job.channel, job.tag, buffer))
+    async def _admit(
+        self, reservation: Reservation, job: HandoffJob, done: TransferDone, received: list[Received]
+    ) -> bool:
+        """Every CRC checked, every rank writes its pieces (between steps), then the request joins the batch."""
+        try:
+            _check_pieces(job, done, received)
+            admitted = await self.port.land(reservation, [r.piece for r in received])
+        except BaseException:
+            for r in received:
+                self.ranks.release(r, committed=False)
+            raise
+        for r in received:
+            self.ranks.release(r, committed=admitted)
+        return admitted
+
+    def _observe_received(self, done: TransferDone, received: list[Received]) -> tuple[int, float]:
+        """(bytes, seconds) of the pieces every rank received (the slowest piece's time), counted."""
+        num_bytes = sum(r.report.num_bytes for r in received)
+        seconds = max((r.report.seconds for r in received), default=0.0)
+        if self.metrics is not None:
+            self.metrics.observe_transfer("received", done.num_blocks, num_bytes, seconds)
+            for r in received:
+                self.metrics.observe_rank_bytes("received", r.piece.rank, r.report.num_bytes)
+        return num_bytes, seconds
+
+    async def _receive(self, job: HandoffJob, num_blocks: int, events) -> tuple[TransferDone, list[Received]]:
+        """Post every piece's receive and read the sender's report together; the first failure wins
+        (pieces that land anyway are discarded)."""
+        if num_blocks == 0:
+            return await anext(events), []
+        recvs = [asyncio.ensure_future(self.ranks.recv(piece, num_blocks)) for piece in job.pieces]
         report = asyncio.ensure_future(asyncio.wait_for(anext(events), self.transfer_timeout_s * 2))
         try:
-            await asyncio.wait({recv, report}, return_when=asyncio.FIRST_EXCEPTION)
-            for task in (recv, report):
+            await asyncio.wait({*recvs, report}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in (*recvs, report):
                 error = task.exception() if task.done() else None
                 if error is not None:
                     raise error
             done = report.result()
             if not isinstance(done, TransferDone):
                 raise HandoffProtocolError(f"expected the transfer report, got {type(done).__name__}")
-            return done, recv.result()
+            return done, [recv.result() for recv in recvs]
+        except BaseException:
+            for recv in recvs:
+                recv.add_done_callback(self._discard_landed)
+            raise
         finally:
-            for task in (recv, report):
-                if not task.done():
-                    task.cancel()
-                task.add_done_callback(_consume_error)
+            if not report.done():
+                report.cancel()
+            report.add_done_callback(_consume_error)
+
+    def _discard_landed(self, recv: asyncio.Future) -> None:
+        if not recv.cancelled() and recv.exception() is None:
+            self.ranks.release(recv.result(), committed=False)
+
+
+def _check_pieces(job: HandoffJob, done: TransferDone, received: list[Received]) -> None:
+    """Every piece's CRC as its rank received it equals the sender's (a mismatch: recompute)."""
+    if received and len(done.checksums) != len(received):
+        counts = f"{len(done.checksums)} checksums for {len(received)} pieces"
+        raise HandoffProtocolError(f"the transfer report has {counts}")
+    for piece, r, crc in zip(job.pieces, received, done.checksums):
+        if r.report.checksum != crc:
+            raise TransferError(TransferFailure.CHECKSUM, f"KV checksum mismatch on transfer {piece.tag}")
 
 
 class StageClock:

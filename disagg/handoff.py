@@ -7,28 +7,44 @@ splitserve.v1 messages in prefill_client.py; unit tests pass them directly).
        (prefix hits held here are not sent; no
        room within the reserve timeout ->
        RESOURCE_EXHAUSTED)
-    2. ask      Prefill RPC: the request as
-       received, the channel, a tag, how many      3. run the prompt (chunked prefill, its own
-       leading blocks to skip                         prefix cache) as a request that finishes at
-                                                      its first token and keeps its blocks (held,
-                                                      under a lease: engine/leases.py)
-    4. first token -> to the client at once    <-- FirstToken (token, logprobs, seeded sampler
+    2. plan     the pieces (disagg/plan.py: which
+       prefill rank sends which KV heads to which
+       decode rank), from both tensor-parallel
+       sizes (the prefill worker's: GetLoad, once
+       per peer); each receiving rank's channel to
+       its sending rank, and a tag per piece
+    3. ask      Prefill RPC: the request as
+       received, the pieces, how many leading      4. check the layout and that the pieces fit
+       blocks to skip                                 its size; run the prompt (chunked prefill,
+                                                      its own prefix cache) as a request that
+                                                      finishes at its first token and keeps its
+                                                      blocks (held, under a lease: leases.py)
+    5. first token -> to the client at once    <-- FirstToken (token, logprobs, seeded sampler
        (sampler state carried over)                   state, number of blocks)
-                                                   5. send the blocks (one message on the pair's
-    6. land     receive into a staging buffer,         channel, CRC computed meanwhile), release
-       check the CRC, then between steps copy     <-- them; TransferDone (bytes, CRC, time)
-       into the reserved blocks: the prompt counts
-       as computed and the request joins the batch
-    7. decode   in the continuous batch
+                                                   6. send every piece from its rank (rank 0
+    7. land     each receiving rank receives its       itself, a follower by SEND_KV), CRC each,
+       pieces into a staging buffer; every CRC        release the blocks once every piece is
+       checked, then between steps each rank      <-- sent or failed; TransferDone (bytes, one
+       writes its pieces into the reserved blocks     CRC per piece, time)
+       (COMMIT_KV for a follower): the prompt
+       counts as computed, the request joins the
+       batch
+    8. decode   in the continuous batch
+
+Two tiers of size 1 make one piece, rank 0 to rank 0 with every head: whole blocks on one channel
+(the Prefill RPC's channel and tag, no pieces on the wire). Ranks move their own heads: nothing is
+gathered through rank 0 (disagg/rank_transfers.py has the followers' side).
 
 Failures:
-- before the first token (prefill worker dead, RPC failed or timed out, protocol broken): the
-  reservation is freed, the client gets UNAVAILABLE naming the prefill worker, and the gateway
-  retries once on another pair;
-- after it (sender died, timeout, CRC mismatch, lease expired): the reservation is freed and the
-  prompt recomputed on the decode worker; the client sees no error;
-- cancel: decode frees the reservation at once; once the blocks were announced, the receive is
-  still posted (so the sender never waits on a receive that will not come) and discarded; the
+- before the first token (prefill worker dead, RPC failed or timed out, protocol broken, a plan that
+  does not fit its size): the reservation is freed, the client gets UNAVAILABLE naming the prefill
+  worker, and the gateway retries once on another pair (the peer's size is asked again next time);
+- after it (a sender died, a follower rank of either worker is gone, timeout, CRC mismatch, lease
+  expired): any piece failing fails the handoff; the reservation is freed and the prompt
+  recomputed on the decode worker; pieces that landed anyway are discarded; the client sees no
+  error;
+- cancel: decode frees the reservation at once; once the blocks were announced, the receives are
+  still posted (so the senders never wait on a receive that will not come) and discarded; the
   prefill worker releases the blocks after sending, or at once if the send had not started.
 The landing and the send each run in their own task, so a cancelled RPC never strands either side.
 docs/disaggregation.md has the failure table and the transfer layer.
@@ -40,18 +56,33 @@ from dataclasses import dataclass
 
 import grpc
 
+from splitserve.disagg.plan import Piece
 from splitserve.disagg.transfer.base import ChannelSpec
 from splitserve.engine.sampler import TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
-class HandoffJob:
-    """Decode -> prefill: where and what to send."""
+class PieceJob:
+    """One piece of a handoff, with where it goes: the receiving rank's channel to the sending rank."""
 
+    piece: Piece
     channel: ChannelSpec
-    tag: int
+    tag: int  # tells this piece apart from other transfers on its channel
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffJob:
+    """Decode -> prefill: what to send, and where."""
+
+    pieces: tuple[PieceJob, ...]  # in plan order (disagg/plan.py)
     num_skip_blocks: int  # leading prompt blocks the decode worker already holds
     kv_layout: str  # ModelRunner.kv_layout of the decode worker; must equal the prefill worker's
+    decode_size: int = 1  # the decode worker's tensor-parallel size
+
+    @property
+    def is_whole_blocks(self) -> bool:
+        """One piece, rank 0 to rank 0 of a single decode rank: every head of every block."""
+        return self.decode_size == 1 and len(self.pieces) == 1 and self.pieces[0].piece.src_rank == 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +102,8 @@ class TransferDone:
     """Prefill -> decode, once the blocks are sent."""
 
     num_blocks: int
-    num_bytes: int
-    checksum: int
+    num_bytes: int  # of every piece
+    checksums: tuple[int, ...]  # CRC-32 of each piece, in the job's order
     seconds: float
 
 

@@ -1,7 +1,8 @@
 """Prefill tier: compute a prompt, hand its first token and KV blocks to a decode worker.
 
 Lifecycle of a request here: waiting -> running (chunked prefill) -> held (finished at its first
-token; blocks kept under a lease) -> sent -> released (the whole handoff: disagg/handoff.py).
+token; blocks kept under a lease) -> sent (every piece, each from its rank) -> released (the whole
+handoff: disagg/handoff.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from collections.abc import AsyncIterator, Sequence
 
 from splitserve.common.tracing import stage, tracer
 from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, TransferDone
+from splitserve.disagg.plan import check_fits
+from splitserve.disagg.rank_transfers import PieceReport, connect_piece, send_piece
 from splitserve.disagg.transfer.base import KVSender, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import HandoffPort
-from splitserve.engine.kv_cache.block_io import checksum
 from splitserve.engine.request import Request
 from splitserve.worker.metrics import WorkerMetrics
 
@@ -33,12 +35,9 @@ async def prefill_and_send(
     Raises ValueError for a bad job, TransferError if the send fails. send_delay_s is a
     fault-injection hook for tests (a slow or stuck sender)."""
     port = HandoffPort(engine)
-    if job.kv_layout != port.kv_layout:
-        raise ValueError(
-            f"KV layout mismatch: the decode worker has {job.kv_layout}, this prefill worker "
-            f"has {port.kv_layout}; run both tiers with the same model, dtype and --block-size"
-        )
-    sender.connect(job.channel)  # build the pair's group while the prompt computes
+    _check_job(port, job)
+    for piece in job.pieces:
+        connect_piece(port, sender, piece)  # build the pairs' groups while the prompt computes
     started_ns = time.time_ns()
     final = await _run_prompt(engine, request)
     _trace_compute(started_ns, final)
@@ -56,6 +55,15 @@ async def prefill_and_send(
     yield await asyncio.shield(send)
 
 
+def _check_job(port: HandoffPort, job: HandoffJob) -> None:
+    if job.kv_layout != port.kv_layout:
+        raise ValueError(
+            f"KV layout mismatch: the decode worker has {job.kv_layout}, this prefill worker "
+            f"has {port.kv_layout}; run both tiers with the same model, dtype and --block-size"
+        )
+    check_fits([p.piece for p in job.pieces], port.num_kv_heads, port.tensor_parallel_size, job.decode_size)
+
+
 def _trace_compute(started_ns: int, final: RequestOutput) -> None:
     """The engine's queue time and compute time (to the first token), after the fact, as two spans."""
     scheduled_ns = started_ns + int(final.timings.queue_ms * 1e6)
@@ -67,10 +75,6 @@ def _trace_compute(started_ns: int, final: RequestOutput) -> None:
         "splitserve.num_cached_tokens": final.num_cached_tokens,  # prefix cache hits: not computed
     }
     tracer.start_span("prefill.compute", start_time=scheduled_ns, attributes=tokens).end(end_time=first_token_ns)
-
-
-async def _zero() -> float:
-    return 0.0
 
 
 def _consume_error(task: asyncio.Task) -> None:
@@ -117,25 +121,35 @@ async def _send_held(
             f"the KV of request {request_id} was released before its "
             "send started (its lease expired or it was aborted)",
         )
-    staging = port.acquire_staging(len(block_ids))
-    sent = False
     try:
         if send_delay_s:
             await asyncio.sleep(send_delay_s)
-        blocks = await port.read_held(block_ids, staging.tensor)
-        sending = asyncio.ensure_future(sender.send(job.channel, job.tag, blocks) if block_ids else _zero())
-        crc = await asyncio.to_thread(checksum, blocks)  # overlaps the send (both only read blocks)
-        seconds = await sending
-        sent = True
-    except TransferError as e:
-        if metrics is not None:
-            metrics.observe_transfer_failure(e.reason)
-        raise
+        sends = (send_piece(port, sender, piece, block_ids) for piece in job.pieces)
+        results = await asyncio.gather(*sends, return_exceptions=True)
     finally:
-        await port.release_held(request_id)
-        if sent:  # after a failure gloo may still be reading it: leave it to the garbage collector
-            port.release_staging(staging)
-    done = TransferDone(len(block_ids), blocks.numel() * blocks.element_size(), crc, seconds)
+        await port.release_held(request_id)  # every piece sent or failed
+    reports = _reports(results, metrics)
+    done = TransferDone(
+        len(block_ids),
+        sum(r.num_bytes for r in reports),
+        tuple(r.checksum for r in reports),
+        max((r.seconds for r in reports), default=0.0),
+    )
     if metrics is not None:
-        metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, seconds)
+        metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, done.seconds)
+        for piece, report in zip(job.pieces, reports):
+            metrics.observe_rank_bytes("sent", piece.piece.src_rank, report.num_bytes)
     return done
+
+
+def _reports(results: list, metrics: WorkerMetrics | None) -> list[PieceReport]:
+    """The pieces' reports, or the first failure raised (each counted once per handoff)."""
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, TransferError):
+            raise result
+    errors = [r for r in results if isinstance(r, TransferError)]
+    if errors:
+        if metrics is not None:
+            metrics.observe_transfer_failure(errors[0].reason)
+        raise errors[0]
+    return results

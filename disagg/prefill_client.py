@@ -1,5 +1,7 @@
-"""How a decode worker reaches prefill workers over gRPC (the Worker service's Prefill RPC), and
-the handoff events' wire form (FirstToken, TransferDone) on both sides."""
+"""How a decode worker reaches prefill workers over gRPC (the Worker service's Prefill RPC, and
+GetLoad for their size), and the handoff's wire form (the job, FirstToken, TransferDone) on both
+sides. A job of whole blocks (both tiers of size 1) goes out as it always did: channel and tag, no
+pieces."""
 
 from __future__ import annotations
 
@@ -15,10 +17,60 @@ from splitserve.common.wire import (
     logprobs_to_proto,
 )
 from splitserve.disagg.decode import PrefillClient
-from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, TransferDone
+from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, PieceJob, TransferDone
+from splitserve.disagg.plan import Piece
+from splitserve.disagg.transfer.base import ChannelSpec
 from splitserve.engine.request import Request
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+
+PEER_TIMEOUT_S = 10.0  # GetLoad of a prefill worker (its size, once per peer)
+
+
+def channel_to_proto(channel: ChannelSpec) -> pb.KVChannel:
+    return pb.KVChannel(store_address=channel.address, key=channel.key, secret=channel.secret)
+
+
+def channel_from_proto(msg: pb.KVChannel) -> ChannelSpec:
+    return ChannelSpec(msg.store_address, msg.key, msg.secret)
+
+
+def job_to_proto(job: HandoffJob, wire: pb.WorkerGenerateRequest) -> pb.PrefillRequest:
+    msg = pb.PrefillRequest(request=wire, num_skip_blocks=job.num_skip_blocks, kv_layout=job.kv_layout)
+    if job.is_whole_blocks:
+        (only,) = job.pieces
+        msg.channel.CopyFrom(channel_to_proto(only.channel))
+        msg.transfer_tag = only.tag
+        return msg
+    msg.decode_tensor_parallel_size = job.decode_size
+    for p in job.pieces:
+        heads = p.piece.heads
+        msg.pieces.append(
+            pb.KVPiece(
+                src_rank=p.piece.src_rank,
+                dst_rank=p.piece.dst_rank,
+                first_kv_head=heads.start,
+                num_kv_heads=len(heads),
+                channel=channel_to_proto(p.channel),
+                transfer_tag=p.tag,
+            )
+        )
+    return msg
+
+
+def job_from_proto(msg: pb.PrefillRequest, num_kv_heads: int) -> HandoffJob:
+    """num_kv_heads: the receiving worker's (a job of whole blocks carries every head)."""
+    pieces = tuple(
+        PieceJob(
+            Piece(p.src_rank, p.dst_rank, range(p.first_kv_head, p.first_kv_head + p.num_kv_heads)),
+            channel_from_proto(p.channel),
+            p.transfer_tag,
+        )
+        for p in msg.pieces
+    )
+    if not pieces:
+        pieces = (PieceJob(Piece(0, 0, range(num_kv_heads)), channel_from_proto(msg.channel), msg.transfer_tag),)
+    return HandoffJob(pieces, msg.num_skip_blocks, msg.kv_layout, msg.decode_tensor_parallel_size or 1)
 
 
 def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
@@ -34,12 +86,14 @@ def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
                 compute_ms=event.compute_ms,
             )
         )
+    one = len(event.checksums) == 1
     return pb.PrefillResponse(
         transfer_done=pb.TransferDone(
             num_blocks=event.num_blocks,
             num_bytes=event.num_bytes,
-            checksum_crc32=event.checksum,
+            checksum_crc32=event.checksums[0] if one else 0,
             send_ms=event.seconds * 1e3,
+            piece_checksums_crc32=[] if one else event.checksums,
         )
     )
 
@@ -51,7 +105,8 @@ def event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
         first_logprobs = logprobs[0] if logprobs else None
         return FirstToken(f.token_id, first_logprobs, f.sampler_state or None, f.num_blocks, f.queue_ms, f.compute_ms)
     d = msg.transfer_done
-    return TransferDone(d.num_blocks, d.num_bytes, d.checksum_crc32, d.send_ms / 1e3)
+    checksums = tuple(d.piece_checksums_crc32) or (d.checksum_crc32,)
+    return TransferDone(d.num_blocks, d.num_bytes, checksums, d.send_ms / 1e3)
 
 
 class GrpcPrefillClient(PrefillClient):
@@ -72,13 +127,7 @@ class GrpcPrefillClient(PrefillClient):
         if wire is None:
             raise ValueError("the gRPC prefill client forwards the request as this worker received it; got none")
         # Forwarded as received (the prefill worker validates it again, as it would any request).
-        msg = pb.PrefillRequest(
-            request=wire,
-            transfer_tag=job.tag,
-            num_skip_blocks=job.num_skip_blocks,
-            kv_layout=job.kv_layout,
-            channel=pb.KVChannel(store_address=job.channel.address, key=job.channel.key, secret=job.channel.secret),
-        )
+        msg = job_to_proto(job, wire)
         # A child of the current span (the request's); ends at TransferDone, after which nobody reads on.
         span = tracer.start_span("decode.prefill_rpc", kind=SpanKind.CLIENT, attributes={"splitserve.peer": peer})
         with ended(span):
@@ -93,6 +142,10 @@ class GrpcPrefillClient(PrefillClient):
                     yield event
             finally:
                 call.cancel()  # no-op once finished
+
+    async def tensor_parallel_size(self, peer: str) -> int:
+        load = await self._stub(peer).GetLoad(pb.GetLoadRequest(), timeout=PEER_TIMEOUT_S)
+        return load.tensor_parallel_size or 1
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -31,8 +31,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import torch
-
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.config import EngineConfig, RuntimeInfo
@@ -280,17 +278,15 @@ class Engine:
         self._apply(done)
         return done.outputs[0] if done.outputs else None
 
-    def admit_transferred(self, request_id: str, num_held: int, blocks: torch.Tensor) -> bool:
-        """Write the received blocks after the num_held already here, then let the request run.
+    def admit_transferred(self, request_id: str, num_held: int, write: Callable[[Sequence[int]], None]) -> bool:
+        """Write the received KV (write(block_ids): the reserved blocks after the num_held already
+        here), then let the request run.
 
         False (nothing written) if the request is gone: its reserved blocks may be reused already.
         """
         if request_id not in self.scheduler.awaiting_kv:
             return False
-        block_ids = self.kv.block_ids(request_id)[num_held:]
-        if len(block_ids) != blocks.shape[2]:
-            raise ValueError(f"transfer carried {blocks.shape[2]} blocks for {len(block_ids)} reserved ones")
-        self.runner.write_blocks(block_ids, blocks)
+        write(self.kv.block_ids(request_id)[num_held:])
         self.scheduler.admit_transferred(request_id)
         return True
 

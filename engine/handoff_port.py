@@ -8,7 +8,9 @@ Decode side:
                                 None while the pool cannot hold it; the reservation owns its
                                 blocks until it is landed, recomputed or the request ends
     accept_first_token(...)     the prefill worker's first token (and sampler state)
-    land(reservation, blocks)   write the received blocks, admit the request to the batch
+    land(reservation, pieces)   write the received KV heads into each rank's cache (rank 0's
+                                here, a follower's by COMMIT_KV, ordered before the next step),
+                                admit the request to the batch
     recompute(reservation)      drop the reservation, compute the prompt here instead
 
 Prefill side:
@@ -16,8 +18,9 @@ Prefill side:
                                 (the prefill policy, here and nowhere else)
     claim_held / read_held / release_held   the held blocks, under their lease (engine/leases.py)
 
-Both: staging buffers for the blocks in flight, load(), and the KV-event snapshot for the
-prefix index. Every mutation runs on the engine loop between steps (AsyncEngine.call).
+Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
+their KV transfers, disagg/rank_transfers.py), load(), and the KV-event snapshot for the prefix
+index. Every mutation runs on the engine loop between steps (AsyncEngine.call).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from splitserve.common.kv_events import KVCacheEvent
@@ -34,6 +38,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.kv_cache.staging import Staging
+from splitserve.engine.ranks import Followers, Message, Op, commit_to_wire
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import TokenLogprobs
 
@@ -56,6 +61,16 @@ class Reservation:
 
 
 @dataclass(frozen=True, slots=True)
+class LandedPiece:
+    """Decode side: KV heads one rank received for a reservation, not yet in its cache."""
+
+    rank: int
+    heads: range  # global KV heads
+    blocks: torch.Tensor | None  # rank 0's: [layers, 2, n, block_size, len(heads), head_dim]
+    tag: int  # a follower's name for its piece (it keeps the tensor): COMMIT_KV / DISCARD_KV
+
+
+@dataclass(frozen=True, slots=True)
 class EngineLoad:
     """What the worker reports (GetLoad, metrics, the drain log)."""
 
@@ -73,6 +88,7 @@ class EngineLoad:
     prefix_cache_hits: int
     num_lease_expiries: int
     num_failed_requests: int
+    tensor_parallel_size: int
 
     @property
     def is_idle(self) -> bool:
@@ -120,14 +136,28 @@ class HandoffPort:
             reservation.state = ReservationState.GONE
         return out
 
-    async def land(self, reservation: Reservation, blocks: torch.Tensor) -> bool:
-        """Write blocks ([layers, 2, n, ...], the prompt's blocks after the held ones) and admit the
-        request. False, writing nothing, if the request is gone."""
+    async def land(self, reservation: Reservation, pieces: Sequence[LandedPiece]) -> bool:
+        """Write every rank's pieces into the prompt's blocks after the held ones and admit the
+        request. False, writing nothing, if the request is gone (the caller discards the pieces)."""
         landed = await self._async.call(
-            self._engine.admit_transferred, reservation.request.request_id, reservation.num_held_blocks, blocks
+            self._engine.admit_transferred,
+            reservation.request.request_id,
+            reservation.num_held_blocks,
+            lambda block_ids: self._write_pieces(block_ids, pieces),
         )
         reservation.state = ReservationState.LANDED if landed else ReservationState.GONE
         return landed
+
+    def _write_pieces(self, block_ids: Sequence[int], pieces: Sequence[LandedPiece]) -> None:
+        """On the engine loop, between steps: a follower's COMMIT_KV reaches it before the next STEP."""
+        runner = self._engine.runner
+        for piece in pieces:
+            if piece.blocks is not None:
+                if piece.blocks.shape[2] != len(block_ids):
+                    raise ValueError(f"a piece carried {piece.blocks.shape[2]} blocks for {len(block_ids)} reserved")
+                runner.write_heads(block_ids, piece.heads, piece.blocks)
+            else:
+                self._followers.tell(piece.rank, Op.COMMIT_KV, *commit_to_wire(piece.tag, block_ids, piece.heads))
 
     async def recompute(self, reservation: Reservation) -> bool:
         """The transfer failed: free the reservation and prefill here. False if the request is gone."""
@@ -145,19 +175,44 @@ class HandoffPort:
     async def claim_held(self, request_id: str) -> bool:
         return await self._async.call(self._engine.claim_held, request_id)
 
-    async def read_held(self, block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
-        """Copy held blocks into out (claimed blocks are written by nobody: safe beside a step)."""
-        return await asyncio.to_thread(self._engine.runner.read_blocks, block_ids, out)
+    async def read_held(self, block_ids: Sequence[int], heads: range, out: torch.Tensor) -> torch.Tensor:
+        """Copy rank 0's slice of held blocks (these global KV heads) into out (claimed blocks are
+        written by nobody: safe beside a step)."""
+        return await asyncio.to_thread(self._engine.runner.read_heads, block_ids, heads, out)
 
     async def release_held(self, request_id: str) -> bool:
         return await self._async.call(self._engine.release_held, request_id)
 
     # -- both -----------------------------------------------------------------------------------
-    def acquire_staging(self, num_blocks: int) -> Staging:
-        return self._engine.runner.staging.acquire(num_blocks)
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._engine.runner.tp.size
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._engine.runner.arch.num_kv_heads
+
+    def acquire_staging(self, num_blocks: int, num_heads: int) -> Staging:
+        """A host buffer for num_heads KV heads of num_blocks blocks (release_staging it once used)."""
+        return self._engine.runner.acquire_piece(num_blocks, num_heads)
 
     def release_staging(self, staging: Staging) -> None:
         self._engine.runner.staging.release(staging)
+
+    async def ask_rank(self, rank: int, op: Op, *arrays: np.ndarray) -> Message:
+        """An order to follower rank (>= 1) and its reply; RanksLost if that rank is gone."""
+        return await asyncio.wrap_future(self._followers.ask(rank, op, *arrays))
+
+    def tell_rank(self, rank: int, op: Op, *arrays: np.ndarray) -> None:
+        """An order to follower rank that wants no reply (not one that must fall between steps)."""
+        self._followers.tell(rank, op, *arrays)
+
+    @property
+    def _followers(self) -> Followers:
+        followers = self._engine.runner.followers
+        if followers is None:
+            raise RuntimeError("this worker has a single rank: no follower takes orders")
+        return followers
 
     def load(self) -> EngineLoad:
         e, s = self._engine, self._engine.scheduler
@@ -176,6 +231,7 @@ class HandoffPort:
             prefix_cache_hits=s.stats.prefix_cache_hits,
             num_lease_expiries=e.leases.num_expired,
             num_failed_requests=e.stats.num_failed_requests,
+            tensor_parallel_size=e.runner.tp.size,
         )
 
     async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]:

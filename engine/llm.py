@@ -29,6 +29,16 @@ class LLM:
         self.engine = Engine(config or EngineConfig(**overrides))
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel ranks (if any); this LLM generates nothing more."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
-from splitserve.engine.kv_cache.staging import StagingPool
+from splitserve.engine.kv_cache.staging import Staging, StagingPool
 from splitserve.engine.memory import MemorySnapshot, profile_memory
-from splitserve.engine.ranks import Followers, RankGroups, RanksLost, kv_heads_of, rank_device
+from splitserve.engine.ranks import Followers, RankGroups, RanksLost, rank_device
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.step_inputs import ForwardBatch, StepArrays, StepInputBuffer, scheduled_arrays
 from splitserve.model.arch import ModelArchConfig
@@ -77,7 +77,8 @@ class WarmUpReport:
 class ModelRunner:
     """One rank's model shard and KV cache. Rank 0 (groups None) is the engine's: with
     config.tensor_parallel_size N > 1 it starts the other N - 1 ranks (engine/ranks.py) and drives
-    them, so callers see one runner with whole KV blocks; a follower rank is built with its groups."""
+    their steps; a follower rank is built with its groups. Each rank's cache holds its KV heads
+    only, and KV handoffs read and write each rank's heads where they are (read_heads / write_heads)."""
 
     def __init__(
         self, config: EngineConfig, source: ModelSource, max_model_len: int, groups: RankGroups | None = None
@@ -117,71 +118,70 @@ class ModelRunner:
 
     def _agree(self, num_blocks: int) -> int:
         """Every rank's cache has the same number of blocks: the smallest any rank can hold."""
-        if self.groups.kv is None:
+        if self.groups.host is None:
             return num_blocks
         count = torch.tensor([num_blocks], dtype=torch.int64)
-        self.groups.kv.allreduce([count], dist.ReduceOp.MIN).wait()
+        self.groups.host.allreduce([count], dist.ReduceOp.MIN).wait()
         return int(count.item())
 
     @property
     def kv_layout(self) -> str:
-        """What must match between two workers for KV blocks to move between them: whole blocks (all KV
-        heads) move, whatever each worker's tensor-parallel size."""
+        """What must match between two workers for KV blocks to move between them: the global layout
+        (every KV head), whatever each worker's tensor-parallel size; each rank moves its heads."""
         dtype = str(self.dtype).removeprefix("torch.")
         a = self.arch
         return f"{dtype}/layers={a.num_layers}/block={self.block_size}/kv_heads={a.num_kv_heads}/head_dim={a.head_dim}"
 
     @property
     def staging(self) -> StagingPool:
-        """Reused host buffers for KV transfers (made on first use), of whole blocks."""
+        """Reused host buffers for KV transfers (made on first use), counted in whole blocks."""
         if self._staging is None:
             a = self.arch
             self._staging = StagingPool((a.num_layers, 2, self.block_size, a.num_kv_heads, a.head_dim), self.dtype)
         return self._staging
 
+    def acquire_piece(self, num_blocks: int, num_heads: int) -> Staging:
+        """A staging buffer for num_heads KV heads of num_blocks blocks: [layers, 2, n, block_size,
+        num_heads, head_dim] (release it to self.staging)."""
+        a = self.arch
+        whole = self.staging.acquire(-(-num_blocks * num_heads // a.num_kv_heads))
+        shape = (a.num_layers, 2, num_blocks, self.block_size, num_heads, a.head_dim)
+        numel = int(np.prod(shape))
+        return Staging(whole.storage[:numel].view(shape), whole.storage, whole.capacity)
+
+    def local_heads(self, heads: range) -> slice:
+        """Where global KV heads sit in this rank's cache; ValueError if it does not hold them all."""
+        mine = self.tp.kv_head_range(self.arch.num_kv_heads)
+        if not (len(heads) and mine.start <= heads.start and heads.stop <= mine.stop):
+            raise ValueError(f"rank {self.tp.rank} holds KV heads {mine.start}..{mine.stop - 1}, not {heads}")
+        return slice(heads.start - mine.start, heads.stop - mine.start)
+
+    def read_heads(self, block_ids: Sequence[int], heads: range, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A contiguous host copy of these KV heads (global) of these blocks: [num_layers, 2,
+        len(block_ids), block_size, len(heads), head_dim], into out when given (a staging buffer)."""
+        local = self.local_heads(heads)
+        if local == slice(0, self.num_local_kv_heads) and self.kv_cache.device.type == "cpu":
+            return gather_blocks(self.kv_cache, block_ids, out)
+        blocks = gather_blocks(self.kv_cache, block_ids)[:, :, :, :, local]
+        return blocks.cpu().contiguous() if out is None else out.copy_(blocks)
+
+    def write_heads(self, block_ids: Sequence[int], heads: range, piece: torch.Tensor) -> None:
+        """Inverse of read_heads: piece[:, :, i] goes to these KV heads of block block_ids[i]."""
+        self._kv_written = True
+        local = self.local_heads(heads)
+        if local == slice(0, self.num_local_kv_heads):
+            scatter_blocks(self.kv_cache, block_ids, piece)
+            return
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        self.kv_cache[:, :, index, :, local] = piece.to(self.device, self.dtype)
+
     def read_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """A contiguous copy of these blocks: [num_layers, 2, len(block_ids), block_size, kv heads, head_dim],
-        every KV head (gathered from the ranks), into out when given (e.g. a host staging buffer)."""
-        if self.followers is not None:
-            return self._read_from_ranks(self.followers, block_ids, out)
-        if out is not None and out.device != self.kv_cache.device:
-            return out.copy_(gather_blocks(self.kv_cache, block_ids))
-        return gather_blocks(self.kv_cache, block_ids, out)
+        """Every KV head this rank holds of these blocks (a single rank's whole blocks), on the host."""
+        return self.read_heads(block_ids, self.tp.kv_head_range(self.arch.num_kv_heads), out)
 
     def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Inverse of read_blocks: blocks[:, :, i] goes to block block_ids[i] (each rank gets its heads)."""
-        self._kv_written = True
-        if self.followers is not None:
-            heads = [kv_heads_of(self.tp, self.arch.num_kv_heads, r) for r in range(self.tp.size)]
-            shards = [blocks[:, :, :, :, h.start : h.stop].contiguous() for h in heads]
-            blocks = self.followers.write_kv(block_ids, shards)
-        scatter_blocks(self.kv_cache, block_ids, blocks.to(self.device))
-
-    def _read_from_ranks(
-        self, followers: Followers, block_ids: Sequence[int], out: torch.Tensor | None
-    ) -> torch.Tensor:
-        shards = followers.read_kv(block_ids, self.read_local_blocks(block_ids))
-        a = self.arch
-        shape = (a.num_layers, 2, len(block_ids), self.block_size, a.num_kv_heads, a.head_dim)
-        out = torch.empty(shape, dtype=self.dtype) if out is None else out
-        for rank, shard in enumerate(shards):  # replicated heads are written once per holder: equal values
-            heads = kv_heads_of(self.tp, a.num_kv_heads, rank)
-            out[:, :, :, :, heads.start : heads.stop].copy_(shard)
-        return out
-
-    # -- a rank's own shard (the followers' side of read_blocks / write_blocks) ---------------------
-    def read_local_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """This rank's heads of these blocks, on the host: [L, 2, n, block_size, local kv heads, d]."""
-        return gather_blocks(self.kv_cache, block_ids).cpu()
-
-    def empty_local_blocks(self, num_blocks: int) -> torch.Tensor:
-        a = self.arch
-        shape = (a.num_layers, 2, num_blocks, self.block_size, self.num_local_kv_heads, a.head_dim)
-        return torch.empty(shape, dtype=self.dtype)
-
-    def write_local_blocks(self, block_ids: Sequence[int], shard: torch.Tensor) -> None:
-        self._kv_written = True
-        scatter_blocks(self.kv_cache, block_ids, shard.to(self.device))
+        """Inverse of read_blocks."""
+        self.write_heads(block_ids, self.tp.kv_head_range(self.arch.num_kv_heads), blocks)
 
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, before_load: MemorySnapshot | None) -> int:
         budget, source = self._kv_cache_bytes(config, max_model_len, before_load)

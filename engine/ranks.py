@@ -4,34 +4,43 @@ run every forward beside it, as vLLM's multiprocess executor does.
 
 Lifecycle of a follower:  spawned -> joined (groups built) -> loaded -> following -> gone
 
-Three channels between rank 0 and each follower:
-- a pipe (raw bytes; nothing is pickled after the spawn): rank 0's orders, in the order it gives
-  them: STEP (one step's integer inputs, StepArrays), WARM_UP, READ_KV / WRITE_KV (the blocks of a
-  KV handoff), STOP. A follower blocks on its pipe for as long as the worker is idle (a collective
-  would time out).
+Channels between rank 0 and each follower:
+- a duplex pipe (raw bytes; nothing is pickled after the spawn). Rank 0 -> follower: orders, in the
+  order it gives them. The follower's step loop reads them all; it carries out STEP, WARM_UP and
+  COMMIT_KV itself (so a received KV piece enters the cache between the steps rank 0 ordered around
+  it) and hands the KV transfer orders (OPEN_KV, KV_CHANNEL, RECV_KV, SEND_KV, DISCARD_KV, DROP_KV)
+  to its transfer agent (disagg/rank_transfers.py: its own transport endpoint, run by a thread of its
+  own, so a transfer never blocks a step; CONNECT_KV too). Follower -> rank 0: replies (order number, status,
+  payload), written by the agent's thread only; rank 0 reads them on one thread, which resolves the
+  futures ask() returned. A follower blocks on its pipe for as long as the worker is idle (a
+  collective would time out).
 - the compute group (gloo on CPU, NCCL on CUDA): the model's all-reduces and all-gathers.
-- the KV group (gloo, host memory): the shards of handed-off blocks, gathered to rank 0 or scattered
-  from it. Handoffs run beside steps (on other threads of rank 0), hence a group of their own;
-  rank 0 gives a KV order and runs its collective under one lock, so the KV group sees its
-  collectives in the order the followers read the orders.
+- the host group (gloo): agreeing on the number of KV blocks at start.
+
+KV handoffs between workers go rank to rank (disagg/plan.py): each rank sends or receives the KV
+heads it holds on its own transport endpoint; nothing is gathered through rank 0.
 
 Failure: a rank that is gone, or a collective that failed, leaves the ranks out of step for good.
 Rank 0 raises RanksLost from the step (the engine loop dies: streams end UNAVAILABLE, health goes
-NOT_SERVING, the worker deregisters and exits); a monitor thread reports a follower that exits
-while the worker is idle (on_lost); a follower exits when rank 0's pipe closes or a collective fails.
+NOT_SERVING, the worker deregisters and exits); its reader thread reports a follower that exits
+while the worker is idle (on_lost) and fails every order still waiting for that rank's reply; a
+follower exits when rank 0's pipe closes or a collective fails.
 """
 
 from __future__ import annotations
 
+import atexit
 import enum
+import itertools
 import logging
 import multiprocessing as mp
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import numpy as np
 import torch
@@ -56,35 +65,39 @@ class RanksLost(RuntimeError):
 
 
 class Op(enum.IntEnum):
-    STEP = 1
-    WARM_UP = 2
-    READ_KV = 3
-    WRITE_KV = 4
-    STOP = 5
+    """Rank 0's orders."""
+
+    STEP = 1  # one step's integer inputs (StepArrays)
+    WARM_UP = 2  # [full]
+    OPEN_KV = 3  # make this rank's KV transport endpoint (receiver or sender), on the worker's host
+    KV_CHANNEL = 4  # decode: this rank's channel to a prefill rank (reply: the ChannelSpec)
+    RECV_KV = 5  # decode: receive one piece into a buffer (reply: its bytes and CRC)
+    SEND_KV = 6  # prefill: send this rank's heads of held blocks (reply: bytes, CRC)
+    COMMIT_KV = 7  # decode: write a received piece into the cache (on the step loop; no reply)
+    DISCARD_KV = 8  # decode: forget a received piece, or one still arriving (no reply)
+    DROP_KV = 9  # decode: forget a failed channel (no reply)
+    CONNECT_KV = 10  # prefill: start joining a channel while the prompt computes (no reply)
+    STOP = 11
+
+
+class Status(enum.IntEnum):
+    """A follower's reply to an order."""
+
+    OK = 1
+    FAILED = 2  # the payload says why (the transfer agent's encoding)
 
 
 @dataclass(frozen=True, slots=True)
 class RankGroups:
-    """What a rank's ModelRunner needs: its place in the compute group and the KV group."""
+    """What a rank's ModelRunner needs: its place in the compute group and the host group."""
 
     tp: TensorParallel = SINGLE
-    kv: dist.ProcessGroup | None = None  # gloo, for handoff shards (None when tp.size == 1)
-
-    @property
-    def kv_group(self) -> dist.ProcessGroup:
-        if self.kv is None:
-            raise RuntimeError("a single rank has no KV group")
-        return self.kv
+    host: dist.ProcessGroup | None = None  # gloo, for agreements on the host (None when tp.size == 1)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """Rank r of a worker on cuda:i runs on cuda:i+r (give the worker its N GPUs); CPU ranks share the CPU."""
     return torch.device("cuda", (device.index or 0) + rank) if device.type == "cuda" else device
-
-
-def kv_heads_of(tp: TensorParallel, num_kv_heads: int, rank: int) -> range:
-    """The KV heads rank holds in tp's group."""
-    return TensorParallel(rank, tp.size).kv_head_range(num_kv_heads)
 
 
 def make_groups(store: dist.Store, rank: int, size: int, device: torch.device) -> RankGroups:
@@ -94,8 +107,8 @@ def make_groups(store: dist.Store, rank: int, size: int, device: torch.device) -
         compute = cast(dist.ProcessGroup, nccl)
     else:
         compute = _gloo(compute_store, rank, size)
-    kv = _gloo(dist.PrefixStore("kv", store), rank, size)
-    return RankGroups(TensorParallel(rank, size, compute), kv)
+    host = _gloo(dist.PrefixStore("host", store), rank, size)
+    return RankGroups(TensorParallel(rank, size, compute), host)
 
 
 def _gloo(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
@@ -106,29 +119,46 @@ def _gloo(store: dist.Store, rank: int, size: int) -> dist.ProcessGroup:
     return cast(dist.ProcessGroup, dist.ProcessGroupGloo(store, rank, size, options))
 
 
-# -- the orders on the pipe: int64 header [op, num_arrays, (ndim, *shape) per array], then the arrays --
-def encode(op: Op, *arrays: np.ndarray) -> bytes:
-    header = [int(op), len(arrays)]
+# -- messages on the pipe: an int64 header [kind, number, num_arrays, (dtype, ndim, *shape) per array],
+# -- then each array's bytes, padded to 8. Orders and replies alike; arrays are int64 or uint8 (bytes).
+_DTYPES: dict[int, np.dtype] = {1: np.dtype(np.int64), 2: np.dtype(np.uint8)}
+_CODES = {dtype: code for code, dtype in _DTYPES.items()}
+
+
+class Message(NamedTuple):
+    kind: int  # an Op (an order) or a Status (a reply)
+    number: int  # an order's number, repeated by its reply; 0: an order that wants none
+    arrays: list[np.ndarray]
+
+
+def encode(kind: int, *arrays: np.ndarray, number: int = 0) -> bytes:
+    """Arrays of uint8 travel as bytes; every other array as int64."""
+    header, body = [int(kind), number, len(arrays)], []
     for a in arrays:
-        header += [a.ndim, *a.shape]
-    parts = [np.array([len(header), *header], dtype=np.int64)]
-    parts += [np.ascontiguousarray(a, dtype=np.int64).reshape(-1) for a in arrays]
-    return b"".join(p.tobytes() for p in parts)
+        a = np.ascontiguousarray(a if a.dtype == np.uint8 else a.astype(np.int64))
+        header += [_CODES[a.dtype], a.ndim, *a.shape]
+        raw = a.tobytes()
+        body.append(raw + bytes(-len(raw) % 8))
+    return np.array([len(header), *header], dtype=np.int64).tobytes() + b"".join(body)
 
 
-def decode(data: bytes) -> tuple[Op, list[np.ndarray]]:
-    flat = np.frombuffer(data, dtype=np.int64).copy()  # writable: the arrays are packed in place
-    header_len = int(flat[0])
-    header, pos = flat[1 : 1 + header_len], 2
-    offset, arrays = 1 + header_len, []
-    for _ in range(int(header[1])):
-        ndim = int(header[pos])
-        shape = tuple(int(d) for d in header[pos + 1 : pos + 1 + ndim])
-        pos += 1 + ndim
-        size = int(np.prod(shape, dtype=np.int64))
-        arrays.append(flat[offset : offset + size].reshape(shape))
-        offset += size
-    return Op(int(header[0])), arrays
+def decode(data: bytes) -> Message:
+    header_len = int(np.frombuffer(data, dtype=np.int64, count=1)[0])
+    header = [int(x) for x in np.frombuffer(data, dtype=np.int64, count=header_len, offset=8)]
+    offset, pos, arrays = 8 * (1 + header_len), 3, []
+    for _ in range(header[2]):
+        dtype, ndim = _DTYPES[header[pos]], header[pos + 1]
+        shape = tuple(header[pos + 2 : pos + 2 + ndim])
+        pos += 2 + ndim
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays.append(np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy())
+        offset += -(-count * dtype.itemsize // 8) * 8
+    return Message(header[0], header[1], arrays)
+
+
+def bytes_array(data: bytes) -> np.ndarray:
+    """Bytes (a string encoded, a secret) as an array a message carries."""
+    return np.frombuffer(data, dtype=np.uint8)
 
 
 def step_arrays_to_wire(a: StepArrays) -> tuple[np.ndarray, ...]:
@@ -140,18 +170,41 @@ def step_arrays_from_wire(arrays: Sequence[np.ndarray]) -> StepArrays:
     return StepArrays(input_ids, starts, query_lens, block_table, samples.astype(bool))
 
 
+def commit_to_wire(tag: int, block_ids: Sequence[int], heads: range) -> tuple[np.ndarray, ...]:
+    """COMMIT_KV's payload: the piece received under tag goes to these KV heads (global) of these blocks."""
+    return np.array([tag, heads.start, heads.stop]), np.asarray(block_ids, dtype=np.int64)
+
+
+def commit_from_wire(arrays: Sequence[np.ndarray]) -> tuple[int, list[int], range]:
+    (tag, first, stop), block_ids = (int(x) for x in arrays[0]), arrays[1]
+    return tag, block_ids.tolist(), range(first, stop)
+
+
+class TransferAgent(Protocol):
+    """A follower's KV transfers (disagg/rank_transfers.py), as its step loop sees them."""
+
+    def submit(self, order: Message) -> None:
+        """Start a transfer order on the agent's own thread; its reply goes to rank 0 from there."""
+
+    def commit(self, tag: int, write: Callable[[torch.Tensor], None]) -> None:
+        """COMMIT_KV, on the step loop: write(piece) for the piece received under tag, then forget it."""
+
+    def close(self) -> None: ...
+
+
 class Followers:
     """Rank 0's side: the follower processes, their pipes, and rank 0's groups."""
 
     def __init__(self, procs: list, pipes: list[Connection], groups: RankGroups, store: dist.Store) -> None:
         self._procs, self._pipes, self.groups = procs, pipes, groups
         self._store = store  # the ranks' rendezvous, kept for as long as they live
-        self._pipe_lock = threading.Lock()  # one order at a time on the pipes
-        self._kv_lock = threading.Lock()  # a KV order and its collective, together
+        self._lock = threading.Lock()  # the pipes' write side, the pending orders and _lost
+        self._pending: dict[int, Future[Message]] = {}  # orders waiting for their reply, by number
+        self._numbers = itertools.count(1)
         self._closing = threading.Event()
         self.on_lost: Callable[[RanksLost], None] | None = None
         self._lost: RanksLost | None = None
-        threading.Thread(target=self._watch, name="tp-ranks-watch", daemon=True).start()
+        threading.Thread(target=self._read, name="tp-ranks-replies", daemon=True).start()
 
     @classmethod
     def start(cls, config: EngineConfig, max_model_len: int, device: torch.device) -> Followers:
@@ -161,7 +214,7 @@ class Followers:
         ctx = mp.get_context("spawn")
         procs, pipes = [], []
         for rank in range(1, size):
-            ours, theirs = ctx.Pipe()
+            ours, theirs = ctx.Pipe(duplex=True)
             args = (config, max_model_len, rank, store.port, theirs, torch.get_num_threads())
             proc = ctx.Process(target=follow, args=args, name=f"tp-rank-{rank}", daemon=True)
             proc.start()
@@ -175,60 +228,85 @@ class Followers:
                 proc.kill()
             raise
         log.info("tensor parallel: %d ranks (followers: pids %s)", size, [p.pid for p in procs])
-        return cls(procs, pipes, groups, store)
+        followers = cls(procs, pipes, groups, store)
+        # Before multiprocessing's own exit handler (registered earlier: they run last first) ends the
+        # daemonic followers, which the reader thread would report as lost ranks.
+        atexit.register(followers.close)
+        return followers
+
+    @property
+    def size(self) -> int:
+        return len(self._procs) + 1
 
     # -- orders ---------------------------------------------------------------------------------
     def step(self, arrays: StepArrays) -> None:
-        self._send(encode(Op.STEP, *step_arrays_to_wire(arrays)))
+        self._send(range(1, self.size), encode(Op.STEP, *step_arrays_to_wire(arrays)))
 
     def warm_up(self, full: bool) -> None:
-        self._send(encode(Op.WARM_UP, np.array([int(full)])))
+        self._send(range(1, self.size), encode(Op.WARM_UP, np.array([int(full)])))
 
-    def read_kv(self, block_ids: Sequence[int], local: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's shard of these blocks (rank 0's is local, [L, 2, n, bs, local kvh, d] on the host)."""
-        with self._kv_lock:
-            self._send(encode(Op.READ_KV, np.asarray(block_ids, dtype=np.int64)))
-            shards = [torch.empty_like(local) for _ in range(len(self._procs) + 1)]
-            self._wait(self.groups.kv_group.gather(shards, local, 0))
-        return shards
+    def tell(self, rank: int, op: Op, *arrays: np.ndarray) -> None:
+        """An order to one follower that wants no reply."""
+        self._send([rank], encode(op, *arrays))
 
-    def write_kv(self, block_ids: Sequence[int], shards: list[torch.Tensor]) -> torch.Tensor:
-        """Hand rank r shards[r] for these blocks; returns rank 0's own (shards[0])."""
-        with self._kv_lock:
-            self._send(encode(Op.WRITE_KV, np.asarray(block_ids, dtype=np.int64)))
-            mine = torch.empty_like(shards[0])
-            self._wait(self.groups.kv_group.scatter(mine, shards, 0))
-        return mine
-
-    def _send(self, data: bytes) -> None:
-        if self._lost is not None:
-            raise self._lost
+    def ask(self, rank: int, op: Op, *arrays: np.ndarray) -> Future[Message]:
+        """An order to one follower; the future gets its reply, or RanksLost if the follower is gone."""
+        future: Future[Message] = Future()
+        with self._lock:
+            number = next(self._numbers)
+            self._pending[number] = future
         try:
-            with self._pipe_lock:
-                for pipe in self._pipes:
-                    pipe.send_bytes(data)
-        except OSError as e:
-            raise RanksLost(f"a tensor-parallel rank is gone ({e})") from e
+            self._send([rank], encode(op, *arrays, number=number))
+        except RanksLost:
+            with self._lock:
+                self._pending.pop(number, None)
+            raise
+        return future
 
-    def _wait(self, work) -> None:
-        try:
-            work.wait()
-        except Exception as e:  # gloo reports a lost peer and a timeout alike (RuntimeError)
-            raise RanksLost(f"a tensor-parallel collective failed: {e}") from e
+    def _send(self, ranks: Sequence[int], data: bytes) -> None:
+        with self._lock:
+            if self._lost is not None:
+                raise self._lost
+            try:
+                for rank in ranks:
+                    self._pipes[rank - 1].send_bytes(data)
+            except OSError as e:
+                raise RanksLost(f"a tensor-parallel rank is gone ({e})") from e
 
-    # -- life -----------------------------------------------------------------------------------
-    def _watch(self) -> None:
-        """Report the first follower that exits while this worker still runs."""
+    # -- replies and life -----------------------------------------------------------------------
+    def _read(self) -> None:
+        """Resolve the futures of ask() with the followers' replies; report the first follower that
+        exits (or whose pipe closes) while this worker still runs."""
         sentinels = {proc.sentinel: proc for proc in self._procs}
-        ready = wait(list(sentinels))
+        sources: list = [*self._pipes, *sentinels]
+        while True:
+            for ready in wait(sources):
+                if ready in sentinels:
+                    proc = sentinels[cast(int, ready)]
+                    proc.join(1.0)
+                    return self._lose(f"tensor-parallel rank {proc.name} (pid {proc.pid}) exited ({proc.exitcode})")
+                try:
+                    reply = decode(cast(Connection, ready).recv_bytes())
+                except (EOFError, OSError):
+                    return self._lose("the pipe of a tensor-parallel rank closed")
+                with self._lock:
+                    future = self._pending.pop(reply.number, None)
+                if future is not None and future.set_running_or_notify_cancel():  # False: its caller left
+                    future.set_result(reply)
+
+    def _lose(self, reason: str) -> None:
         if self._closing.is_set():
             return
-        proc = sentinels[cast(int, ready[0])]
-        proc.join(1.0)
-        self._lost = RanksLost(f"tensor-parallel rank {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}")
-        log.error("%s; this worker cannot step any more", self._lost)
+        lost = RanksLost(reason)
+        with self._lock:
+            self._lost = lost
+            pending, self._pending = list(self._pending.values()), {}
+        for future in pending:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(lost)
+        log.error("%s; this worker cannot step any more", lost)
         if self.on_lost is not None:
-            self.on_lost(self._lost)
+            self.on_lost(lost)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the followers (they exit at STOP, or when the pipe closes)."""
@@ -240,12 +318,13 @@ class Followers:
                 pipe.send_bytes(encode(Op.STOP))
             except OSError:
                 pass
-            pipe.close()
         for proc in self._procs:
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        for pipe in self._pipes:
+            pipe.close()
 
 
 def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe: Connection, threads: int) -> None:
@@ -259,25 +338,35 @@ def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe:
     device = rank_device(resolve_device(config.device), rank)
     groups = make_groups(store, rank, config.tensor_parallel_size, device)
     runner = ModelRunner(config, open_model(config.model), max_model_len, groups)
-    while True:
-        try:
-            op, arrays = decode(pipe.recv_bytes())
-        except EOFError:  # rank 0 is gone
-            return
-        if op is Op.STOP:
-            return
-        _carry_out(runner, groups, op, arrays)
+    agent = _transfer_agent(runner, pipe)
+    try:
+        while True:
+            try:
+                order = decode(pipe.recv_bytes())
+            except EOFError:  # rank 0 is gone
+                return
+            if order.kind == Op.STOP:
+                return
+            _carry_out(runner, agent, order)
+    finally:
+        agent.close()
 
 
-def _carry_out(runner: ModelRunner, groups: RankGroups, op: Op, arrays: list[np.ndarray]) -> None:
-    kv = groups.kv_group
+def _transfer_agent(runner: ModelRunner, pipe: Connection) -> TransferAgent:
+    # The transfers are disagg's (its transport and wire); imported in the follower process only.
+    from splitserve.disagg.rank_transfers import RankAgent
+
+    return RankAgent(runner, pipe.send_bytes)
+
+
+def _carry_out(runner: ModelRunner, agent: TransferAgent, order: Message) -> None:
+    op = Op(order.kind)
     if op is Op.STEP:
-        runner.follow_step(step_arrays_from_wire(arrays))
+        runner.follow_step(step_arrays_from_wire(order.arrays))
     elif op is Op.WARM_UP:
-        runner.warm_up(bool(arrays[0][0]))
-    elif op is Op.READ_KV:
-        kv.gather([], runner.read_local_blocks(arrays[0].tolist()), 0).wait()
-    elif op is Op.WRITE_KV:
-        shard = runner.empty_local_blocks(len(arrays[0]))
-        kv.scatter(shard, [], 0).wait()
-        runner.write_local_blocks(arrays[0].tolist(), shard)
+        runner.warm_up(bool(order.arrays[0][0]))
+    elif op is Op.COMMIT_KV:
+        tag, block_ids, heads = commit_from_wire(order.arrays)
+        agent.commit(tag, lambda piece: runner.write_heads(block_ids, heads, piece))
+    else:
+        agent.submit(order)

@@ -101,6 +101,14 @@ def _generate(a: argparse.Namespace) -> int:
         stop=a.stop or (),
     )
     engine = Engine(engine_config_from_args(a))
+    try:
+        _generate_in_process(engine, a, params)
+    finally:
+        engine.close()  # its tensor-parallel ranks, if any
+    return 0
+
+
+def _generate_in_process(engine, a: argparse.Namespace, params) -> None:
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
     start = time.monotonic()
     engine.add_request(prompt, params)
@@ -118,7 +126,6 @@ def _generate(a: argparse.Namespace) -> int:
             f"TTFT {last.timings.ttft_ms or 0:.0f} ms, finish: {last.finish_reason.value}]",
             file=sys.stderr,
         )
-    return 0
 
 
 def _generate_remote(a: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """Tensor parallelism inside a worker (engine/ranks.py): follower rank processes over gloo, the KV cache
-sharded by KV head, whole blocks handed off between tiers of different sizes, and a lost rank ending
-its worker. The model's sharding itself is tests/test_tp_model.py."""
+sharded by KV head, KV handed off rank to rank between tiers of different sizes, and a lost rank
+ending its worker. The model's sharding itself is tests/test_tp_model.py; the handoff's plan for every
+pair of sizes, tests/test_handoff_plan.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens, wait_all_free
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.disagg.plan import handoff_plan
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.engine.ranks import Op, RanksLost, decode, encode, step_arrays_from_wire, step_arrays_to_wire
@@ -22,6 +24,7 @@ from splitserve.engine.step_inputs import StepArrays
 from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.worker.server import SEND_DELAY_ENV
 
 PROMPTS = [[(5 * i + j) % 300 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=7)
@@ -45,14 +48,14 @@ def test_orders_round_trip_the_pipe_encoding():
         np.array([[3, 0], [1, 2]], dtype=np.int64),
         np.array([True, False]),
     )
-    op, wire = decode(encode(Op.STEP, *step_arrays_to_wire(arrays)))
-    back = step_arrays_from_wire(wire)
-    assert op is Op.STEP and back.samples.dtype == bool
+    order = decode(encode(Op.STEP, *step_arrays_to_wire(arrays)))
+    back = step_arrays_from_wire(order.arrays)
+    assert order.kind == Op.STEP and order.number == 0 and back.samples.dtype == bool
     for name in ("input_ids", "starts", "query_lens", "block_table", "samples"):
         assert np.array_equal(getattr(back, name), getattr(arrays, name)), name
-    assert decode(encode(Op.STOP)) == (Op.STOP, [])
-    empty_op, (ids,) = decode(encode(Op.READ_KV, np.zeros(0, dtype=np.int64)))
-    assert empty_op is Op.READ_KV and ids.shape == (0,)
+    assert decode(encode(Op.STOP)) == (Op.STOP, 0, [])
+    empty = decode(encode(Op.DISCARD_KV, np.zeros(0, dtype=np.int64), number=7))
+    assert (empty.kind, empty.number, empty.arrays[0].shape) == (Op.DISCARD_KV, 7, (0,))
 
 
 @pytest.mark.integration
@@ -73,20 +76,20 @@ def test_two_ranks_generate_what_one_does(fixture, request):
         two.engine.close()
 
 
-@pytest.mark.integration
-def test_kv_blocks_are_whole_whatever_the_size(tiny_llama_dir):
-    """read_blocks / write_blocks carry every KV head, gathered from and scattered to the ranks (4
-    ranks over 2 KV heads: each head on two ranks), so tiers of any two sizes exchange the same blocks."""
-    llm = _llm(tiny_llama_dir, 4)
+@pytest.mark.unit
+def test_a_rank_reads_and_writes_slices_of_its_kv_heads(tiny_llama_dir):
+    """What each rank of a handoff does with its piece (global heads, here rank 0 of 1 holding both)."""
+    llm = _llm(tiny_llama_dir, 1)
     runner = llm.engine.runner
-    try:
-        blocks = torch.randn(2, 2, 3, 8, 2, 16)  # [layers, K/V, blocks, block_size, kv heads, head_dim]
-        runner.write_blocks([5, 9, 2], blocks)
-        assert torch.equal(runner.read_blocks([5, 9, 2]), blocks)
-        assert torch.equal(runner.read_blocks([2]), blocks[:, :, 2:3])
-        assert torch.equal(runner.read_local_blocks([5]), blocks[:, :, :1, :, :1])  # rank 0 holds head 0
-    finally:
-        llm.engine.close()
+    piece = torch.randn(2, 2, 3, 8, 1, 16)  # [layers, K/V, blocks, block_size, heads of the piece, head_dim]
+    runner.write_heads([5, 9, 2], range(1, 2), piece)
+    assert torch.equal(runner.read_heads([5, 9, 2], range(1, 2)), piece)
+    assert not runner.read_heads([5, 9, 2], range(0, 1)).any()  # head 0 untouched
+    staging = runner.acquire_piece(3, 1)
+    assert torch.equal(runner.read_heads([2], range(1, 2), staging.tensor[:, :, :1]), piece[:, :, 2:3])
+    assert runner.read_blocks([9]).shape == (2, 2, 1, 8, 2, 16)
+    with pytest.raises(ValueError, match="holds KV heads"):
+        runner.read_heads([5], range(1, 3))
 
 
 @pytest.mark.integration
@@ -103,10 +106,14 @@ def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("sizes", [(2, 1), (1, 2)], ids=["prefill2-decode1", "prefill1-decode2"])
+@pytest.mark.parametrize(
+    "sizes", [(2, 1), (1, 2), (2, 2), (4, 2)], ids=["prefill2-decode1", "prefill1-decode2", "2-2", "prefill4-decode2"]
+)
 def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
     """1P1D with a prefill tier of one size and a decode tier of another: output equals the unified
-    in-process engine's, every block crossed over the KV plane, nothing recomputed or leaked."""
+    in-process engine's (greedy and seeded), nothing recomputed or leaked, and each rank moved exactly
+    its own pieces' bytes (tests/test_handoff_plan.py covers the plan of all nine pairs; these cover
+    each direction, equal sizes, and replicated heads on the prefill side: 4 ranks over 2 KV heads)."""
     prefill_tp, decode_tp = sizes
     children = start_cluster(
         0,
@@ -127,9 +134,51 @@ def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
         assert got == expected
         assert metric(decode_worker.metrics, "splitserve_kv_transfer_blocks_total", direction="received") > 0
         assert metric(decode_worker.metrics, "splitserve_kv_transfer_recompute_fallbacks_total") == 0
+        _check_rank_bytes(prefill.metrics, decode_worker.metrics, prefill_tp, decode_tp)
         assert wait_all_free([prefill.address, decode_worker.address])
     finally:
         stop_cluster(children)
+
+
+@pytest.mark.integration
+def test_a_failed_piece_fails_the_handoff_and_the_decode_tier_recomputes(tiny_llama_dir):
+    """2P2D whose prefill ranks wait 3 s before sending, with 1.5 s transfer timeouts: every rank's
+    receive times out, the decode worker recomputes the prompt (same tokens), nothing leaks."""
+    children = start_cluster(
+        0,
+        engine_argv(tiny_llama_dir),
+        num_prefill=1,
+        num_decode=1,
+        worker_argv=["--kv-transfer-timeout", "1.5"],
+        env={SEND_DELAY_ENV: "3"},
+        tp_sizes={"prefill": 2, "decode": 2},
+    )
+    try:
+        gateway, prefill, decode_worker = children
+        got = tokens(stub(gateway.address), greedy_request(PROMPTS[3], 10))
+        assert got == _generate(_llm(tiny_llama_dir, 1), SamplingParams(temperature=0.0, max_tokens=10))[3]
+        assert metric(decode_worker.metrics, "splitserve_kv_transfer_failures_total", reason="timeout") >= 1
+        assert metric(decode_worker.metrics, "splitserve_kv_transfer_recompute_fallbacks_total") == 1
+        assert wait_all_free([prefill.address, decode_worker.address])
+    finally:
+        stop_cluster(children)
+
+
+def _check_rank_bytes(prefill_metrics: str, decode_metrics: str, prefill_tp: int, decode_tp: int) -> None:
+    """Each rank sent (received) the share of the bytes its pieces carry, and no more: rank 0 never
+    held another rank's heads."""
+    sent = metric(prefill_metrics, "splitserve_kv_transfer_bytes_total", direction="sent")
+    assert sent > 0 and sent == metric(decode_metrics, "splitserve_kv_transfer_bytes_total", direction="received")
+    plan = handoff_plan(2, prefill_tp, decode_tp)  # the tiny Llama has 2 KV heads
+    num_heads = sum(len(p.heads) for p in plan)
+    for where, direction, size, rank_of in (
+        (prefill_metrics, "sent", prefill_tp, lambda p: p.src_rank),
+        (decode_metrics, "received", decode_tp, lambda p: p.dst_rank),
+    ):
+        for rank in range(size):
+            share = sum(len(p.heads) for p in plan if rank_of(p) == rank) / num_heads
+            name = "splitserve_kv_transfer_rank_bytes_total"
+            assert metric(where, name, direction=direction, rank=str(rank)) == sent * share, (direction, rank)
 
 
 def _follower_pids(pid: int) -> list[int]:

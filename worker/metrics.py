@@ -128,6 +128,11 @@ class WorkerMetrics:
         self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
         self.kv_bytes = counter("kv_transfer_bytes", "KV bytes moved between tiers.", ("direction",))
         self.kv_blocks = counter("kv_transfer_blocks", "KV blocks moved between tiers.", ("direction",))
+        self.kv_rank_bytes = counter(
+            "kv_transfer_rank_bytes",
+            "KV bytes moved between tiers by each tensor-parallel rank of this worker (its own KV heads).",
+            ("direction", "rank"),
+        )
         self.kv_seconds = Histogram(
             PREFIX + "kv_transfer_seconds",
             "Time of one KV transfer.",
@@ -165,6 +170,9 @@ class WorkerMetrics:
         self.kv_bytes.labels(**self.labels, direction=direction).inc(num_bytes)
         self.kv_blocks.labels(**self.labels, direction=direction).inc(num_blocks)
         self.kv_seconds.labels(**self.labels, direction=direction).observe(seconds)
+
+    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None:
+        self.kv_rank_bytes.labels(**self.labels, direction=direction, rank=str(rank)).inc(num_bytes)
 
     def observe_transfer_failure(self, reason: TransferFailure) -> None:
         self.kv_failures.labels(**self.labels, reason=reason.value).inc()

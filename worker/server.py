@@ -24,6 +24,7 @@ from splitserve.common.security import AccessGuard, ClusterSecurity
 from splitserve.common.serving import start_metrics_server
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
+from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
 from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.async_engine import AsyncEngine
@@ -97,6 +98,17 @@ def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMet
     return WorkerServicer(engine, metrics, role)
 
 
+async def _open_rank_endpoints(config: WorkerConfig, port: HandoffPort) -> None:
+    """A tensor-parallel prefill or decode worker: each follower rank gets its own KV endpoint, on
+    this worker's advertised host, and moves its own KV heads (disagg/rank_transfers.py)."""
+    endpoints = {Role.PREFILL: Endpoint.SENDER, Role.DECODE: Endpoint.RECEIVER}
+    endpoint = endpoints.get(config.role)
+    if endpoint is None or port.tensor_parallel_size == 1:
+        return
+    await open_rank_endpoints(port, endpoint, config.public_host, config.kv_transfer_timeout_s)
+    log.info("KV endpoints open on %d follower ranks (%s)", port.tensor_parallel_size - 1, endpoint.name.lower())
+
+
 class EngineDied(RuntimeError):
     """The engine loop raised; the worker left the cluster and must exit non-zero (to be restarted)."""
 
@@ -117,6 +129,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     port = HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
     servicer = _make_servicer(config, engine, metrics)
+    await _open_rank_endpoints(config, port)
     worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name
     server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (worker_service,))])
     pb_grpc.add_WorkerServicer_to_server(servicer, server)

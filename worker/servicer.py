@@ -22,10 +22,10 @@ from splitserve.common.tracing import (
 )
 from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
 from splitserve.disagg.decode import DecodeHandoff
-from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffJob
+from splitserve.disagg.handoff import FirstToken, HandoffError
 from splitserve.disagg.prefill import prefill_and_send
-from splitserve.disagg.prefill_client import event_to_proto
-from splitserve.disagg.transfer.base import ChannelSpec, KVSender, TransferError
+from splitserve.disagg.prefill_client import event_to_proto, job_from_proto
+from splitserve.disagg.transfer.base import KVSender, TransferError
 from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import HandoffPort
@@ -202,12 +202,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[pb.PrefillResponse]:
         assert self.sender is not None  # a prefill worker's (checked by Prefill)
         r = request.request
-        job = HandoffJob(
-            ChannelSpec(request.channel.store_address, request.channel.key, request.channel.secret),
-            request.transfer_tag,
-            request.num_skip_blocks,
-            request.kv_layout,
-        )
+        job = job_from_proto(request, self.port.num_kv_heads)
         timing = RequestTiming(arrival=time.monotonic())
         params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
         engine_request = self.port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
@@ -243,4 +238,5 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             role=self.role.proto,
             num_held_blocks=load.num_held_blocks,
             num_held_requests=load.num_held_requests,
+            tensor_parallel_size=load.tensor_parallel_size,
         )

@@ -1,10 +1,12 @@
 """The KV transfer contract, split by role.
 
 A transfer moves one contiguous tensor of blocks ([num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_dim], as ModelRunner.read_blocks makes it) from the prefill worker to a
-preallocated buffer of the same shape and dtype on the decode worker. Transfers ride a channel
-between one decode worker and one prefill worker; the receiver names the channel (ChannelSpec,
-sent to the sender inside the handoff RPC) and a tag that tells concurrent transfers apart.
+num_heads, head_dim]: a piece's KV heads, as ModelRunner.read_heads makes it; every head when both
+workers have one rank) from a prefill rank to a preallocated buffer of the same shape and dtype on
+a decode rank. Transfers ride a channel between one receiving and one sending process (a worker,
+or one of its tensor-parallel ranks: disagg/rank_transfers.py); the receiver names the channel
+(ChannelSpec, sent to the sender inside the handoff RPC) and a tag that tells concurrent transfers
+apart.
 
 Trust: a channel carries a secret that only the handoff RPC carries. A transport admits a peer
 onto a channel only once it has shown it holds that secret, and fails the channel with "auth"

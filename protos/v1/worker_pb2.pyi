@@ -47,19 +47,39 @@ class KVChannel(_message.Message):
     secret: bytes
     def __init__(self, store_address: _Optional[str] = ..., key: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
 
+class KVPiece(_message.Message):
+    __slots__ = ("src_rank", "dst_rank", "first_kv_head", "num_kv_heads", "channel", "transfer_tag")
+    SRC_RANK_FIELD_NUMBER: _ClassVar[int]
+    DST_RANK_FIELD_NUMBER: _ClassVar[int]
+    FIRST_KV_HEAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
+    src_rank: int
+    dst_rank: int
+    first_kv_head: int
+    num_kv_heads: int
+    channel: KVChannel
+    transfer_tag: int
+    def __init__(self, src_rank: _Optional[int] = ..., dst_rank: _Optional[int] = ..., first_kv_head: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., transfer_tag: _Optional[int] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request", "channel", "transfer_tag", "num_skip_blocks", "kv_layout")
+    __slots__ = ("request", "channel", "transfer_tag", "num_skip_blocks", "kv_layout", "decode_tensor_parallel_size", "pieces")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TAG_FIELD_NUMBER: _ClassVar[int]
     NUM_SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
     request: WorkerGenerateRequest
     channel: KVChannel
     transfer_tag: int
     num_skip_blocks: int
     kv_layout: str
-    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., transfer_tag: _Optional[int] = ..., num_skip_blocks: _Optional[int] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+    decode_tensor_parallel_size: int
+    pieces: _containers.RepeatedCompositeFieldContainer[KVPiece]
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., transfer_tag: _Optional[int] = ..., num_skip_blocks: _Optional[int] = ..., kv_layout: _Optional[str] = ..., decode_tensor_parallel_size: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[KVPiece, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token", "transfer_done")
@@ -86,16 +106,18 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("num_blocks", "num_bytes", "checksum_crc32", "send_ms")
+    __slots__ = ("num_blocks", "num_bytes", "checksum_crc32", "send_ms", "piece_checksums_crc32")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_CRC32_FIELD_NUMBER: _ClassVar[int]
     SEND_MS_FIELD_NUMBER: _ClassVar[int]
+    PIECE_CHECKSUMS_CRC32_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_bytes: int
     checksum_crc32: int
     send_ms: float
-    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., checksum_crc32: _Optional[int] = ..., send_ms: _Optional[float] = ...) -> None: ...
+    piece_checksums_crc32: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., checksum_crc32: _Optional[int] = ..., send_ms: _Optional[float] = ..., piece_checksums_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "queue_ms", "stages")
@@ -134,7 +156,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "num_awaiting_kv", "role", "num_held_blocks", "num_held_requests")
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "num_awaiting_kv", "role", "num_held_blocks", "num_held_requests", "tensor_parallel_size")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +166,7 @@ class LoadReport(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_free_blocks: int
@@ -153,7 +176,8 @@ class LoadReport(_message.Message):
     role: WorkerRole
     num_held_blocks: int
     num_held_requests: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_held_blocks: _Optional[int] = ..., num_held_requests: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_held_blocks: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class RegisterWorkerRequest(_message.Message):
     __slots__ = ("address", "role", "model", "max_model_len", "metrics_address", "block_size", "vocab_size")

@@ -89,7 +89,8 @@ class WorkerServicer:
 
     def Prefill(self, request, context):
         """Prefill tier, called by a decode worker: computes the prompt, streams the first token, sends
-        the prompt's KV blocks over the named torch.distributed channel, then reports the transfer.
+        the prompt's KV blocks over the named torch.distributed channel (or each piece from its rank
+        over the piece's channel), then reports the transfer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
