@@ -222,7 +222,7 @@ class Followers:
             procs.append(proc)
             pipes.append(ours)
         try:
-            groups = make_groups(store, 0, size, device)
+            groups = _join_watching(procs, lambda: make_groups(store, 0, size, device))
         except BaseException:
             for proc in procs:
                 proc.kill()
@@ -325,6 +325,29 @@ class Followers:
                 proc.join()
         for pipe in self._pipes:
             pipe.close()
+
+
+def _join_watching(procs: list, make: Callable[[], RankGroups]) -> RankGroups:
+    """make() (which waits for every rank to join), unless a follower exits first (say it failed to
+    import or load): then RanksLost at once rather than after the store's timeout."""
+    result: Future[RankGroups] = Future()
+
+    def run() -> None:
+        try:
+            result.set_result(make())
+        except BaseException as e:  # handed to the caller, which raises it
+            result.set_exception(e)
+
+    threading.Thread(target=run, name="tp-ranks-join", daemon=True).start()
+    while True:
+        try:
+            return result.result(timeout=0.2)
+        except TimeoutError:
+            dead = [p for p in procs if not p.is_alive()]
+            if dead:
+                raise RanksLost(
+                    f"tensor-parallel rank {dead[0].name} exited ({dead[0].exitcode}) before joining; see its log"
+                ) from None
 
 
 def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe: Connection, threads: int) -> None:

@@ -1,4 +1,5 @@
-"""`make gpu-check`: the GPU path end to end on a CUDA host, in about 8 minutes on one H200.
+"""`make gpu-check`: the GPU path end to end on a CUDA host, in about 8 minutes on one H200 (the
+tensor-parallel checks add about 2 on a host with 2 or more GPUs).
 
 Checks, in this order (each pass / fail / skip with its key numbers; one table at the end, and JSON
 with --json):
@@ -16,9 +17,19 @@ with --json):
   2-per-gpu      `splitserve up --workers 2 --devices cuda:0,cuda:0 --gpu-memory-fraction 0.4`
   bench-kernels  benchmarks/kernels.py on a reduced grid (--bench-full: all of it), with its end-to-end
                  decode-step table (SmolLM2, both backends)
-A check that would start past --budget-s is skipped. Without CUDA this exits 2 with a message.
+  tp-logits      (2+ GPUs) the tiny Llama in bf16 with 2 tensor-parallel ranks (cuda:0, cuda:1) against 1
+                 rank: teacher-forced log-probs of the 2-rank engine as in holdout-bf16, and the two
+                 engines' log-probs (sampled token and top 5) wherever their contexts agree within the
+                 same bound (2x transformers' own bf16 error); a differing greedy token must be a
+                 near-tie within it. (The bundled SmolLM2's 9 query / 3 KV heads split over 1 or 3
+                 ranks only; the tiny Llama's 4 / 2 split over 2.)
+  tp-1p1d        (2+ GPUs) `splitserve up --prefill 1 --decode 1 --prefill-tp 2 --decode-tp 1 --devices
+                 cuda`: requests through the gateway, KV moved from a 2-rank prefill worker to a 1-rank
+                 decode worker
+The tp-* checks are skipped, with the reason printed, on a host with fewer than 2 GPUs. A check that
+would start past --budget-s is skipped. Without CUDA this exits 2 with a message.
 
-Usage: python scripts/gpu_check.py [--json PATH] [--only NAME,...] [--skip NAME,...] [--budget-s 480]
+Usage: python scripts/gpu_check.py [--json PATH] [--only NAME,...] [--skip NAME,...] [--budget-s 600]
 """
 
 from __future__ import annotations
@@ -39,11 +50,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CHECKS = ("kernel-tests", "holdout-bf16", "warm-up", "holdout-fp32", "1p1d", "2-per-gpu", "bench-kernels")
+CHECKS = (
+    "kernel-tests",
+    "holdout-bf16",
+    "warm-up",
+    "holdout-fp32",
+    "1p1d",
+    "2-per-gpu",
+    "bench-kernels",
+    "tp-logits",
+    "tp-1p1d",
+)
 HOLDOUT_LENS = [1, 3, 9, 17, 40, 75, 600, 1300]  # the long prompts decode with 2 and 4 splits
 MAX_NEW = 24
 MAX_MODEL_LEN = 2048
 DEVICE, BACKEND = "cuda", "triton"  # what the holdout runs on (a CPU dry run of this script changes them)
+TP_SIZE = 2  # ranks of the tensor-parallel checks, each on its own GPU
 
 
 @dataclass
@@ -154,25 +176,31 @@ def compiled_variants() -> int | None:
     return total
 
 
+def holdout_engine(model_dir: str, dtype: str, tensor_parallel_size: int = 1):
+    from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.engine.llm import LLM
+
+    return LLM(
+        EngineConfig(
+            model=model_dir,
+            dtype=dtype,
+            device=DEVICE,
+            attention_backend=BACKEND,
+            max_model_len=MAX_MODEL_LEN,
+            tensor_parallel_size=tensor_parallel_size,
+            cache=CacheConfig(block_size=16, kv_cache_bytes=512 * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+        )
+    )
+
+
 def run_holdout(model_dir: str, out_path: str) -> None:
     import torch
 
     from splitserve.common.sampling_params import SamplingParams
-    from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.engine.llm import LLM
 
-    def engine(dtype: str) -> LLM:
-        return LLM(
-            EngineConfig(
-                model=model_dir,
-                dtype=dtype,
-                device=DEVICE,
-                attention_backend=BACKEND,
-                max_model_len=MAX_MODEL_LEN,
-                cache=CacheConfig(block_size=16, kv_cache_bytes=512 * 1024**2),
-                scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-            )
-        )
+    def engine(dtype: str):
+        return holdout_engine(model_dir, dtype)
 
     ids = prompts(HOLDOUT_LENS)
     llm = engine("bfloat16")
@@ -402,6 +430,110 @@ def cluster_two_per_gpu(model_dir: Path, timeout_s: float) -> Result:
     return result
 
 
+# -- tensor parallelism (2+ GPUs; the comparison runs in a child: --tp-holdout DIR OUT) -----------------
+def tp_skip_reason(num_gpus: int) -> str | None:
+    """Why the tp-* checks cannot run here (None: they can)."""
+    if num_gpus < TP_SIZE:
+        return f"{num_gpus} GPU(s) visible: {TP_SIZE} tensor-parallel ranks need a GPU each"
+    return None
+
+
+def run_tp_holdout(model_dir: str, out_path: str) -> None:
+    """Greedy bf16 with log-probs at 1 rank and at TP_SIZE ranks (rank r on cuda:r), then both comparisons."""
+    from splitserve.common.sampling_params import SamplingParams
+
+    ids = prompts(HOLDOUT_LENS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5)
+    outs = {}
+    for size in (1, TP_SIZE):
+        llm = holdout_engine(model_dir, "bfloat16", size)
+        try:
+            outs[size] = llm.generate(ids, params)
+        finally:
+            llm.engine.close()  # stops the follower ranks
+        del llm
+    vs_hf = compare_logprobs(model_dir, ids, outs[TP_SIZE])
+    Path(out_path).write_text(json.dumps({"vs_hf": vs_hf, "vs_one_rank": compare_ranks(outs[1], outs[TP_SIZE])}))
+
+
+def compare_ranks(ones, manys) -> dict:
+    """Log-probs (sampled token and top 5) of a 1-rank and a many-rank engine wherever both saw the same
+    context: each prompt up to and including its first differing token. worst_tie: at a differing
+    token, how much more the 1-rank engine liked its own pick than the other's (inf: not in its top 5)."""
+    max_diff = sum_diff = worst_tie = 0.0
+    num_compared = num_equal = 0
+    for one, many in zip(ones, manys):
+        num_equal += int(one.token_ids == many.token_ids)
+        for t, (a, b) in enumerate(zip(one.logprobs, many.logprobs)):
+            la = dict([(one.token_ids[t], a.logprob), *a.top])
+            lb = dict([(many.token_ids[t], b.logprob), *b.top])
+            for token in la.keys() & lb.keys():
+                diff = abs(la[token] - lb[token])
+                max_diff, sum_diff, num_compared = max(max_diff, diff), sum_diff + diff, num_compared + 1
+            if one.token_ids[t] != many.token_ids[t]:
+                worst_tie = max(worst_tie, la[one.token_ids[t]] - la.get(many.token_ids[t], float("-inf")))
+                break
+    return {
+        "prompts_equal": f"{num_equal}/{len(ones)}",
+        "max_diff": round(max_diff, 4),
+        "mean_diff": round(sum_diff / max(1, num_compared), 4),
+        "worst_tie": round(worst_tie, 4) if worst_tie != float("inf") else "not in top 5",
+    }
+
+
+def tp_logits_verdict(data: dict) -> Result:
+    """Pass: the many-rank engine within holdout-bf16's bound of transformers fp32, and within the same
+    bound of the 1-rank engine (log-probs, and any differing greedy token a near-tie)."""
+    vs_hf, vs_one = data["vs_hf"], data["vs_one_rank"]
+    bound = 2 * vs_hf["hf_bf16_max_err"] + 0.05
+    tie = vs_one["worst_tie"]
+    ok = vs_hf.pop("ok") and vs_one["max_diff"] <= bound and isinstance(tie, float | int) and tie <= bound
+    numbers = {"bound": round(bound, 4), **{f"1rank_{k}": v for k, v in vs_one.items()}}
+    numbers |= {"vs_hf_max_err": vs_hf["max_err"], "vs_hf_mean_err": vs_hf["mean_err"]}
+    numbers["hf_bf16_max_err"] = vs_hf["hf_bf16_max_err"]
+    return Result("tp-logits", "pass" if ok else "fail", numbers=numbers)
+
+
+def tp_logits(model_dir: Path, timeout_s: float) -> Result:
+    out = model_dir.parent / "tp_holdout.json"
+    cmd = [sys.executable, __file__, "--tp-holdout", str(model_dir), str(out)]
+    try:
+        done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
+        log = done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        log = f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+    if not out.exists():
+        return Result("tp-logits", "fail", detail=str(log)[-3000:])
+    return tp_logits_verdict(json.loads(out.read_text()))
+
+
+def cluster_tp_1p1d(model_dir: Path, timeout_s: float) -> Result:
+    # Prefill ranks on cuda:0 and cuda:1; the decode worker on cuda:2, or beside rank 0 on a 2-GPU host.
+    args = ["--prefill", "1", "--decode", "1", "--prefill-tp", str(TP_SIZE), "--decode-tp", "1"]
+    args += ["--devices", "cuda", "--gpu-memory-fraction", "0.4"]
+    result = run_cluster("tp-1p1d", args, model_dir, timeout_s)
+    workers = result.numbers.get("workers", {})
+    sent = sum(w["sent_blocks"] for w in workers.values())
+    if result.status == "pass" and (result.numbers["requests_ok"] != "8/8" or sent == 0):
+        result.status = "fail"
+    return result
+
+
+def when_gpus(name: str, check):
+    """A step that runs check, or skips it with the reason on a host with too few GPUs."""
+
+    def run(timeout_s: float) -> list[Result]:
+        import torch
+
+        reason = tp_skip_reason(torch.cuda.device_count())
+        if reason is not None:
+            print(f"gpu_check: {name} skipped: {reason}", flush=True)
+            return [Result(name, "skip", numbers={"reason": reason})]
+        return [check(timeout_s)]
+
+    return run
+
+
 # -- benchmarks ----------------------------------------------------------------------------------------
 def bench_kernels(out_dir: Path, full: bool, timeout_s: float) -> Result:
     out = out_dir / "bench_kernels.json"
@@ -458,12 +590,16 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(CHECKS)}")
     parser.add_argument("--skip", default="", help="comma-separated checks to skip")
-    parser.add_argument("--budget-s", type=float, default=480.0, help="start no check after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="start no check after this many seconds")
     parser.add_argument("--bench-full", action="store_true", help="the kernel benchmark's whole grid")
     parser.add_argument("--holdout", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--tp-holdout", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.holdout:
         run_holdout(*args.holdout)
+        return 0
+    if args.tp_holdout:
+        run_tp_holdout(*args.tp_holdout)
         return 0
     if "TRITON_INTERPRET" in os.environ:
         print("gpu_check: ignoring TRITON_INTERPRET for the checks (they compile the kernels)", file=sys.stderr)
@@ -482,6 +618,8 @@ def main() -> int:
         ("1p1d", 40, 150, lambda t: [cluster_1p1d(model_dir, t)]),
         ("2-per-gpu", 40, 150, lambda t: [cluster_two_per_gpu(model_dir, t)]),
         ("bench-kernels", 60, 240, lambda t: [bench_kernels(work, args.bench_full, t)]),
+        ("tp-logits", 40, 180, when_gpus("tp-logits", lambda t: tp_logits(model_dir, t))),
+        ("tp-1p1d", 40, 150, when_gpus("tp-1p1d", lambda t: cluster_tp_1p1d(model_dir, t))),
     ]
     holdout_names = {"holdout-bf16", "warm-up", "holdout-fp32"}
     for name, min_s, max_s, run in steps:

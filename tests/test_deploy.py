@@ -29,11 +29,14 @@ REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 GPUS_8_FILE = DEPLOY / "docker-compose.gpus-8.yml"
+GPUS_8_TP_FILE = DEPLOY / "docker-compose.gpus-8-tp.yml"
 DASHBOARD = DEPLOY / "grafana" / "splitserve-dashboard.json"
 PROVISIONING = DEPLOY / "grafana" / "provisioning"
 ALWAYS_ON = {"redis", "gateway", "prometheus", "grafana"}
 BY_PROFILE = {"gpu": {"prefill", "decode"}, "cpu": {"prefill-cpu", "decode-cpu"}}
 GPUS_8_WORKERS = {"prefill-0", "prefill-1"} | {f"decode-{gpu}" for gpu in range(2, 8)}
+GPUS_8_TP_WORKERS = {"prefill-0", "decode-4", "decode-6"}  # 4 ranks on GPUs 0-3; 2 on 4-5; 2 on 6-7
+TP_MODEL = "/models/Meta-Llama-3.1-8B-Instruct"  # the TP file has no default model (SmolLM2 splits over 1 or 3)
 METRICS_PORT = 9100
 SECRETS_IN_CONTAINER = Path("/run/secrets")  # where Compose mounts each secret, by its name
 CLUSTER_FLAGS = ["--cluster-ca=/run/secrets/ca.pem", "--cluster-cert=/run/secrets/cluster.pem"]
@@ -41,8 +44,8 @@ CLUSTER_FLAGS += ["--cluster-key=/run/secrets/cluster-key.pem"]
 WORKER_HEALTH = ["CMD", "splitserve", "health", *CLUSTER_FLAGS, "127.0.0.1:50061"]
 
 
-def resolved(compose_file: Path, tmp_path: Path, profile: str | None = None) -> dict:
-    """`docker-compose config` of one file, parsed; fails when docker-compose rejects it.
+def compose_config(compose_file: Path, tmp_path: Path, profile: str | None = None, **env_vars: str):
+    """`docker-compose config` of one file, run (the completed process).
     tmp_path: the models folder, holding the `splitserve certs` bundle in secrets/."""
     binary = shutil.which("docker-compose")
     if binary is None:
@@ -50,9 +53,15 @@ def resolved(compose_file: Path, tmp_path: Path, profile: str | None = None) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     env["MODELS_DIR"] = str(tmp_path)  # the host paths that are the user's, not the repo's
     env["SPLITSERVE_SECRETS"] = str(tmp_path / "secrets")
+    env = {k: v for k, v in env.items() if k != "SPLITSERVE_MODEL"} | env_vars
     argv = [binary, "-f", str(compose_file)] + (["--profile", profile] if profile else []) + ["config"]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"{' '.join(argv)} failed:\n{done.stderr}"
+    return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def resolved(compose_file: Path, tmp_path: Path, profile: str | None = None, **env_vars: str) -> dict:
+    """`docker-compose config` of one file, parsed; fails when docker-compose rejects it."""
+    done = compose_config(compose_file, tmp_path, profile, **env_vars)
+    assert done.returncode == 0, f"{' '.join(done.args)} failed:\n{done.stderr}"
     return yaml.safe_load(done.stdout)
 
 
@@ -73,6 +82,7 @@ def configs(host_folder: Path, bundle: SecureBundle) -> dict[str, dict]:
         "cpu": resolved(COMPOSE_FILE, host_folder, "cpu"),
         "gpu": resolved(COMPOSE_FILE, host_folder, "gpu"),
         "gpus-8": resolved(GPUS_8_FILE, host_folder),
+        "gpus-8-tp": resolved(GPUS_8_TP_FILE, host_folder, SPLITSERVE_MODEL=TP_MODEL),
     }
 
 
@@ -95,6 +105,7 @@ def test_compose_services_and_profiles(configs: dict[str, dict]) -> None:
             expected = [p for p, names in BY_PROFILE.items() if name in names]
             assert service.get("profiles", []) == expected, name
     assert set(configs["gpus-8"]["services"]) == ALWAYS_ON | GPUS_8_WORKERS
+    assert set(configs["gpus-8-tp"]["services"]) == ALWAYS_ON | GPUS_8_TP_WORKERS
 
 
 def test_workers_scale_and_drain(configs: dict[str, dict]) -> None:
@@ -113,14 +124,32 @@ def test_gpu_reservations(configs: dict[str, dict]) -> None:
     for name in BY_PROFILE["gpu"]:
         (device,) = configs["gpu"]["services"][name]["deploy"]["resources"]["reservations"]["devices"]
         assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}, name
-    gpu_ids = []
-    for name, service in workers(configs["gpus-8"]).items():
-        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
-        assert "count" not in device and device["capabilities"] == ["gpu"], name
-        (gpu_id,) = device["device_ids"]
-        assert name.endswith(f"-{gpu_id}"), f"{name} runs on GPU {gpu_id}"
-        gpu_ids.append(gpu_id)
-    assert sorted(gpu_ids) == [str(i) for i in range(8)]
+    for layout in ("gpus-8", "gpus-8-tp"):
+        gpu_ids = []
+        for name, service in workers(configs[layout]).items():
+            (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+            assert "count" not in device and device["capabilities"] == ["gpu"], name
+            ids = [int(i) for i in device["device_ids"]]
+            assert name.endswith(f"-{ids[0]}"), f"{name} runs on GPUs {ids}: named after the first"
+            assert ids == list(range(ids[0], ids[0] + len(ids))), name
+            ranks = build_parser().parse_args(worker_argv(service)).tensor_parallel_size
+            assert ranks == len(ids), f"{name}: {ranks} tensor-parallel ranks on {len(ids)} GPUs"
+            gpu_ids += ids
+        assert sorted(gpu_ids) == list(range(8)), layout
+
+
+def test_tensor_parallel_workers_get_shared_memory_for_nccl(configs: dict[str, dict]) -> None:
+    """A worker's ranks share its container; NCCL wants /dev/shm beyond Docker's 64 MB and unlimited
+    locked memory (its docs: --shm-size=1g --ulimit memlock=-1)."""
+    for name, service in workers(configs["gpus-8-tp"]).items():
+        assert service["shm_size"] in ("1g", "1gb", 2**30), name
+        assert service["ulimits"]["memlock"] == -1, name
+
+
+def test_tensor_parallel_layout_needs_a_model_that_splits(host_folder: Path, bundle: SecureBundle) -> None:
+    """The bundled SmolLM2 (9 query heads, 3 KV heads) cannot take 4 or 2 ranks: no default model."""
+    done = compose_config(GPUS_8_TP_FILE, host_folder)
+    assert done.returncode != 0 and "set SPLITSERVE_MODEL to a model whose heads split" in done.stderr
 
 
 def test_commands_parse_with_the_cli(configs: dict[str, dict]) -> None:
