@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -258,6 +258,27 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return WarmUpReport(len(shapes), time.perf_counter() - start)
+
+    def shape_forward(self, shape: StepShape) -> Callable[[], None]:
+        """A callable running one forward of shape (token 0 at every position, each sequence's last token
+        sampling) on this runner's KV cache, every sequence on blocks of its own: what `splitserve profile`
+        times. It overwrites KV blocks: only on a runner that serves nothing. ValueError if the shape's
+        blocks do not fit, or on a tensor-parallel runner (its followers step only with a real step)."""
+        if self.followers is not None:
+            raise ValueError("shapes are timed on one rank: profile with --tensor-parallel-size 1")
+        block_ids, next_block = [], 0
+        for n in shape.seq_lens:
+            block_ids.append(list(range(next_block, next_block + -(-n // self.block_size))))
+            next_block += len(block_ids[-1])
+        if next_block > self.num_blocks:
+            raise ValueError(f"the shape needs {next_block} KV blocks; the cache holds {self.num_blocks}")
+        self._kv_written = True
+
+        @torch.inference_mode()
+        def run() -> None:
+            self._run_shape(shape, block_ids, self.kv_caches)
+
+        return run
 
     def _run_shape(self, shape: StepShape, block_ids: list[list[int]], kv_caches: list[torch.Tensor]) -> None:
         """One forward of token 0 at every position of shape, each sequence's last token sampling."""

@@ -473,6 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_certs_args(certs)
     certs.set_defaults(func=_certs)
 
+    from splitserve.planner.cli import add_planner_args, add_profile_args
+
+    add_planner_args(sub)
+    add_profile_args(sub)
+
     up = sub.add_parser("up", help="start a gateway and its workers as local processes")
     up.add_argument(
         "--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)"

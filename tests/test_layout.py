@@ -21,6 +21,16 @@ def test_gateway_and_kv_bookkeeping_do_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+def test_the_planner_does_not_import_torch():
+    """It runs beside the gateway; only `splitserve profile` (planner/profiler.py) loads torch."""
+    code = (
+        "import sys, splitserve.planner.cli, splitserve.planner.loop, splitserve.planner.reader, "
+        "splitserve.planner.simulator, splitserve.planner.metrics; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
 def test_subpackages_live_under_one_root():
     import importlib
 
@@ -33,6 +43,7 @@ def test_subpackages_live_under_one_root():
         "launch",
         "gateway",
         "experiments",
+        "planner",
         "kernels",
         "protos",
     ):
