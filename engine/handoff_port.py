@@ -173,7 +173,9 @@ class HandoffPort:
         return self._engine.make_request(prompt, params, priority=priority, stop_after_prefill=True, label=label)
 
     async def claim_held(self, request_id: str) -> bool:
-        return await self._async.call(self._engine.claim_held, request_id)
+        """Directly, not between steps: the lease is thread-safe, and the step thread may be in the next
+        prompt's forward (waiting for it delayed every handoff by up to a prefill step)."""
+        return self._engine.claim_held(request_id)
 
     async def read_held(self, block_ids: Sequence[int], heads: range, out: torch.Tensor) -> torch.Tensor:
         """Copy rank 0's slice of held blocks (these global KV heads) into out (claimed blocks are

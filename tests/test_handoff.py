@@ -196,3 +196,34 @@ def test_received_blocks_are_bit_identical(engines):
     decode_engine.runner.write_blocks([7, 9, 11], received)
     assert torch.equal(decode_engine.runner.read_blocks([7, 9, 11]), sent)
     assert checksum(received) == checksum(sent)
+
+
+def test_the_sender_claims_held_blocks_while_a_step_runs(tiny_llama_dir):
+    """The claim does not wait for the step thread: on a CPU the next prompt's forward takes seconds,
+    and waiting for it delayed every handoff (seen as a second token seconds after the first)."""
+    import threading
+
+    async def main() -> None:
+        engine = AsyncEngine(Engine(_config(tiny_llama_dir)))
+        port = HandoffPort(engine)
+        request = port.make_prefill_request([1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=4))
+        async for _ in engine.generate_request(request):
+            pass  # finished at its first token, blocks held under a lease
+        busy, release = threading.Event(), threading.Event()
+
+        def long_step() -> None:  # the step thread, stuck as in a long forward
+            busy.set()
+            release.wait(30)
+
+        stuck = asyncio.ensure_future(engine.call(long_step))
+        await asyncio.to_thread(busy.wait, 10)
+        try:
+            assert await asyncio.wait_for(port.claim_held(request.request_id), 5)
+            assert not await asyncio.wait_for(port.claim_held(request.request_id), 5)  # claimed once
+        finally:
+            release.set()
+            await stuck
+        assert await port.release_held(request.request_id)
+        await engine.shutdown()
+
+    asyncio.run(main())
