@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate lint test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix experiment bench-kernels gpu-check soak clean
+.PHONY: install serve serve-disagg generate lint test bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix bench-tp experiment experiment-distserve bench-kernels gpu-check soak clean
 
 install: $(VENV)/.installed
 
@@ -62,9 +62,17 @@ bench-disagg: install
 bench-prefix: install
 	$(PY) benchmarks/prefix_routing.py
 
+# Decode step time per tensor-parallel size and the 1P1D handoff per size pair (docs/tensor-parallel.md).
+bench-tp: install
+	$(PY) benchmarks/tensor_parallel.py
+
 # Colocated vs disaggregated on this machine with the bundled model; report in runs/.
 experiment: install
 	$(VENV)/bin/splitserve experiment experiments/configs/cpu-smollm2.toml
+
+# DistServe's central finding, in shape, on this CPU (docs/experiments.md); ~15 min on an idle machine.
+experiment-distserve: install
+	$(VENV)/bin/splitserve experiment experiments/configs/cpu-distserve.toml --out runs/cpu-distserve
 
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install

@@ -18,6 +18,7 @@ from typing import TypeVar
 from splitserve.experiments.config import ExperimentConfig
 from splitserve.experiments.goodput import GoodputResult, search_goodput
 from splitserve.experiments.intervals import Interval, interval, overlaps
+from splitserve.experiments.stats import attainment_samples
 
 T = TypeVar("T")
 ATTAINMENT = (0.0, 1.0)  # attainment intervals are clipped to what a share can be
@@ -103,11 +104,14 @@ def point(repeats: Sequence[dict], slos: Sequence[tuple[str, float]], method: st
     def over(get: Callable[[dict], float], bounds: tuple[float, float] | None = None) -> Interval:
         return interval([get(s) for s in stats], method, bounds)
 
+    def share(name: str, key: str) -> Interval:
+        return interval(attainment_samples(stats, name, key), method, ATTAINMENT)
+
     def per_slo(name: str, target: float) -> PointSLO:
-        both = over(lambda s: s["slos"][name]["both"], ATTAINMENT)
+        both = share(name, "both")
         return PointSLO(
-            over(lambda s: s["slos"][name]["ttft"], ATTAINMENT),
-            over(lambda s: s["slos"][name]["tpot"], ATTAINMENT),
+            share(name, "ttft"),
+            share(name, "tpot"),
             both,
             over(lambda s: s["slos"][name]["met_rate"] / budget),
             both.mean >= target,
@@ -129,7 +133,7 @@ def knee(by_rate: dict[float, list[dict]], slo: str, target: float, cfg: Experim
     def recorded(rate: float) -> list[float]:
         if rate not in by_rate:
             raise ValueError(f"no runs at {rate} req/s: were these runs made with this config's [sweep] and [goodput]?")
-        return [r["stats"]["slos"][slo]["both"] for r in by_rate[rate]]
+        return attainment_samples([r["stats"] for r in by_rate[rate]], slo)
 
     return search_goodput(recorded, cfg.sweep.rates, target, cfg.search, cfg.sweep.interval)
 

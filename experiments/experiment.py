@@ -27,7 +27,7 @@ from splitserve.experiments.analysis import analyze
 from splitserve.experiments.config import Deployment, ExperimentConfig, Workloads, load_config
 from splitserve.experiments.goodput import search_goodput
 from splitserve.experiments.loadgen import Connect, progress_bar, run_connected
-from splitserve.experiments.stats import RequestRecord, run_stats, summarize
+from splitserve.experiments.stats import RequestRecord, attainment_samples, run_stats, summarize
 from splitserve.experiments.workload import WorkloadConfig
 from splitserve.launch.launcher import start_cluster, stop_cluster
 
@@ -141,7 +141,7 @@ class RateRuns:
 
     def attainment(self, rate: float, slo: str) -> list[float]:
         self.ensure([rate])
-        return [run["stats"]["slos"][slo]["both"] for run in self.by_rate[rate]]
+        return attainment_samples([run["stats"] for run in self.by_rate[rate]], slo)
 
     def _run(self, rate: float, repeat: int) -> dict:
         repeats = self.cfg.sweep.repeats

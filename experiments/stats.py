@@ -147,8 +147,16 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO = SL
 
 
 def _share(records: Sequence[RequestRecord], met: Callable[[RequestRecord], bool]) -> float:
-    """The share of records met accepts; 0 for none (an empty run served nobody)."""
+    """The share of records met accepts; 0 for none (see attainment_samples for how an empty run counts)."""
     return sum(map(met, records)) / len(records) if records else 0.0
+
+
+def attainment_samples(stats: Sequence[dict], slo: str, key: str = "both") -> list[float]:
+    """One attainment per run (RunStats.to_dict()s) of runs that counted at least one request: a run
+    whose window saw no arrival (a low rate, a short window) is no evidence either way. [0.0] when no
+    run counted any (the rate cannot be said to be served)."""
+    samples = [s["slos"][slo][key] for s in stats if s["num_counted"]]
+    return samples or [0.0]
 
 
 @dataclass(frozen=True, slots=True)

@@ -287,14 +287,19 @@ def compare_greedy(model_dir: str, ids: list[list[int]], ours: list[list[int]]) 
     return {"ok": equal == len(ids), "prompts_equal": f"{equal}/{len(ids)}", "first_diff": first_diff}
 
 
-def holdout(model_dir: Path, timeout_s: float) -> list[Result]:
-    out = model_dir.parent / "holdout.json"
-    cmd = [sys.executable, __file__, "--holdout", str(model_dir), str(out)]
+def run_child(flag: str, model_dir: Path, out: Path, timeout_s: float) -> str:
+    """This script run again with flag (a check in a fresh process, writing out); returns its log."""
+    cmd = [sys.executable, __file__, flag, str(model_dir), str(out)]
     try:
         done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
-        log = done.stdout + done.stderr
+        return done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
-        log = f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+        return f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+
+
+def holdout(model_dir: Path, timeout_s: float) -> list[Result]:
+    out = model_dir.parent / "holdout.json"
+    log = run_child("--holdout", model_dir, out, timeout_s)
     if not out.exists():
         return [Result(name, "fail", detail=str(log)[-3000:]) for name in ("holdout-bf16", "warm-up", "holdout-fp32")]
     data = json.loads(out.read_text())
@@ -496,12 +501,7 @@ def tp_logits_verdict(data: dict) -> Result:
 
 def tp_logits(model_dir: Path, timeout_s: float) -> Result:
     out = model_dir.parent / "tp_holdout.json"
-    cmd = [sys.executable, __file__, "--tp-holdout", str(model_dir), str(out)]
-    try:
-        done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
-        log = done.stdout + done.stderr
-    except subprocess.TimeoutExpired as e:
-        log = f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+    log = run_child("--tp-holdout", model_dir, out, timeout_s)
     if not out.exists():
         return Result("tp-logits", "fail", detail=str(log)[-3000:])
     return tp_logits_verdict(json.loads(out.read_text()))

@@ -347,3 +347,15 @@ def _reanalyse(saved: dict, cfg: ExperimentConfig):
     assert [k.result.goodput for k in analysis.knees] == [k["result"]["goodput"] for k in saved["analysis"]["knees"]]
     assert compare_knees(analysis.knees_of("chat 1:1", "tight")).leaders
     return analysis
+
+
+def test_a_run_that_counted_nobody_is_no_evidence():
+    from splitserve.experiments.stats import attainment_samples
+
+    def run(counted: int, both: float) -> dict:
+        return {"num_counted": counted, "slos": {"s": {"both": both, "ttft": both, "tpot": both}}}
+
+    # A low rate whose window saw no arrival in one repeat: that repeat does not pull the mean to 0.
+    assert attainment_samples([run(3, 1.0), run(0, 0.0)], "s") == [1.0]
+    assert attainment_samples([run(0, 0.0), run(0, 0.0)], "s") == [0.0]  # no evidence at all: not served
+    assert attainment_samples([run(2, 0.5), run(4, 1.0)], "s", "tpot") == [0.5, 1.0]
