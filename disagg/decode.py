@@ -78,7 +78,8 @@ class DecodeHandoff:
         self._peer_sizes: dict[str, int] = {}  # prefill workers' tensor-parallel sizes, asked once
         self.reserve_timeout_s = reserve_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
-        self.landings: set[asyncio.Task] = set()  # transfers in flight (drain waits for them)
+        # Asks and transfers in flight, each holding a reservation (a drain waits for them).
+        self.landings: set[asyncio.Task] = set()
 
     async def generate(
         self, request: Request, peer: str, wire: pb.WorkerGenerateRequest | None = None
@@ -97,12 +98,16 @@ class DecodeHandoff:
                     }
                 )
             ask = asyncio.create_task(self._ask(reservation, peer, wire))
+            self.landings.add(ask)  # its reservation is in flight too: a drain waits for it
             try:
                 first, job, events = await asyncio.shield(ask)
                 stages = StageClock(first)
             except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
                 ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
                 raise
+            finally:
+                if ask.done():  # else _land_if_asked lets go of it, once its landing (if any) is tracked
+                    self.landings.discard(ask)
             landing = self._start_landing(reservation, first, job, events)
             out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
             if out is None:  # aborted meanwhile
@@ -130,6 +135,7 @@ class DecodeHandoff:
         """The caller left while asking; if the blocks were announced anyway, receive and discard them."""
         if not ask.cancelled() and ask.exception() is None:
             self._start_landing(reservation, *ask.result())
+        self.landings.discard(ask)
 
     def _start_landing(self, reservation: Reservation, first: FirstToken, job: HandoffJob, events) -> asyncio.Task:
         landing = asyncio.create_task(self._land(reservation, job, first, events))
