@@ -227,12 +227,17 @@ class ModelRunner:
         every one sampling, on a scratch KV cache just big enough (counted as activations: a slight
         overestimate, on the safe side). What the memory budget measures."""
         lens = tuple(_profile_seq_lens(num_tokens, max_num_seqs, max_model_len))
-        bs, block_ids, next_block = self.block_size, [], 0
-        for n in lens:
-            block_ids.append(list(range(next_block, next_block + -(-n // bs))))
-            next_block += len(block_ids[-1])
-        scratch = self._new_kv_cache(next_block)
+        block_ids = self._own_blocks(lens)
+        scratch = self._new_kv_cache(sum(map(len, block_ids)))
         self._run_shape(StepShape(lens, lens), block_ids, list(scratch.unbind(0)))
+
+    def _own_blocks(self, seq_lens: Sequence[int]) -> list[list[int]]:
+        """Block ids 0, 1, 2, ... handed out in order: every sequence on blocks of its own."""
+        block_ids, next_block = [], 0
+        for n in seq_lens:
+            block_ids.append(list(range(next_block, next_block + -(-n // self.block_size))))
+            next_block += len(block_ids[-1])
+        return block_ids
 
     @torch.inference_mode()
     def warm_up(self, full: bool | None = None) -> WarmUpReport:
@@ -266,12 +271,10 @@ class ModelRunner:
         blocks do not fit, or on a tensor-parallel runner (its followers step only with a real step)."""
         if self.followers is not None:
             raise ValueError("shapes are timed on one rank: profile with --tensor-parallel-size 1")
-        block_ids, next_block = [], 0
-        for n in shape.seq_lens:
-            block_ids.append(list(range(next_block, next_block + -(-n // self.block_size))))
-            next_block += len(block_ids[-1])
-        if next_block > self.num_blocks:
-            raise ValueError(f"the shape needs {next_block} KV blocks; the cache holds {self.num_blocks}")
+        block_ids = self._own_blocks(shape.seq_lens)
+        num_blocks = sum(map(len, block_ids))
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"the shape needs {num_blocks} KV blocks; the cache holds {self.num_blocks}")
         self._kv_written = True
 
         @torch.inference_mode()
