@@ -18,6 +18,9 @@ Failures: an exception in the forward fails the requests of that batch; one in a
 sampling or output processing fails that request only. Either way they finish with an error
 (RequestOutput.error), their blocks are freed and the engine goes on. An exception in scheduling
 or bookkeeping leaves state that cannot be trusted: it propagates and the worker must exit.
+
+Each step that ran its forward is counted in step_stats (engine/step_stats.py: its kind, wall time,
+sequences, tokens and context), what the planner refits its performance model on.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from splitserve.engine.ranks import RanksLost
 from splitserve.engine.request import Request, RequestId, RequestStatus
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.step_stats import StepStats
 from splitserve.model.loader import open_model
 
 PromptInput = str | Sequence[int]
@@ -89,6 +93,7 @@ class Engine:
         self.sampler = Sampler(config.seed)
         self.leases = HeldLeases(config.cache.kv_lease_s)
         self.stats = EngineStats()
+        self.step_stats = StepStats()  # what each kind of step costs (the planner's refit)
         self._outputs = OutputProcessor(self.tokenizer)
         self._output_thread: OutputThread | None = None
         # Requests the output processor asks to finish (stop strings, failures), applied before a
@@ -324,6 +329,7 @@ class Engine:
             self._finish_for_outputs(*self._to_finish.popleft())
 
     def _step_tokens(self) -> StepTokens | None:
+        started = time.monotonic()
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
@@ -339,6 +345,10 @@ class Engine:
         result = self.sampler.sample(logits, batch.sampling_requests)
         failed = [self._fail(r, e) for r, e in result.errors]  # before the update skips them
         update = self.scheduler.update(out, result.token_ids)
+        now = time.monotonic()
+        arrays = batch.arrays  # always there from prepare (None only for the runner's own shapes)
+        if arrays is not None:
+            self.step_stats.record(arrays.starts, arrays.query_lens, len(arrays.input_ids), now - started)
         advanced = update.advanced
         # Every sampled request advanced (nothing failed or was aborted): the sampled ids line up.
         aligned = len(advanced) == len(result.token_ids)
@@ -346,7 +356,7 @@ class Engine:
             requests=advanced,
             token_ids=cast(list[int], result.token_ids) if aligned else [r.all_token_ids[-1] for r in advanced],
             finished={r.request_id: self._finished(r) for r in update.finished},
-            time=time.monotonic(),
+            time=now,
             logprobs=result.rows,
             failed=failed,
         )

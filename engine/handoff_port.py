@@ -41,6 +41,7 @@ from splitserve.engine.kv_cache.staging import Staging
 from splitserve.engine.ranks import Followers, Message, Op, commit_to_wire
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import TokenLogprobs
+from splitserve.engine.step_stats import StepKind, StepTotals
 
 
 class ReservationState(enum.Enum):
@@ -89,6 +90,7 @@ class EngineLoad:
     num_lease_expiries: int
     num_failed_requests: int
     tensor_parallel_size: int
+    steps: dict[StepKind, StepTotals]  # what the engine's steps cost so far, by kind
 
     @property
     def is_idle(self) -> bool:
@@ -234,6 +236,7 @@ class HandoffPort:
             num_lease_expiries=e.leases.num_expired,
             num_failed_requests=e.stats.num_failed_requests,
             tensor_parallel_size=e.runner.tp.size,
+            steps=e.step_stats.snapshot(),
         )
 
     async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]:

@@ -1,8 +1,11 @@
 """From an experiment's runs to what its report says.
 
-- A Point per deployment x workload x offered rate: over its repeats, intervals of the realised rate
-  and, per SLO, of the attainment (TTFT alone, TPOT alone, both) and of goodput per worker (requests
-  meeting the SLO per second of the measurement window, divided by the deployment's workers or GPUs).
+- A Point per deployment x workload x offered rate: over its repeats, intervals of the realised rate,
+  of the workers it ran on (mean over the window) and, per SLO, of the attainment (TTFT alone, TPOT
+  alone, both), of goodput per worker (requests meeting the SLO per second of the measurement window,
+  divided by the deployment's workers or GPUs) and of goodput per worker-second (the same requests
+  divided by the integral of its live workers over the window: what an autoscaled deployment is
+  compared by; for a fixed layout, goodput per worker).
 - A Knee per deployment x workload x SLO: DistServe's goodput, by running goodput.search_goodput again
   over the recorded runs (the same inputs give the same probes, so it is the search the experiment ran).
 - compare(): the best of several, and every one whose interval overlaps it; a winner is named only
@@ -30,6 +33,7 @@ class PointSLO:
     tpot: Interval
     both: Interval  # the SLO attainment
     goodput_per_worker: Interval  # requests meeting the SLO / window second / worker
+    goodput_per_worker_second: Interval  # requests meeting the SLO / worker-seconds used in the window
     passed: bool  # mean attainment >= the SLO's target
 
 
@@ -42,6 +46,7 @@ class Point:
     rate: float  # offered requests / s
     budget: int  # workers (or GPUs) goodput per worker divides by
     realised_rate: Interval  # counted requests / window second
+    mean_workers: Interval  # live workers, averaged over the window
     num_sent: int  # over all repeats
     num_counted: int
     slos: dict[str, PointSLO]
@@ -104,6 +109,9 @@ def point(repeats: Sequence[dict], slos: Sequence[tuple[str, float]], method: st
     def over(get: Callable[[dict], float], bounds: tuple[float, float] | None = None) -> Interval:
         return interval([get(s) for s in stats], method, bounds)
 
+    def over_runs(get: Callable[[dict], float]) -> Interval:
+        return interval([get(r) for r in repeats], method)
+
     def share(name: str, key: str) -> Interval:
         return interval(attainment_samples(stats, name, key), method, ATTAINMENT)
 
@@ -114,6 +122,7 @@ def point(repeats: Sequence[dict], slos: Sequence[tuple[str, float]], method: st
             share(name, "tpot"),
             both,
             over(lambda s: s["slos"][name]["met_rate"] / budget),
+            over_runs(lambda r: _per_worker_second(r, name)),
             both.mean >= target,
         )
 
@@ -123,10 +132,18 @@ def point(repeats: Sequence[dict], slos: Sequence[tuple[str, float]], method: st
         first["rate"],
         budget,
         over(lambda s: s["realised_rate"]),
+        over_runs(lambda r: r["workers"]["mean"] if "workers" in r else r["budget"]),
         sum(s["num_sent"] for s in stats),
         sum(s["num_counted"] for s in stats),
         {name: per_slo(name, target) for name, target in slos},
     )
+
+
+def _per_worker_second(run: dict, slo: str) -> float:
+    """Goodput per worker-second of one run (a runs.json from before worker timelines: per worker)."""
+    if "goodput_per_worker_second" in run:
+        return run["goodput_per_worker_second"][slo]
+    return run["stats"]["slos"][slo]["met_rate"] / run["budget"]
 
 
 def knee(by_rate: dict[float, list[dict]], slo: str, target: float, cfg: ExperimentConfig) -> GoodputResult:
@@ -168,6 +185,10 @@ def compare(items: Sequence[tuple[str, T]], mean: Callable[[T], float], overlap:
 
 def compare_attainment(points: Sequence[Point], slo: str) -> Verdict:
     return compare([(p.deployment, p.slos[slo].both) for p in points], lambda i: i.mean, overlaps)
+
+
+def compare_per_worker_second(points: Sequence[Point], slo: str) -> Verdict:
+    return compare([(p.deployment, p.slos[slo].goodput_per_worker_second) for p in points], lambda i: i.mean, overlaps)
 
 
 def compare_knees(knees: Sequence[Knee]) -> Verdict:

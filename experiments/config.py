@@ -10,6 +10,10 @@ measurement window), the goodput search, and the P:D sweep at a fixed worker bud
     name = "unified x1"; workers = 1
     [[deployments]]
     name = "1P1D"; prefill = 1; decode = 1; pin_cpus = true   # each worker on its own cores
+    [[deployments]]                # sized by the SLO planner in process, from its minimum (fleet.py)
+    name = "planner"
+    [deployments.autoscale]        # `splitserve planner`'s policy options, underscored
+    ttft_ms = 3000; itl_ms = 200; min_prefill = 1; max_prefill = 2; budget = 3; interval_s = 3
     [[deployments]]                # a server already running: only sent to (API key: OPENAI_API_KEY)
     name = "vllm"; endpoint = "http://127.0.0.1:8000"; api = "completions"; gpus = 1   # goodput / gpus
     [sweep]
@@ -38,7 +42,9 @@ from splitserve.experiments.intervals import METHODS
 from splitserve.experiments.loadgen import ENDPOINTS, Connect, OpenAIConfig, grpc_connect
 from splitserve.experiments.stats import SLO, Window
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
+from splitserve.launch.autoscale import AutoscaleSettings
 from splitserve.launch.launcher import Child
+from splitserve.planner.cli import policy_args_from_table
 
 Workloads = tuple[tuple[str, WorkloadConfig], ...]  # (name, workload) in config order
 
@@ -61,8 +67,10 @@ class Deployment:
     model: str | None = None  # endpoint / HTTP API: the model to ask for (default: the first /v1/models lists)
     ignore_eos: bool = True  # HTTP API: send ignore_eos (false for servers that reject unknown fields)
     gpus: int = 0  # what goodput per worker divides by, when not the workers started (an endpoint's GPUs)
+    autoscale: AutoscaleSettings | None = None  # the planner sizes it, from its minimum (the shape above)
 
     def __post_init__(self) -> None:
+        self._check_autoscale()
         if self.endpoint is not None and self.num_workers:
             raise ValueError(f"deployment {self.name!r}: give an endpoint or a cluster shape, not both")
         if self.endpoint is None and not self.num_workers:
@@ -74,6 +82,14 @@ class Deployment:
         if min(self.workers, self.prefill, self.decode, self.gpus) < 0:
             raise ValueError(f"deployment {self.name!r}: worker and GPU counts must be >= 0")
 
+    def _check_autoscale(self) -> None:
+        if self.autoscale is None:
+            return
+        if self.endpoint is not None or self.pin_cpus:
+            raise ValueError(f"deployment {self.name!r}: an autoscaled deployment is started here, unpinned")
+        if self.tier_counts() != {role.value: n for role, n in self.autoscale.minimum().items()}:
+            raise ValueError(f"deployment {self.name!r}: an autoscaled deployment starts at the planner's minimum")
+
     @property
     def num_workers(self) -> int:
         return self.workers + self.prefill + self.decode
@@ -82,8 +98,18 @@ class Deployment:
     def budget(self) -> int:
         """The workers (or GPUs) this deployment spends: goodput per worker divides by it, so 1P1D is
         compared with one unified worker and with two on equal terms. An endpoint counts 1 unless
-        `gpus` says otherwise."""
+        `gpus` says otherwise; an autoscaled deployment, the planner's budget (the most it may start:
+        goodput per worker-second counts the workers it did run)."""
+        if self.autoscale is not None:
+            return self.autoscale.config.bounds.budget
         return self.gpus or self.num_workers or 1
+
+    def tier_counts(self) -> dict[str, int]:
+        """Workers per tier as started (an endpoint: {"endpoint": its budget})."""
+        if self.endpoint is not None:
+            return {"endpoint": self.budget}
+        counts = (("unified", self.workers), ("prefill", self.prefill), ("decode", self.decode))
+        return {tier: n for tier, n in counts if n}
 
     @property
     def protocol(self) -> str:
@@ -217,6 +243,10 @@ class ExperimentConfig:
     def rates(self) -> tuple[float, ...]:
         return self.sweep.rates
 
+    def autoscaled(self) -> list[str]:
+        """The names of the deployments the planner sizes."""
+        return [d.name for d in self.deployments if d.autoscale is not None]
+
     def pd_workloads(self) -> Workloads:
         if self.pd_sweep is None:
             return ()
@@ -249,7 +279,7 @@ def load_config(path: str | Path) -> ExperimentConfig:
     try:
         return ExperimentConfig(
             raw.get("name", Path(path).stem),
-            tuple(Deployment(**_tuples(d)) for d in raw.get("deployments", [])),
+            tuple(_deployment(d, Path(path).parent) for d in raw.get("deployments", [])),
             tuple(
                 (w.pop("name", f"workload-{i}"), _workload(w, Path(path).parent))
                 for i, w in enumerate(dict(w) for w in raw.get("workloads", [{}]))
@@ -270,6 +300,25 @@ def load_config(path: str | Path) -> ExperimentConfig:
         ) from None
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def _deployment(table: dict, config_dir: Path) -> Deployment:
+    """A [[deployments]] entry; one with an autoscale table starts at the planner's minimum."""
+    fields = _tuples(table)
+    if "autoscale" not in fields:
+        return Deployment(**fields)
+    if {"workers", "prefill", "decode"} & fields.keys():
+        raise ValueError(
+            f"deployment {fields.get('name')!r}: an autoscaled deployment starts at the planner's minimum; "
+            "leave out workers, prefill and decode (min_prefill, min_decode or min_workers set it)"
+        )
+    options = dict(fields["autoscale"])
+    profile = options.get("profile")
+    if profile is not None and not Path(profile).is_absolute() and not Path(profile).exists():
+        options["profile"] = str(config_dir / profile)  # relative to the config file, as a trace is
+    settings = AutoscaleSettings.from_args(policy_args_from_table(options))
+    shape = {"workers" if role.value == "unified" else role.value: n for role, n in settings.minimum().items()}
+    return Deployment(**(fields | shape | {"autoscale": settings}))
 
 
 def _sweep(table: dict) -> SweepConfig:

@@ -1,6 +1,8 @@
 """`splitserve experiment CONFIG`: start each deployment (or reach a running OpenAI-compatible server),
 warm it up, run every workload at every offered rate `repeats` times (then more rates, when the goodput
-search asks for them), stop it; write a report folder: runs.json, PNG plots, summary.md.
+search asks for them), stop it; write a report folder: runs.json, PNG plots, summary.md. An autoscaled
+deployment starts each run at the planner's minimum, and the planner sizes it while the run sends
+(fleet.py); every run records its workers over time and its goodput per worker-second.
 
 The config is described in config.py (examples in experiments/configs/). Each run is sized by time
 ([sweep] duration_s) or by count (a workload's num_requests); requests sent in its warm-up and cool-down
@@ -25,11 +27,13 @@ from pathlib import Path
 
 from splitserve.experiments.analysis import analyze
 from splitserve.experiments.config import Deployment, ExperimentConfig, Workloads, load_config
+from splitserve.experiments.fleet import AutoscaledFleet, FixedFleet, Fleet, workers_used
 from splitserve.experiments.goodput import search_goodput
 from splitserve.experiments.loadgen import Connect, progress_bar, run_connected
 from splitserve.experiments.stats import RequestRecord, attainment_samples, run_stats, summarize
 from splitserve.experiments.workload import WorkloadConfig
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.launch.launcher import Child, start_cluster, stop_cluster
+from splitserve.launch.supervisor import Supervisor
 
 __all__ = ["Deployment", "ExperimentConfig", "load_config", "run_experiment", "run_experiment_file"]
 
@@ -39,10 +43,12 @@ Send = Callable[[WorkloadConfig, bool], tuple[list[RequestRecord], float]]
 
 @dataclass(frozen=True, slots=True)
 class Started:
-    """A deployment ready for load: how to send to it, and the core sets its workers are pinned to."""
+    """A deployment ready for load: how to send to it, the core sets its workers are pinned to, and its
+    workers over each run (None: the deployment's shape all along)."""
 
     send: Send
     cpu_sets: list[str] | None = None
+    fleet: Fleet | None = None
 
 
 Start = Callable[[ExperimentConfig, Deployment], AbstractContextManager[Started]]
@@ -82,9 +88,18 @@ def start_deployment(cfg: ExperimentConfig, dep: Deployment) -> Iterator[Started
         devices=list(dep.devices) or None,
     )
     try:
-        yield Started(_sender(dep.connect(children[0])), pinning)
+        yield Started(_sender(dep.connect(children[0])), pinning, _autoscaled(cfg, dep, children))
     finally:
-        stop_cluster(children)
+        stop_cluster(children)  # with the workers an autoscaled deployment's planner started (the same list)
+
+
+def _autoscaled(cfg: ExperimentConfig, dep: Deployment, children: list[Child]) -> Fleet | None:
+    """The planner's fleet over the started children, for an autoscaled deployment."""
+    if dep.autoscale is None:
+        return None
+    argv = list(cfg.engine_args) + list(dep.worker_args)  # what start_cluster gave each worker
+    supervisor = Supervisor(children, argv, "127.0.0.1", devices=list(dep.devices) or None)
+    return AutoscaledFleet(supervisor, children[0], dep.autoscale)
 
 
 def run_seed(base: int, rate: float, repeat: int) -> int:
@@ -148,8 +163,12 @@ class RateRuns:
         print(f"[experiment] {self.dep.name} / {self.workload_name} / {rate} req/s / {repeat + 1} of {repeats}")
         seed = run_seed(self.workload.seed, rate, repeat)
         workload = sized(replace(self.workload, rate=rate, seed=seed), self.cfg.sweep.duration_s)
-        records, seconds = self.started.send(workload, True)
+        fleet = self.started.fleet or FixedFleet(self.dep.tier_counts())
+        with fleet.run() as fleet_run:
+            records, seconds = self.started.send(workload, True)
+            first_send = time.perf_counter() - seconds  # the load generator's clock starts at the first send
         stats = run_stats(records, rate, self.cfg.slos, self.cfg.sweep.window, planned_span(workload))
+        workers, per_worker_second = workers_used(fleet_run.timeline(first_send), stats)
         return {
             "deployment": self.dep.name,
             "workload": self.workload_name,
@@ -164,6 +183,9 @@ class RateRuns:
             "summary": summarize(records, seconds).to_dict(),  # every record, no SLO: latencies as sent
             "stats": stats.to_dict(),  # the counted records: realised rate, attainment per SLO
             "goodput": {name: s.met_rate for name, s in stats.slos.items()},
+            "workers": workers,  # live workers per tier over the run; worker-seconds and mean over the window
+            "goodput_per_worker_second": per_worker_second,  # requests meeting the SLO / worker-seconds
+            "planner": fleet_run.decisions,  # an autoscaled deployment's decision log (else None)
             "records": [asdict(r) for r in records],
         }
 

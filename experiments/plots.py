@@ -3,7 +3,9 @@
 Per workload: latency percentiles vs offered rate (means over repeats), SLO attainment vs offered rate
 (TTFT, TPOT, both; one row per SLO; the target as a horizontal line; interval error bars; each
 deployment's DistServe goodput as a dotted vertical line), goodput per worker vs offered rate, and TTFT /
-TPOT CDFs. With a [pd_sweep]: one heat map of goodput per worker, layouts x prompt:output ratios.
+TPOT CDFs. With an autoscaled deployment: its live workers over each run (a panel per tier and one for
+all, a line per rate, the fixed layouts' counts dashed, the measurement window shaded). With a
+[pd_sweep]: one heat map of goodput per worker, layouts x prompt:output ratios.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from splitserve.experiments.analysis import Analysis, Point, pd_grid  # noqa: E402
 from splitserve.experiments.config import ExperimentConfig  # noqa: E402
+from splitserve.experiments.fleet import WorkerTimeline  # noqa: E402
 from splitserve.experiments.intervals import Interval  # noqa: E402
 from splitserve.experiments.stats import RequestRecord  # noqa: E402
 
@@ -116,6 +120,52 @@ def _cdf_plot(runs: list[dict], rates: tuple[float, ...], workload: str, path: P
     _save(fig, path)
 
 
+def _workers_panel(ax, runs: list[dict], tier: str | None) -> None:
+    """One tier's live workers (None: all tiers') over each run: a line per rate, its first repeat solid."""
+    rates, most = sorted({r["rate"] for r in runs}), 1
+    for r in runs:
+        samples = WorkerTimeline.from_json(r["workers"]["timeline"]).samples
+        counts = [sum(c.values()) if tier is None else c.get(tier, 0) for _, c in samples]
+        first, most = r["repeat"] == 0, max(most, *counts)
+        label = f"{r['rate']:g} req/s" if first else None
+        color, alpha = f"C{rates.index(r['rate'])}", 1.0 if first else 0.4
+        ax.step([t for t, _ in samples], counts, where="post", color=color, alpha=alpha, label=label)
+    window = runs[0]["stats"]
+    ax.axvspan(window["window_start_s"], window["window_end_s"], color="grey", alpha=0.12, label="measured")
+    ax.set_ylim(0, most + 1)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set(xlabel="seconds from the run's first send", ylabel="live workers")
+    ax.grid(alpha=0.3)
+
+
+def _workers_plot(runs: list[dict], autoscaled: list[str], workload: str, path: Path) -> None:
+    """A row per autoscaled deployment: a panel per tier it plans, then one of all its workers beside the
+    fixed layouts' counts (dashed)."""
+    by_dep = _runs_by_deployment(runs)
+    fixed = {dep: round(rs[0]["workers"]["mean"]) for dep, rs in by_dep.items() if dep not in autoscaled}
+    panels = {dep: [*_tiers(by_dep[dep]), None] for dep in autoscaled if dep in by_dep}
+    num_columns = max(len(tiers) for tiers in panels.values())
+    size = (4.8 * num_columns, 3.6 * len(panels))
+    fig, axes = plt.subplots(len(panels), num_columns, figsize=size, squeeze=False)
+    for (dep, tiers), row in zip(panels.items(), axes):
+        for ax, tier in zip(row, tiers):
+            _workers_panel(ax, by_dep[dep], tier)
+            ax.set_title(f"{dep}: {tier or 'all workers'} ({workload})", fontsize=10)
+        for n, (name, count) in enumerate(fixed.items()):
+            style = ("--", ":", "-.")[n % 3]
+            row[len(tiers) - 1].axhline(count, color="black", linestyle=style, alpha=0.5, label=f"{name}: {count}")
+        for ax in row[: len(tiers)]:
+            ax.legend(fontsize=7)
+        for ax in row[len(tiers) :]:
+            ax.set_visible(False)
+    _save(fig, path)
+
+
+def _tiers(runs: list[dict]) -> list[str]:
+    """The tiers the runs' worker timelines count, in the order they appear."""
+    return list(dict.fromkeys(t for r in runs for t in WorkerTimeline.from_json(r["workers"]["timeline"]).tiers()))
+
+
 def _pd_heatmap(analysis: Analysis, cfg: ExperimentConfig, path: Path) -> None:
     assert cfg.pd_sweep is not None
     slo_names = [name for name, _ in cfg.slos]
@@ -138,10 +188,15 @@ def _pd_heatmap(analysis: Analysis, cfg: ExperimentConfig, path: Path) -> None:
     _save(fig, path)
 
 
+def file_stem(workload: str) -> str:
+    """How a workload's name starts its plots' file names."""
+    return workload.replace("/", "_").replace(" ", "_").replace(":", "-")
+
+
 def write_plots(runs: list[dict], analysis: Analysis, cfg: ExperimentConfig, out: Path) -> list[Path]:
     paths = []
     for workload in analysis.workloads():
-        stem = out / workload.replace("/", "_").replace(" ", "_").replace(":", "-")
+        stem = out / file_stem(workload)
         wruns = [r for r in runs if r["workload"] == workload]
         for metric, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E")):
             paths.append(Path(f"{stem}-{metric.removesuffix('_ms')}_vs_rate.png"))
@@ -152,6 +207,9 @@ def write_plots(runs: list[dict], analysis: Analysis, cfg: ExperimentConfig, out
         _goodput_plot(analysis, cfg, workload, paths[-1])
         paths.append(Path(f"{stem}-latency_cdf.png"))
         _cdf_plot(wruns, cfg.sweep.rates, workload, paths[-1])
+        if any(r["deployment"] in cfg.autoscaled() for r in wruns):
+            paths.append(Path(f"{stem}-workers_over_time.png"))
+            _workers_plot(wruns, cfg.autoscaled(), workload, paths[-1])
     if cfg.pd_sweep is not None:
         paths.append(out / "pd_sweep-goodput_per_worker.png")
         _pd_heatmap(analysis, cfg, paths[-1])

@@ -196,6 +196,7 @@ class SLOStats:
     ttft: float  # attainment of the TTFT objective alone
     tpot: float  # ... of the TPOT objective alone
     both: float  # ... of both: the SLO attainment
+    num_met: int  # counted requests meeting both
     met_rate: float  # requests meeting both / window seconds: never above the realised rate
     passed: bool  # both >= the SLO's attainment target
     distserve_goodput: float  # the offered rate when passed, else 0 (DistServe's goodput of one run)
@@ -245,11 +246,13 @@ def run_stats(
 def _slo_stats(counted: Sequence[RequestRecord], slo: SLO, seconds: float, offered_rate: float) -> SLOStats:
     both = _share(counted, slo.met_by)
     passed = both >= slo.attainment
+    num_met = sum(map(slo.met_by, counted))
     return SLOStats(
         ttft=_share(counted, slo.ttft_met),
         tpot=_share(counted, slo.tpot_met),
         both=both,
-        met_rate=sum(map(slo.met_by, counted)) / seconds,
+        num_met=num_met,
+        met_rate=num_met / seconds,
         passed=passed,
         distserve_goodput=offered_rate if passed else 0.0,
     )

@@ -1,15 +1,25 @@
 """summary.md: how the runs were made, DistServe goodput per deployment (per worker), attainment and
-goodput per worker by offered rate with intervals over repeats, the P:D heat map as a table, and every
-run. A winner is named only where intervals do not overlap; elsewhere it says "not distinguishable"."""
+goodput per worker by offered rate with intervals over repeats, fixed layouts vs the planner (workers
+used, attainment, goodput per worker-second) when a deployment is autoscaled, the P:D heat map as a
+table, and every run. A winner is named only where intervals do not overlap; elsewhere it says "not
+distinguishable"."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from splitserve.experiments.analysis import Analysis, Point, compare_attainment, compare_knees, pd_grid
+from splitserve.experiments.analysis import (
+    Analysis,
+    Point,
+    compare_attainment,
+    compare_knees,
+    compare_per_worker_second,
+    pd_grid,
+)
 from splitserve.experiments.config import ExperimentConfig
 from splitserve.experiments.intervals import NUM_RESAMPLES, Interval
+from splitserve.experiments.plots import file_stem
 
 INTERVAL_TEXT = {
     "t": "95% t-intervals over the repeats (mean +- t(0.975, n-1) * s / sqrt(n))",
@@ -69,17 +79,25 @@ def _header(cfg: ExperimentConfig) -> list[str]:
         f"{list(sweep.rates)}{more}. Per worker: divided by the deployment's workers (or its `gpus`). Goodput per "
         "worker by rate: requests meeting the SLO per window second, per worker (never above the realised rate)."
     )
+    if cfg.autoscaled():
+        lines.append(
+            f"- Autoscaled ({', '.join(cfg.autoscaled())}): every run starts at the planner's minimum and the planner "
+            "sizes the tiers while it sends. In the goodput tables their workers are the planner's budget (the most "
+            "it may start); "
+            "goodput per worker-second divides the requests meeting the SLO in the window by the integral of the "
+            "live workers over it (for a fixed layout that is goodput per worker), so it compares them fairly."
+        )
     return lines
 
 
-def _knee_rows(analysis: Analysis, workload: str, slo: str) -> list[list[str]]:
+def _knee_rows(analysis: Analysis, cfg: ExperimentConfig, workload: str, slo: str) -> list[list[str]]:
     rows = []
     for k in analysis.knees_of(workload, slo):
         r, w = k.result, k.per_worker
         rows.append(
             [
                 k.deployment,
-                str(k.budget),
+                f"<= {k.budget} (planner)" if k.deployment in cfg.autoscaled() else str(k.budget),
                 f"{r.goodput:.3g}",
                 f"**{w.goodput:.3g}**",
                 _rate(r.ceiling) if r.converged or r.ceiling is None else f"{_rate(r.ceiling)} (not converged)",
@@ -106,7 +124,7 @@ def _goodput_section(analysis: Analysis, cfg: ExperimentConfig, workload: str) -
     header.append("rates (x: missed)")
     lines = []
     for slo, _ in cfg.slos:
-        lines += ["", f"### Goodput, SLO `{slo}`", "", *_table(header, _knee_rows(analysis, workload, slo))]
+        lines += ["", f"### Goodput, SLO `{slo}`", "", *_table(header, _knee_rows(analysis, cfg, workload, slo))]
         verdict = _knee_verdict(analysis, workload, slo, f"SLO `{slo}`")
         lines += ["", verdict] if verdict else []
     return lines
@@ -155,6 +173,38 @@ def _rates_section(analysis: Analysis, cfg: ExperimentConfig, workload: str) -> 
     return lines
 
 
+def _fleet_row(p: Point, slo: str) -> list[str]:
+    s = p.slos[slo]
+    return [p.deployment, f"{p.rate:g}", p.mean_workers.format(2), _pct(s.both), s.goodput_per_worker_second.format(3)]
+
+
+def _fleet_verdicts(points: list[Point], slo: str) -> list[str]:
+    lines = []
+    for rate in sorted({p.rate for p in points}):
+        at_rate = [p for p in points if p.rate == rate]
+        if len(at_rate) < 2:
+            continue
+        v = compare_per_worker_second(at_rate, slo)
+        if v.winner is not None:
+            lines.append(f"- {rate:g} req/s: **{v.winner}** has the highest goodput per worker-second")
+        else:
+            lines.append(f"- {rate:g} req/s: not distinguishable: {', '.join(sorted(v.leaders))} (intervals overlap)")
+    return lines
+
+
+def _fleet_section(analysis: Analysis, cfg: ExperimentConfig, workload: str) -> list[str]:
+    """Fixed layouts vs the planner: the workers each used, its SLO attainment, goodput per worker-second."""
+    points = analysis.points_of(workload)
+    if not any(p.deployment in cfg.autoscaled() for p in points):
+        return []
+    header = ["deployment", "offered req/s", "workers (mean in window)", "both met", "goodput per worker-second"]
+    lines = []
+    for slo, _ in cfg.slos:
+        table = _table(header, [_fleet_row(p, slo) for p in points])
+        lines += ["", f"### Fixed layouts vs the planner, SLO `{slo}`", "", *table, "", *_fleet_verdicts(points, slo)]
+    return [*lines, "", f"Workers over time: `{file_stem(workload)}-workers_over_time.png`."]
+
+
 def _pd_section(analysis: Analysis, cfg: ExperimentConfig) -> list[str]:
     if cfg.pd_sweep is None:
         return []
@@ -189,6 +239,7 @@ def write_summary(runs: list[dict], analysis: Analysis, cfg: ExperimentConfig, o
     for workload in analysis.workloads():
         lines += ["", f"## Workload `{workload}`"]
         lines += _goodput_section(analysis, cfg, workload) + _rates_section(analysis, cfg, workload)
+        lines += _fleet_section(analysis, cfg, workload)
     lines += _pd_section(analysis, cfg)
     lines += ["", "## Runs (latencies in ms, over every request sent)"]
     for workload in analysis.workloads():

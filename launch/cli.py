@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from splitserve.common.roles import MODES, Role
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
@@ -17,6 +18,9 @@ from splitserve.launch.security_args import (
     gateway_credentials_from_args,
     gateway_security_from_args,
 )
+
+if TYPE_CHECKING:
+    from splitserve.launch.autoscale import UpPlanner
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -270,7 +274,21 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         prepare_access(Path(a.secrets_dir), a.secure, a.host),
         _http_port(a),
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
+        _up_planner(a) if a.autoscale else None,
     )
+
+
+def _up_planner(a: argparse.Namespace) -> UpPlanner:
+    """`up --autoscale`: the planner's settings; its tiers are those `up` starts (unified, or prefill and decode)."""
+    from pathlib import Path
+
+    from splitserve.launch.autoscale import AutoscaleSettings, UpPlanner
+
+    colocated = not (a.prefill or a.decode)
+    if a.colocated and not colocated:
+        raise ValueError("--colocated plans unified workers: start them with --workers N, not --prefill/--decode")
+    log = None if a.planner_log == "-" else Path(a.planner_log or Path(a.secrets_dir) / "planner-decisions.jsonl")
+    return UpPlanner(AutoscaleSettings.from_args(a, colocated), log, a.planner_metrics_port)
 
 
 def _health(a: argparse.Namespace) -> int:
@@ -473,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_certs_args(certs)
     certs.set_defaults(func=_certs)
 
-    from splitserve.planner.cli import add_planner_args, add_profile_args
+    from splitserve.planner.cli import add_planner_args, add_policy_args, add_profile_args
 
     add_planner_args(sub)
     add_profile_args(sub)
@@ -520,8 +538,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="where `up` keeps the join secret (and with --secure the CA, certificates and API key); reused",
     )
     _add_tracing_args(up)
+    _add_autoscale_args(up)
+    add_policy_args(up, required=False)
     up.set_defaults(func=None)
     return parser
+
+
+def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("autoscaling (the SLO planner in this process: docs/planner.md)")
+    g.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="size the tiers to --ttft-ms and --itl-ms with the planner's options below (the tiers: prefill and "
+        "decode with --prefill/--decode, else unified)",
+    )
+    g.add_argument(
+        "--planner-log",
+        default=None,
+        help="append the planner's decisions here as JSON lines ('-': stderr; default: "
+        "<--secrets-dir>/planner-decisions.jsonl)",
+    )
+    g.add_argument("--planner-metrics-port", type=int, default=0, help="the planner's /metrics port (0: a free one)")
 
 
 _LIMIT_FLAGS = ("--max-prompt-bytes", "--max-stop-bytes", "--max-stop-total-bytes", "--max-stops")

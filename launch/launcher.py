@@ -17,6 +17,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -24,6 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.common.security import OPEN_CLUSTER, ClusterSecurity
 from splitserve.common.serving import free_port
 from splitserve.launch.access import UpAccess
+
+if TYPE_CHECKING:
+    from splitserve.launch.autoscale import UpPlanner
 
 
 @dataclass
@@ -291,7 +295,9 @@ def run_up(
     access: UpAccess | None = None,
     http_port: int | None = None,
     tp_sizes: dict[str, int] | None = None,
+    planner: UpPlanner | None = None,
 ) -> int:
+    """planner: run the SLO planner in this process too (`--autoscale`; launch/autoscale.py)."""
     from splitserve.launch.supervisor import Supervisor, serve_launcher
 
     access = access or UpAccess([], [], OPEN_CLUSTER, [], lambda address: "")
@@ -318,6 +324,12 @@ def run_up(
     )
     for child in children[1:]:
         print(f"  {child.name}: grpc {child.address} metrics http://{child.metrics}/metrics", flush=True)
+    running = None
+    if planner is not None:
+        from splitserve.launch.autoscale import RunningPlanner
+
+        running = RunningPlanner.start(planner, supervisor, children[0], access.cluster, host)
+        print(running.describe(), flush=True)
     operator = " ".join(access.operator_argv)
     if children[0].http:
         print(access.http_hint(children[0].http), flush=True)
@@ -338,6 +350,11 @@ def run_up(
             break
         supervisor.restart_crashed()
         stop.wait(0.5)
+    if running is not None:
+        running.stop()  # first: no decision starts a worker while they stop
     admin.stop(grace=1.0)
     stop_cluster(supervisor.children)
+    if running is not None:
+        running.close()  # a Scale in flight fails fast now ...
+        stop_cluster(supervisor.children)  # ... and any worker it started meanwhile stops too
     return 0

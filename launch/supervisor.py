@@ -1,8 +1,10 @@
 """The control side of `splitserve up`: the Launcher gRPC service that scales each tier of a
 running local system. Starting a worker = spawn, wait until healthy and registered (the gateway
 routes to it from its next health check). Removing one = SIGTERM, i.e. the worker's drain: it stops
-taking requests, deregisters, finishes (decode, unified) or sends (prefill) what it holds, exits.
-The newest workers of a tier are removed first.
+taking requests, deregisters, finishes (decode, unified) or sends (prefill) what it holds, waits for
+KV it holds or awaits to land, exits. The supervisor kills it only past the longest such drain
+(common/serving.py drain_bound_s, from the workers' arguments). The least loaded workers of a tier
+are removed first (`drain_order`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent import futures
 
 import grpc
@@ -20,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.common.roles import MODES
 from splitserve.common.security import OPEN_CLUSTER, BlockingAccessGuard, ClusterSecurity
+from splitserve.common.serving import DRAIN_TIMEOUT_S, drain_bound_s
 from splitserve.launch.launcher import (
     Child,
     pick_devices,
@@ -30,8 +34,39 @@ from splitserve.launch.launcher import (
 )
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
+from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 
 RESTART_BACKOFF_S = 10.0  # a worker that crashes again this soon after a restart waits this long
+EXIT_GRACE_S = 30.0  # after its drain, a worker stops its server and engine and exits within this
+LOAD_TIMEOUT_S = 2.0  # GetLoad of a worker the supervisor may drain
+
+
+def drain_order(loads: Sequence[wpb.LoadReport | None]) -> list[int]:
+    """The order in which to drain a tier's live workers (loads: theirs, oldest worker first; None:
+    it did not answer), as indices into loads.
+
+    First the workers that did not answer: most likely dead or hung, nothing to lose, and a drain (or
+    the kill after it) clears them. Then those with no KV in flight (no request awaiting KV, no
+    prompt's blocks held for a decode worker): their drain waits for no transfer. Then by requests
+    running and waiting, fewest first. Ties: the newest first."""
+
+    def key(i: int) -> tuple[int, int, int]:
+        load = loads[i]
+        if load is None:
+            return (0, 0, -i)
+        moving_kv = load.num_awaiting_kv > 0 or load.num_held_requests > 0
+        return (2 if moving_kv else 1, load.num_running + load.num_waiting, -i)
+
+    return sorted(range(len(loads)), key=key)
+
+
+def worker_drain_bound_s(worker_argv: Sequence[str]) -> float:
+    """The longest drain of a worker started with these arguments (common/serving.py drain_bound_s)."""
+    from splitserve.launch.cli import build_parser  # the worker's own flags and defaults
+
+    args, _ = build_parser().parse_known_args(["worker", *worker_argv])
+    return drain_bound_s(DRAIN_TIMEOUT_S, args.kv_lease_s, args.kv_transfer_timeout)
 
 
 class Supervisor:
@@ -42,7 +77,7 @@ class Supervisor:
         children: list[Child],
         engine_argv: list[str],
         host: str,
-        drain_timeout_s: float = 90.0,
+        drain_timeout_s: float | None = None,
         start_timeout_s: float = 180.0,
         devices: list[str] | None = None,
         cluster: ClusterSecurity = OPEN_CLUSTER,
@@ -53,6 +88,9 @@ class Supervisor:
         self.devices = devices or []  # new workers take the devices the fewest live workers use
         self.tp_sizes = tp_sizes or {}  # mode -> tensor-parallel ranks per worker (default 1)
         self.engine_argv, self.host = engine_argv, host
+        # How long a drained worker may take before it is killed; None: longer than its drain can last.
+        if drain_timeout_s is None:
+            drain_timeout_s = worker_drain_bound_s(engine_argv) + EXIT_GRACE_S
         self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
         self.admin_address = ""
         self._lock = threading.Lock()
@@ -77,7 +115,7 @@ class Supervisor:
                 if count > len(alive):
                     started += self._start(mode, count - len(alive))
                 elif count < len(alive):
-                    drained += self._drain(alive[count:])
+                    drained += self._drain(self._victims(alive, len(alive) - count))
             self.children[:] = [self.children[0]] + [c for c in self.children[1:] if c.proc.poll() is None]
             return started, drained
 
@@ -108,28 +146,36 @@ class Supervisor:
 
     def restart_crashed(self) -> list[Child]:
         """Start again, same name, mode and device, every worker that exited on its own with an error
-        (killed, or its engine loop died: exit 3). Drained workers exit 0 and are not restarted."""
-        with self._lock:
-            now, restarted = time.monotonic(), []
-            for i, child in enumerate(self.children[1:], start=1):
-                code = child.proc.poll()
-                since_restart = now - self._restarted_at.get(child.name, -RESTART_BACKOFF_S)
-                if code in (None, 0) or since_restart < RESTART_BACKOFF_S:
-                    continue
-                print(f"{child.name} exited with code {code}; starting it again", flush=True)
-                self.children[i] = spawn_worker(
-                    child.name,
-                    child.mode,
-                    self.children[0].address,
-                    self.engine_argv,
-                    self.host,
-                    threads_per_worker(self._num_ranks()),
-                    device=child.device,
-                    tp=self.tp_sizes.get(child.mode, 1),
-                )
-                self._restarted_at[child.name] = now
-                restarted.append(self.children[i])
-            return restarted
+        (killed, or its engine loop died: exit 3). Drained workers exit 0 and are not restarted. While a
+        Scale runs (minutes) this round is skipped, so `up`'s loop, which calls it, still sees Ctrl-C."""
+        if not self._lock.acquire(blocking=False):
+            return []
+        try:
+            return self._restart_crashed()
+        finally:
+            self._lock.release()
+
+    def _restart_crashed(self) -> list[Child]:
+        now, restarted = time.monotonic(), []
+        for i, child in enumerate(self.children[1:], start=1):
+            code = child.proc.poll()
+            since_restart = now - self._restarted_at.get(child.name, -RESTART_BACKOFF_S)
+            if code in (None, 0) or since_restart < RESTART_BACKOFF_S:
+                continue
+            print(f"{child.name} exited with code {code}; starting it again", flush=True)
+            self.children[i] = spawn_worker(
+                child.name,
+                child.mode,
+                self.children[0].address,
+                self.engine_argv,
+                self.host,
+                threads_per_worker(self._num_ranks()),
+                device=child.device,
+                tp=self.tp_sizes.get(child.mode, 1),
+            )
+            self._restarted_at[child.name] = now
+            restarted.append(self.children[i])
+        return restarted
 
     def _device_use(self) -> Counter[str]:
         """How many live workers' ranks run on each device."""
@@ -138,13 +184,28 @@ class Supervisor:
     def _num_ranks(self) -> int:
         return sum(self.tp_sizes.get(c.mode, 1) for c in self.children[1:])
 
+    def _victims(self, alive: list[Child], n: int) -> list[Child]:
+        """The n workers of a tier to drain, by drain_order over their loads as they report them now."""
+        order = drain_order([self._load(child) for child in alive])
+        return [alive[i] for i in order[:n]]
+
+    def _load(self, child: Child) -> wpb.LoadReport | None:
+        try:
+            with self.cluster.blocking_channel(child.address) as channel:
+                return wpb_grpc.WorkerStub(channel).GetLoad(wpb.GetLoadRequest(), timeout=LOAD_TIMEOUT_S)
+        except grpc.RpcError as e:
+            print(f"{child.name} did not report its load ({e.code().name}); draining it first", flush=True)
+            return None
+
     def _drain(self, victims: list[Child]) -> list[Child]:
         for child in victims:
             child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_timeout_s  # they drain at once: one deadline for all
         for child in victims:
             try:
-                child.proc.wait(timeout=self.drain_timeout_s)
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                print(f"{child.name} did not exit {self.drain_timeout_s:.0f} s after SIGTERM; killing it", flush=True)
                 child.proc.kill()
                 child.proc.wait()
         return victims

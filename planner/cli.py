@@ -7,6 +7,7 @@ import argparse
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 
 from splitserve.common.roles import Role
 
@@ -18,27 +19,7 @@ def add_planner_args(subparsers) -> None:
     p.add_argument("--url", default="127.0.0.1:50051", help="the gateway HOST:PORT (its worker registry)")
     p.add_argument("--gateway-metrics", required=True, help="the gateway's Prometheus HOST:PORT (`up` prints it)")
     p.add_argument("--control", default="127.0.0.1:50052", help="the launcher control address `up` printed")
-    p.add_argument("--ttft-ms", type=float, required=True, help="p90 time-to-first-token target")
-    p.add_argument("--itl-ms", type=float, required=True, help="p90 inter-token latency target")
-    p.add_argument("--mode", default="reactive", choices=["predictive", "reactive"])
-    p.add_argument("--profile", default=None, help="performance profile JSON (`splitserve profile`); predictive")
-    p.add_argument("--colocated", action="store_true", help="plan unified workers instead of prefill and decode")
-    p.add_argument("--min-prefill", type=int, default=1)
-    p.add_argument("--max-prefill", type=int, default=8)
-    p.add_argument("--min-decode", type=int, default=1)
-    p.add_argument("--max-decode", type=int, default=8)
-    p.add_argument("--min-workers", type=int, default=1, help="unified workers, with --colocated")
-    p.add_argument("--max-workers", type=int, default=8, help="unified workers, with --colocated")
-    p.add_argument("--budget", type=int, default=16, help="most workers over all tiers")
-    p.add_argument("--interval-s", type=float, default=10.0, help="seconds between decisions")
-    p.add_argument("--lead-s", type=float, default=30.0, help="predictive: plan this far ahead (a worker's start-up)")
-    p.add_argument("--up-intervals", type=int, default=2, help="reactive: intervals over a target before +1")
-    p.add_argument("--down-intervals", type=int, default=6, help="intervals well under (wanting fewer) before -1")
-    p.add_argument("--low-watermark", type=float, default=0.5, help="reactive: 'well under' = p90 below this x target")
-    p.add_argument("--cooldown-s", type=float, default=60.0, help="no scale-down this soon after a tier's change")
-    p.add_argument("--up-cooldown-s", type=float, default=30.0, help="reactive: no second +1 this soon")
-    p.add_argument("--utilisation", type=float, default=0.8, help="predictive: the busiest a worker is planned to be")
-    p.add_argument("--dry-run", action="store_true", help="decide, log and export only (e.g. for KEDA or an HPA)")
+    add_policy_args(p)
     p.add_argument("--log", default=None, help="append the decisions here as JSON lines (default: stdout)")
     p.add_argument("--host", default="127.0.0.1", help="where to serve the planner's own /metrics")
     p.add_argument("--metrics-port", type=int, default=0, help="the planner's /metrics port (0: a free one)")
@@ -48,11 +29,64 @@ def add_planner_args(subparsers) -> None:
     p.set_defaults(func=run_planner)
 
 
-def planner_config_from_args(a: argparse.Namespace):
+def add_policy_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """The planner's targets, bounds and policy: on `splitserve planner`, on `splitserve up --autoscale`
+    (required=False: only --autoscale needs the targets), and, as keys, in an experiment's autoscale table
+    (policy_args_from_table)."""
+    g = p.add_argument_group("planner policy")
+    g.add_argument("--ttft-ms", type=float, required=required, help="p90 time-to-first-token target")
+    g.add_argument("--itl-ms", type=float, required=required, help="p90 inter-token latency target")
+    g.add_argument("--mode", default="reactive", choices=["predictive", "reactive"])
+    g.add_argument("--profile", default=None, help="performance profile JSON (`splitserve profile`); predictive")
+    g.add_argument("--colocated", action="store_true", help="plan unified workers instead of prefill and decode")
+    g.add_argument("--min-prefill", type=int, default=1)
+    g.add_argument("--max-prefill", type=int, default=8)
+    g.add_argument("--min-decode", type=int, default=1)
+    g.add_argument("--max-decode", type=int, default=8)
+    g.add_argument("--min-workers", type=int, default=1, help="unified workers, with --colocated")
+    g.add_argument("--max-workers", type=int, default=8, help="unified workers, with --colocated")
+    g.add_argument("--budget", type=int, default=16, help="most workers over all tiers")
+    g.add_argument("--interval-s", type=float, default=10.0, help="seconds between decisions")
+    g.add_argument("--lead-s", type=float, default=30.0, help="predictive: plan this far ahead (a worker's start-up)")
+    g.add_argument("--up-intervals", type=int, default=2, help="reactive: intervals over a target before +1")
+    g.add_argument("--down-intervals", type=int, default=6, help="intervals well under (wanting fewer) before -1")
+    g.add_argument("--low-watermark", type=float, default=0.5, help="reactive: 'well under' = p90 below this x target")
+    g.add_argument("--cooldown-s", type=float, default=60.0, help="no scale-down this soon after a tier's change")
+    g.add_argument("--up-cooldown-s", type=float, default=30.0, help="reactive: no second +1 this soon")
+    g.add_argument("--utilisation", type=float, default=0.8, help="predictive: the busiest a worker is planned to be")
+    g.add_argument("--dry-run", action="store_true", help="decide, log and export only (e.g. for KEDA or an HPA)")
+
+
+def policy_args_from_table(table: Mapping[str, object]) -> argparse.Namespace:
+    """The policy options given as a mapping of their flag names with underscores ({"ttft_ms": 800,
+    "max_prefill": 3, "dry_run": true}), parsed as the command line would be (the same defaults and checks)."""
+    parser = argparse.ArgumentParser(prog="autoscale", allow_abbrev=False, exit_on_error=False, add_help=False)
+    add_policy_args(parser, required=False)
+    argv: list[str] = []
+    for key, value in table.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):  # a switch: true gives the flag, false leaves it out
+            argv += [flag] if value else []
+        else:
+            argv += [flag, str(value)]
+    try:
+        a, unknown = parser.parse_known_args(argv)
+    except argparse.ArgumentError as e:
+        raise ValueError(f"autoscale: {e}") from None
+    if unknown:
+        known = sorted(vars(a))
+        raise ValueError(f"autoscale: unknown option {unknown[0].lstrip('-').replace('-', '_')!r}; known: {known}")
+    if a.ttft_ms is None or a.itl_ms is None:
+        raise ValueError("autoscale: give the p90 targets ttft_ms and itl_ms")
+    return a
+
+
+def planner_config_from_args(a: argparse.Namespace, colocated: bool | None = None):
+    """The PlannerConfig of add_policy_args' options; colocated (None: --colocated) plans a unified tier."""
     from splitserve.planner.capacity import Sizing, SloTargets
     from splitserve.planner.policy import Bounds, Mode, PlannerConfig, TierBounds
 
-    if a.colocated:
+    if a.colocated if colocated is None else colocated:
         tiers = {Role.UNIFIED: TierBounds(a.min_workers, a.max_workers)}
     else:
         tiers = {

@@ -23,9 +23,15 @@ from splitserve.planner.policy import Decision, Policy
 from splitserve.planner.reader import Scrape, observe
 
 
+class ScaleFailed(Exception):
+    """A Scaler could not give the system the shape asked for; the message says why. The loop logs it and
+    decides again at the next interval."""
+
+
 class Scaler(Protocol):
     def scale(self, desired: Mapping[Role, int]) -> str:
-        """Make each tier this size; returns the system's shape afterwards. Blocks until it is."""
+        """Make each tier this size; returns the system's shape afterwards. Blocks until it is.
+        Raises ScaleFailed when it cannot."""
         ...
 
 
@@ -41,7 +47,10 @@ class LauncherScaler:
 
         request = pb.ScaleRequest(**{f"num_{role.value}": count for role, count in desired.items()})
         with self.cluster.blocking_channel(self.address, to_worker=False) as channel:
-            return pb_grpc.LauncherStub(channel).Scale(request, timeout=self.timeout_s).shape
+            try:
+                return pb_grpc.LauncherStub(channel).Scale(request, timeout=self.timeout_s).shape
+            except grpc.RpcError as e:
+                raise ScaleFailed(f"{e.code().name}: {e.details()}") from e
 
 
 class PlannerLoop:
@@ -98,9 +107,9 @@ class PlannerLoop:
         pending, self._pending = self._pending, None
         try:
             self._write({"event": "scaled", "shape": pending.result()})
-        except grpc.RpcError as e:
+        except ScaleFailed as e:
             self.metrics.scale_calls.labels(result="failed").inc()
-            self._write({"event": "scale_failed", "error": f"{e.code().name}: {e.details()}"})
+            self._write({"event": "scale_failed", "error": str(e)})
 
     def wait_for_scale(self, timeout_s: float | None = None) -> None:
         """Block until the Scale call in flight (if any) has returned, and log it."""

@@ -218,6 +218,14 @@ class Policy(ABC):
         return Decision(self.config.mode, obs, tiers, inputs)
 
 
+def _ttft_p90(obs: Observation) -> float | None:
+    """The interval's TTFT p90; with no first token in it while prompts wait, the interval's length (the
+    oldest of them has waited that long: a lower bound, so a stalled prefill tier is seen as over)."""
+    if obs.ttft_p90_s is None and obs.arrival_rate > 0 and sum(obs.num_waiting.values()) > 0:
+        return obs.interval_s
+    return obs.ttft_p90_s
+
+
 class ReactivePolicy(Policy):
     """+1 / -1 on measured p90s, with streaks (hysteresis) and a cooldown (module docstring)."""
 
@@ -261,7 +269,8 @@ class ReactivePolicy(Policy):
     def _faults(self, obs: Observation) -> dict[Role, Reason | None]:
         """The tier at fault for each target that is over (TTFT: prefill, unless prompts wait at decode)."""
         t = self.config.targets
-        ttft_over = obs.ttft_p90_s is not None and obs.ttft_p90_s > t.ttft_s
+        ttft = _ttft_p90(obs)
+        ttft_over = ttft is not None and ttft > t.ttft_s
         itl_over = obs.itl_p90_s is not None and obs.itl_p90_s > t.itl_s
 
         def first(*found: tuple[bool, Reason]) -> Reason | None:
@@ -279,10 +288,11 @@ class ReactivePolicy(Policy):
         return {Role.PREFILL: first((ttft_over and not at_decode, Reason.TTFT_OVER)), Role.DECODE: decode}
 
     def _unders(self, obs: Observation) -> dict[Role, bool]:
-        """Well under target with nothing queued (an idle interval, no p90 at all, counts as under)."""
-        t, low = self.config.targets, self.config.low_watermark
-        ttft_low = obs.ttft_p90_s is None or obs.ttft_p90_s < low * t.ttft_s
-        itl_low = obs.itl_p90_s is None or obs.itl_p90_s < low * t.itl_s
+        """Well under target with nothing queued. An interval without a p90 counts as under only when no
+        request arrived in it: under load it means no request got that far (e.g. all queued)."""
+        t, low, idle = self.config.targets, self.config.low_watermark, obs.arrival_rate == 0
+        ttft_low = idle if obs.ttft_p90_s is None else obs.ttft_p90_s < low * t.ttft_s
+        itl_low = idle if obs.itl_p90_s is None else obs.itl_p90_s < low * t.itl_s
 
         def quiet(tier: Role) -> bool:
             return obs.num_waiting.get(tier, 0) == 0 and obs.kv_usage.get(tier, 0.0) < low * self.config.kv_high
@@ -292,9 +302,11 @@ class ReactivePolicy(Policy):
         return {Role.PREFILL: ttft_low and quiet(Role.PREFILL), Role.DECODE: itl_low and quiet(Role.DECODE)}
 
     def _rebalance(self, obs: Observation, wanted: dict[Role, int], reasons: dict[Role, Reason]) -> None:
-        """At the budget, a growing tier takes a worker from a tier under its targets (and not cooling)."""
+        """At the budget, a growing tier (below its max) takes a worker from a tier under its targets (and
+        not cooling). A tier at its max cannot grow, so it takes nothing: the other would only shrink."""
         bounds = self.config.bounds
-        for tier in (t for t in self.config.tiers if wanted[t] > obs.workers.get(t, 0)):
+        growing = (t for t in self.config.tiers if obs.workers.get(t, 0) < wanted[t] <= bounds.tiers[t].max_workers)
+        for tier in growing:
             if sum(wanted.values()) <= bounds.budget:
                 return
             for other in (o for o in self.config.tiers if o != tier and self._under[o] > 0):

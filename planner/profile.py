@@ -34,7 +34,12 @@ def prefill_features(query_lens: Sequence[float], seq_lens: Sequence[float] | No
     """A prefill step's features; seq_lens None: every sequence is a whole prompt (seq_len = query_len)."""
     seq_lens = query_lens if seq_lens is None else seq_lens
     quadratic = sum(s * s - (s - q) * (s - q) for q, s in zip(query_lens, seq_lens))
-    return (1.0, float(sum(query_lens)), float(quadratic))
+    return prefill_step_features(sum(query_lens), quadratic)
+
+
+def prefill_step_features(num_tokens: float, attention_tokens2: float) -> tuple[float, ...]:
+    """A prefill step's features from its sums (what a worker counts per step: engine/step_stats.py)."""
+    return (1.0, float(num_tokens), float(attention_tokens2))
 
 
 def decode_features(batch: float, context: float) -> tuple[float, ...]:

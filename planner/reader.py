@@ -13,9 +13,11 @@ read from the later scrape.
 - queues: splitserve_num_requests_waiting per tier (and _awaiting_kv at decode); KV: each tier's
   fullest worker's splitserve_kv_cache_usage_perc; transfer: the decode workers' mean
   splitserve_kv_transfer_seconds;
-- steps for the profile's refit, approximate until workers export per-step series: decode, a worker's
-  mean token gap at its mean running batch and the context L + O/2; prefill, a worker's mean prefill time
-  per request at the mean prompt length, only from a worker that had nothing waiting at either scrape.
+- steps for the profile's refit: each worker's splitserve_engine_step_* counters (engine/step_stats.py),
+  per kind of step; a point is the interval's mean step of that kind on that worker (seconds, sequences,
+  tokens, context and, for prefill, the quadratic attention sum, each divided by the number of steps:
+  the features are linear in these sums, so the mean step's features are the mean of the steps'),
+  from every worker that ran at least one step of that kind in the interval.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ from __future__ import annotations
 import math
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.roles import Role
 from splitserve.common.security import ClusterSecurity
+from splitserve.engine.step_stats import StepKind
 from splitserve.planner.policy import Observation
-from splitserve.planner.profile import Point, decode_features, prefill_features
+from splitserve.planner.profile import Point, decode_features, prefill_step_features
 
 GATEWAY_REQUESTS = "splitserve_gateway_requests_total"
 GATEWAY_IN_FLIGHT = "splitserve_gateway_requests_in_flight"
@@ -41,12 +45,16 @@ PROMPT_TOKENS = "splitserve_prompt_tokens_total"
 GENERATION_TOKENS = "splitserve_generation_tokens_total"
 REQUEST_SUCCESS = "splitserve_request_success_total"
 WAITING = "splitserve_num_requests_waiting"
-RUNNING = "splitserve_num_requests_running"
 AWAITING_KV = "splitserve_num_requests_awaiting_kv"
 KV_USAGE = "splitserve_kv_cache_usage_perc"
-WORKER_ITL = "splitserve_inter_token_latency_seconds"
-WORKER_PREFILL = "splitserve_request_prefill_time_seconds"
 KV_TRANSFER = "splitserve_kv_transfer_seconds"
+STEPS = "splitserve_engine_steps_total"
+STEP_SECONDS = "splitserve_engine_step_seconds_total"
+STEP_SEQUENCES = "splitserve_engine_step_sequences_total"
+STEP_TOKENS = "splitserve_engine_step_tokens_total"
+STEP_CONTEXT = "splitserve_engine_step_context_tokens_total"
+STEP_ATTENTION2 = "splitserve_engine_step_attention_tokens2_total"
+_STEP_SUMS = (STEPS, STEP_SECONDS, STEP_SEQUENCES, STEP_TOKENS, STEP_CONTEXT, STEP_ATTENTION2)
 _PROMPT_ROLES = (Role.PREFILL, Role.UNIFIED)  # where a request's prompt tokens are counted once
 _OUTPUT_ROLES = (Role.DECODE, Role.UNIFIED)
 
@@ -67,9 +75,10 @@ class Samples:
             }
         )
 
-    def total(self, name: str) -> float:
-        """The sum over every series of this sample name (0 when there is none)."""
-        return sum(v for (n, _), v in self.values.items() if n == name)
+    def total(self, name: str, **labels: str) -> float:
+        """The sum over every series of this sample name that has these labels (0 when there is none)."""
+        wanted = set(labels.items())
+        return sum(v for (n, have), v in self.values.items() if n == name and wanted <= have)
 
     def buckets(self, histogram: str) -> dict[float, float]:
         """Cumulative counts by upper bound, summed over the histogram's series."""
@@ -93,6 +102,8 @@ class Scrape:
     time_s: float  # monotonic
     gateway: Samples
     workers: tuple[WorkerScrape, ...]
+    # Listed healthy by the gateway, /metrics not read in time (busy): counted as workers, nothing else.
+    num_unread: Mapping[Role, int] = field(default_factory=dict)
 
 
 def counter_delta(now: float, before: float) -> float:
@@ -169,35 +180,36 @@ def observe(prev: Scrape, cur: Scrape) -> Observation:
         mean_output_tokens=output,
         ttft_p90_s=histogram_quantile(0.9, _histogram_delta(gw, gw_before, GATEWAY_TTFT)),
         itl_p90_s=histogram_quantile(0.9, _histogram_delta(gw, gw_before, GATEWAY_ITL)),
-        workers={role: len(samples) for role, samples in by_role.items() if samples},
+        workers={role: n for role, samples in by_role.items() if (n := len(samples) + cur.num_unread.get(role, 0))},
         num_waiting={role: round(sum(s.total(WAITING) for s in samples)) for role, samples in by_role.items()},
         num_awaiting_kv=round(sum(s.total(AWAITING_KV) for s in by_role[Role.DECODE])),
         kv_usage={role: max((s.total(KV_USAGE) for s in samples), default=0.0) for role, samples in by_role.items()},
         transfer_s=sum(transfers) / len(transfers) if transfers else None,
-        prefill_points=_prefill_points(deltas, prompt),
-        decode_points=_decode_points(deltas, prompt + output / 2),
+        prefill_points=_step_points(deltas, StepKind.PREFILL),
+        decode_points=_step_points(deltas, StepKind.DECODE),
     )
 
 
-def _decode_points(deltas: _WorkerDeltas, context: float) -> tuple[Point, ...]:
+def _step_points(deltas: _WorkerDeltas, kind: StepKind) -> tuple[Point, ...]:
+    """Each worker's mean step of this kind over the interval (none from a worker that ran no such step)."""
     points = []
     for w, before in deltas.pairs:
-        gap_s = _mean_delta(w.samples, before, WORKER_ITL)
-        if w.role in _OUTPUT_ROLES and gap_s is not None and before is not None:
-            batch = (w.samples.total(RUNNING) + before.total(RUNNING)) / 2
-            if batch >= 1:
-                points.append(Point(decode_features(batch, context), gap_s))
-    return tuple(points)
-
-
-def _prefill_points(deltas: _WorkerDeltas, prompt_tokens: float) -> tuple[Point, ...]:
-    points = []
-    for w, before in deltas.pairs:
-        if w.role is not Role.PREFILL or before is None or w.samples.total(WAITING) or before.total(WAITING):
+        sums = {name: _kind_delta(w.samples, before, name, kind) for name in _STEP_SUMS}
+        num_steps = sums[STEPS]
+        if num_steps < 1 or sums[STEP_SEQUENCES] <= 0:
             continue
-        if (seconds := _mean_delta(w.samples, before, WORKER_PREFILL)) is not None and prompt_tokens >= 1:
-            points.append(Point(prefill_features([prompt_tokens]), seconds))
+        mean = {name: value / num_steps for name, value in sums.items()}
+        if kind is StepKind.DECODE:  # decode_features takes the context per sequence
+            features = decode_features(mean[STEP_SEQUENCES], sums[STEP_CONTEXT] / sums[STEP_SEQUENCES])
+        else:
+            features = prefill_step_features(mean[STEP_TOKENS], mean[STEP_ATTENTION2])
+        points.append(Point(features, mean[STEP_SECONDS]))
     return tuple(points)
+
+
+def _kind_delta(now: Samples, before: Samples | None, name: str, kind: StepKind) -> float:
+    earlier = before.total(name, kind=kind.value) if before is not None else 0.0
+    return counter_delta(now.total(name, kind=kind.value), earlier)
 
 
 class ClusterScraper:
@@ -215,16 +227,16 @@ class ClusterScraper:
         with self.cluster.blocking_channel(self.gateway, to_worker=False) as channel:
             listed = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=self.timeout_s)
         gateway = Samples.parse(self._get(self.gateway_metrics))
-        workers = []
+        workers, unread = [], Counter[Role]()
         for w in listed.workers:
             role = Role.from_proto(w.role)
             if role is None or not (w.healthy and w.metrics_address):
                 continue
             try:
                 workers.append(WorkerScrape(w.address, role, Samples.parse(self._get(w.metrics_address))))
-            except OSError:  # leaving (drained) between the listing and now: not a worker any more
-                continue
-        return Scrape(time.monotonic(), gateway, tuple(workers))
+            except OSError:  # busy, or stopped since the listing (a drained worker deregisters first)
+                unread[role] += 1
+        return Scrape(time.monotonic(), gateway, tuple(workers), unread)
 
     def _get(self, address: str) -> str:
         url = address if "://" in address else f"http://{address}/metrics"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import threading
 import time
@@ -250,3 +251,15 @@ def wait_serving(address: str, proc, timeout_s: float) -> None:
             raise RuntimeError(f"the worker for {address} exited with code {proc.returncode}")
         time.sleep(0.2)
     raise TimeoutError(f"{address} was not serving within {timeout_s:.0f} s")
+
+
+DRAINED = re.compile(r"drained: free_blocks=(\d+) total_blocks=(\d+) running=0 waiting=0 awaiting_kv=0 held=0")
+
+
+def drained_empty(child) -> bool:
+    """The worker's last words: nothing running or held, and its KV pool fully free when it exited."""
+    for line in child.log:
+        m = DRAINED.search(line)
+        if m:
+            return m.group(1) == m.group(2)
+    return False

@@ -54,11 +54,11 @@ def _train_tokenizer(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def _save_tiny(folder: Path, architecture: str) -> Path:
+def _save_tiny(folder: Path, architecture: str, **sizes: int) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    common = dict(
+    common: dict = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
@@ -72,6 +72,7 @@ def _save_tiny(folder: Path, architecture: str) -> Path:
         bos_token_id=None,
         pad_token_id=None,
     )
+    common.update(sizes)
     if architecture == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
         model = LlamaForCausalLM(config)
@@ -90,6 +91,14 @@ def _save_tiny(folder: Path, architecture: str) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def wide_llama_dir(tmp_path_factory) -> Path:
+    """Random weights big enough that a 400-token prefill costs ~0.3 s on one core (the tiny model's
+    prefill is cheaper than the gateway's work per request): for tests where compute must dominate."""
+    sizes = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8)
+    return _save_tiny(tmp_path_factory.mktemp("wide-llama"), "llama", **sizes)
 
 
 @pytest.fixture(scope="session")

@@ -114,7 +114,7 @@ def test_workers_scale_and_drain(configs: dict[str, dict]) -> None:
         for name, service in workers(config).items():
             assert "container_name" not in service and "ports" not in service, name
             assert service["stop_signal"] == "SIGTERM", name
-            assert service["stop_grace_period"] == "60s", name
+            assert service["stop_grace_period"] == "300s", name  # > drain_bound_s (270 s)
             assert service["depends_on"]["gateway"]["condition"] == "service_healthy", name
             assert service["healthcheck"]["test"] == WORKER_HEALTH, name
             assert "/models" in [v.split(":")[1] for v in service["volumes"]], name

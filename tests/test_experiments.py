@@ -147,3 +147,50 @@ vocab_high = 300
     assert "### Goodput, SLO `loose`" in summary and "| 1P1D | 8.0 |" in summary
     # Every attainment is 100% (loose) or 0% (impossible) with zero spread: the intervals touch.
     assert "not distinguishable at this rate: 1P1D, unified x1" in summary
+
+
+def test_an_autoscaled_deployment_records_its_workers_and_the_planners_decisions(tiny_llama_dir, tmp_path):
+    """The planner in process for one 1.5 s run of one unified worker it may not grow (min = max): decisions
+    every 0.5 s, the workers sampled into a timeline, goodput per worker-second, the comparison in the report."""
+    config = tmp_path / "autoscaled.toml"
+    config.write_text(f"""
+name = "autoscaled"
+engine_args = {json.dumps(engine_argv(tiny_llama_dir))}
+warmup_requests = 1
+[[slos]]
+name = "loose"
+ttft_ms = 60000
+tpot_ms = 60000
+[[deployments]]
+name = "planner"
+[deployments.autoscale]
+ttft_ms = 0.001
+itl_ms = 0.001
+colocated = true
+max_workers = 1
+budget = 1
+interval_s = 0.5
+up_intervals = 1
+[sweep]
+rates = [4.0]
+duration_s = 1.5
+warmup_s = 0.25
+cooldown_s = 0.25
+[[workloads]]
+name = "short"
+prompt_len = "uniform:8:40"
+output_len = "6"
+vocab_high = 300
+""")
+    out = tmp_path / "report"
+    (run,) = run_experiment(load_config(config), out)
+    timeline = run["workers"]["timeline"]
+    assert timeline[0] == [0.0, {"unified": 1}] and all(counts == {"unified": 1} for _, counts in timeline)
+    assert run["workers"]["worker_seconds"] == pytest.approx(1.0) and run["workers"]["mean"] == pytest.approx(1.0)
+    met = run["stats"]["slos"]["loose"]["num_met"]
+    assert met == run["stats"]["num_counted"] and run["goodput_per_worker_second"]["loose"] == pytest.approx(met)
+    decisions = [d for d in run["planner"] if d["event"] == "decision"]
+    assert any(d["tiers"]["unified"]["reason"] == "max_workers" for d in decisions)  # over target, at its max
+    assert all(d["scale"] == "unchanged" for d in decisions)
+    assert (out / "short-workers_over_time.png").exists()
+    assert "### Fixed layouts vs the planner, SLO `loose`" in (out / "summary.md").read_text()

@@ -189,6 +189,34 @@ def test_reactive_at_the_budget_takes_a_worker_from_a_quiet_tier():
     assert [x.reason for x in d.tiers] == [Reason.TTFT_OVER, Reason.REBALANCE]
 
 
+def test_reactive_a_tier_at_its_max_takes_no_worker_from_another():
+    """Seen on real processes: decode (max 1) with a full KV cache took the second prefill worker away
+    mid-burst, and the bounds then held decode at 1, so the system only shrank."""
+    bounds = Bounds({Role.PREFILL: TierBounds(1, 2), Role.DECODE: TierBounds(1, 1)}, budget=3)
+    policy = reactive(bounds=bounds, up_intervals=1, cooldown_s=0)
+    d = policy.decide(obs(5, ttft=0.1, prefill=2, decode=1, kv_usage={Role.DECODE: 0.99}))
+    assert d.desired() == {Role.PREFILL: 2, Role.DECODE: 1}, d.to_json()["tiers"]
+
+
+def test_reactive_an_interval_without_first_tokens_under_load_is_not_quiet():
+    """No TTFT sample in an interval while requests arrive means none finished prefill: not "well under"."""
+    policy = reactive(up_intervals=1, down_intervals=1, cooldown_s=0)
+    d = policy.decide(obs(5, ttft=None, itl=None, arrival_rate=3.0))
+    assert not d.changed, d.to_json()["tiers"]
+    idle = policy.decide(obs(10, ttft=None, itl=None, arrival_rate=0.0))
+    assert idle.desired() == {Role.PREFILL: 1, Role.DECODE: 1}
+
+
+def test_reactive_an_interval_without_first_tokens_while_prompts_wait_is_over_ttft():
+    """A prefill tier so slow that no prompt got its first token in an interval: every waiting prompt
+    has waited about that long, which bounds the TTFT p90 from below."""
+    policy = reactive(up_intervals=2)
+    waiting = {Role.PREFILL: 6, Role.DECODE: 0}
+    for t in (5, 10):  # interval_s = 5 > the 1 s TTFT target
+        d = policy.decide(obs(t, ttft=None, itl=None, arrival_rate=1.0, num_waiting=waiting))
+    assert d.desired() == {Role.PREFILL: 3, Role.DECODE: 2} and d.tiers[0].reason is Reason.TTFT_OVER
+
+
 def test_reactive_colocated_tier():
     bounds = Bounds({Role.UNIFIED: TierBounds(1, 4)}, budget=4)
     policy = reactive(bounds=bounds, up_intervals=1)

@@ -80,6 +80,9 @@ def test_add_workers_then_drain_the_originals_under_load(tiny_llama_dir):
             while time.monotonic() < deadline and not all(_moved_kv(c) > 0 for c in started):
                 time.sleep(0.5)
             assert all(_moved_kv(c) > 0 for c in started), "new workers got no traffic"
+            # their engines count each step by kind (what the planner refits on)
+            kinds = {c.mode: metric(c.metrics, "splitserve_engine_steps_total", kind=c.mode) for c in started}
+            assert kinds["prefill"] > 0 and kinds["decode"] > 0, kinds
             # Drain the originals: the prefill one over the Drain RPC, the decode one by SIGTERM.
             wpb_grpc.WorkerStub(grpc.insecure_channel(original_p.address)).Drain(wpb.DrainRequest(), timeout=5)
             original_d.proc.terminate()

@@ -6,14 +6,17 @@ scrape time by a collector."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from splitserve.common.serving import LATENCY_BUCKETS
+from splitserve.engine.step_stats import STEP_SECONDS_BUCKETS, StepKind, StepTotals
 
 if TYPE_CHECKING:
     from splitserve.disagg.transfer.base import TransferFailure
@@ -37,6 +40,7 @@ class EngineSnapshot:
     num_lease_expiries: int = 0  # prefill tier: held blocks released because nobody claimed them
     num_failed_requests: int = 0  # requests a failed engine step stopped (the worker went on)
     num_kv_blocks: int = 0  # KV blocks this worker sized its cache to
+    steps: Mapping[StepKind, StepTotals] = field(default_factory=dict)  # by kind; a kind left out: none yet
 
 
 class _EngineCollector:
@@ -93,6 +97,48 @@ class _EngineCollector:
             metric = family(PREFIX + name, doc, labels=names)
             metric.add_metric(values, value)
             yield metric
+        yield from _step_families(s.steps, names, values)
+
+
+# (name, help, the StepTotals field, the kinds it exists for)
+_STEP_COUNTERS = (
+    ("engine_steps", "Engine steps run, by kind.", "num_steps", tuple(StepKind)),
+    ("engine_step_seconds", "Wall time of engine steps (schedule to update), by kind.", "seconds", tuple(StepKind)),
+    ("engine_step_sequences", "Sequences in engine steps, summed over steps.", "num_seqs", tuple(StepKind)),
+    ("engine_step_tokens", "Tokens computed by engine steps.", "num_tokens", tuple(StepKind)),
+    (
+        "engine_step_context_tokens",
+        "Tokens in KV after each step, over its sequences, summed over steps.",
+        "context_tokens",
+        tuple(StepKind),
+    ),
+    (
+        "engine_step_attention_tokens2",
+        "Prefill steps: seq_len^2 - start^2 over their sequences, summed (the profile's quadratic attention term).",
+        "attention_tokens2",
+        (StepKind.PREFILL,),
+    ),
+)
+
+
+def _step_families(steps: Mapping[StepKind, StepTotals], names: list[str], values: list[str]) -> Iterator[Metric]:
+    """The engine step series, every kind from zero (planner/reader.py turns their deltas into steps)."""
+    totals = {kind: steps.get(kind) or StepTotals() for kind in StepKind}
+    for name, doc, attribute, kinds in _STEP_COUNTERS:
+        metric = CounterMetricFamily(PREFIX + name, doc, labels=[*names, "kind"])
+        for kind in kinds:
+            metric.add_metric([*values, kind.value], getattr(totals[kind], attribute))
+        yield metric
+    histogram = HistogramMetricFamily(
+        PREFIX + "engine_step_duration_seconds", "Wall time of one engine step, by kind.", labels=[*names, "kind"]
+    )
+    for kind, t in totals.items():
+        cumulative, buckets = 0, []
+        for bound, count in zip((*STEP_SECONDS_BUCKETS, math.inf), t.bucket_counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        histogram.add_metric([*values, kind.value], buckets, t.seconds)
+    yield histogram
 
 
 class WorkerMetrics:

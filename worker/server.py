@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from splitserve.common.model_files import model_name
 from splitserve.common.roles import MODES, Role
 from splitserve.common.security import AccessGuard, ClusterSecurity
-from splitserve.common.serving import start_metrics_server
+from splitserve.common.serving import DRAIN_TIMEOUT_S, drain_bound_s, start_metrics_server
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
 from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
@@ -53,7 +53,7 @@ class WorkerConfig:
     advertise_host: str | None = None  # the host others reach this worker at; None: host (or this
     # machine's IP when host is 0.0.0.0, e.g. one replica of a scaled compose service)
     mode: str = "unified"
-    drain_timeout_s: float = 30.0
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # running requests, once draining (KV in flight: drain_bound_s)
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
@@ -67,6 +67,11 @@ class WorkerConfig:
     @property
     def role(self) -> Role:
         return Role(self.mode)
+
+    @property
+    def drain_bound_s(self) -> float:
+        """Until then a drain waits for KV it holds or awaits (common/serving.py drain_bound_s)."""
+        return drain_bound_s(self.drain_timeout_s, self.engine.cache.kv_lease_s, self.kv_transfer_timeout_s)
 
     @property
     def public_host(self) -> str:
@@ -165,7 +170,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     if died.done():
         await _leave_dead(config, health_servicer, server, address)
         raise EngineDied("the engine loop died (see the traceback above); the worker left the gateway")
-    await _drain(config, servicer, health_servicer, engine, address)
+    await _drain(config, servicer, health_servicer, address)
     log.info("drained: %s", _pool_report(port))
     await server.stop(grace=1.0)
     await engine.shutdown()
@@ -222,14 +227,31 @@ async def _deregister(config: WorkerConfig, address: str) -> None:
         pass  # the gateway's health checks drop us anyway
 
 
-async def _drain(config, servicer, health_servicer, engine: AsyncEngine, address: str) -> None:
-    """Stop taking requests, leave the gateway, let running requests finish (bounded)."""
+async def _drain(config: WorkerConfig, servicer: WorkerServicer, health_servicer, address: str) -> None:
+    """Stop taking requests, leave the gateway, let running requests finish (for drain_timeout_s) and
+    KV in flight land (for drain_bound_s: KV this worker holds or awaits is never cut off by the
+    requests' deadline; its own lease and transfer timeouts end it sooner). The server still serves
+    meanwhile: a prefill worker's Prefill streams report their sends."""
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
     await _deregister(config, address)
-    deadline = asyncio.get_running_loop().time() + config.drain_timeout_s
-    while _busy(servicer) and asyncio.get_running_loop().time() < deadline:
+    loop = asyncio.get_running_loop()
+    requests_until, kv_until = loop.time() + config.drain_timeout_s, loop.time() + config.drain_bound_s
+
+    def waiting() -> bool:
+        now = loop.time()
+        return (now < requests_until and bool(servicer.engine.num_requests())) or (
+            now < kv_until and _moving_kv(servicer)
+        )
+
+    while waiting():
         await asyncio.sleep(0.05)
+    if servicer.engine.num_requests() or _moving_kv(servicer):
+        log.warning(
+            "drain: out of time with %d requests streaming (KV in flight: %s); stopping",
+            servicer.engine.num_requests(),
+            _moving_kv(servicer),
+        )
 
 
 def _pool_report(port: HandoffPort) -> str:
@@ -242,7 +264,7 @@ def _pool_report(port: HandoffPort) -> str:
     )
 
 
-def _busy(servicer: WorkerServicer) -> bool:
-    """Requests streaming, KV still to send (prefill) or still landing (decode)."""
+def _moving_kv(servicer: WorkerServicer) -> bool:
+    """KV still to send (prefill: held blocks) or still landing (decode: asks and transfers in flight)."""
     landing = servicer.handoff is not None and bool(servicer.handoff.landings)
-    return bool(servicer.engine.num_requests() or servicer.port.load().num_held_requests or landing)
+    return landing or bool(servicer.port.load().num_held_requests)

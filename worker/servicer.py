@@ -49,6 +49,7 @@ def engine_snapshot(port: HandoffPort) -> EngineSnapshot:
         num_lease_expiries=load.num_lease_expiries,
         num_failed_requests=load.num_failed_requests,
         num_kv_blocks=load.num_total_blocks,
+        steps=load.steps,
     )
 
 
