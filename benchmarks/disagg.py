@@ -2,142 +2,267 @@
 
 transfer: KV transfer bandwidth for 1, 16 and 256 blocks of SmolLM2 (fp32, block size 16: 30
     layers x K/V x 16 tokens x 3 KV heads x 64 = 720 KiB per block) between two processes, against
-    raw gloo send/recv of the same bytes in the same run. Three rows per size:
+    raw gloo send/recv of the same bytes in the same run. Three rows per size, interleaved within
+    every repeat (so a change in the machine's load hits all three alike):
       raw gloo       ProcessGroupGloo send/recv of one contiguous tensor (the floor to beat);
-      transport      TorchDistSender/TorchDistReceiver (asyncio, pair group, tags);
-      handoff path   transport + gather from the paged cache into a reused staging buffer + CRC-32
-                     on both sides + scatter into the destination blocks (what a request pays).
-    Target: transport >= 0.8x raw gloo.
+      transport      TorchDistSender/TorchDistReceiver (asyncio, pair group, tags, chunks, and the
+                     XXH3 checksum each side computes while the chunks move);
+      handoff path   what a request pays: the sender gathers the blocks from its paged cache into a
+                     reused staging buffer chunk by chunk as they are sent, the receiver gets them
+                     into a reused buffer, checks its checksum against the sender's and scatters them
+                     into the destination blocks (time from the start to the scatter's end).
+    Target: handoff path >= 0.8x raw gloo at 16 and 256 blocks.
 latency: TTFT, time to the second token and inter-token latency at low load (one request at a time)
     through the gateway: 1 unified worker vs 1P1D, SmolLM2 (bundled), distinct random prompts.
     Both cases give each worker 2 torch threads. Target: 1P1D TTFT <= 1.1x unified.
 
-Usage: python benchmarks/disagg.py transfer [--repeats 5]
-       python benchmarks/disagg.py latency [--requests 12 --prompt-len 256 --output-len 32]
+Usage: python benchmarks/disagg.py transfer [--repeats 9] [--json PATH]
+       python benchmarks/disagg.py latency [--requests 12 --prompt-len 256 --output-len 32] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from splitserve.disagg.transfer.base import ChannelSpec
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from splitserve.engine.kv_cache.block_io import checksum, gather_blocks, scatter_blocks
-from splitserve.engine.kv_cache.staging import StagingPool
+from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
+from splitserve.engine.kv_cache.staging import Staging, StagingPool
 from splitserve.experiments.stats import RequestRecord
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
 
 SMOLLM2_KV = (30, 2, 600, 16, 3, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 SIZES = (1, 16, 256)
+KINDS = ("raw", "transport", "handoff path")
+BLOCK_BYTES = 4 * SMOLLM2_KV[0] * SMOLLM2_KV[1] * SMOLLM2_KV[3] * SMOLLM2_KV[4] * SMOLLM2_KV[5]
+TIMEOUT = timedelta(seconds=120)
 
 
-def _cache() -> torch.Tensor:
+class _Side:
+    """One process of the benchmark on one backend: its device, its raw pair group next to the
+    transport's channel, and where a handoff's buffers come from."""
+
+    def __init__(self, backend: str, rank: int, store: dist.Store) -> None:
+        self.backend, self.rank, self.device = backend, rank, _device(backend, rank)
+        self.barrier = dist.ProcessGroupGloo(dist.PrefixStore("barrier", store), rank, 2, TIMEOUT)
+        if backend == "gloo":
+            self.raw = self.barrier
+        else:
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = TIMEOUT
+            self.raw = dist.ProcessGroupNCCL(dist.PrefixStore("raw", store), rank, 2, options)
+        self.pool = StagingPool(SMOLLM2_KV[:2] + SMOLLM2_KV[3:], torch.float32)
+
+    def buffer(self, n: int) -> Staging:
+        """As HandoffPort.acquire_staging: a reused host buffer, or a fresh one on the device."""
+        if self.device.type == "cpu":
+            return self.pool.acquire(n)
+        tensor = torch.empty(SMOLLM2_KV[:2] + (n,) + SMOLLM2_KV[3:], device=self.device)
+        return Staging(tensor, tensor, n)
+
+    def release(self, staging: Staging) -> None:
+        if self.device.type == "cpu":
+            self.pool.release(staging)
+
+    def raw_move(self, tensor: torch.Tensor, tag: int) -> None:
+        peer = 1 - self.rank
+        work = self.raw.send([tensor], peer, tag) if self.rank == 0 else self.raw.recv([tensor], peer, tag)
+        work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def _device(backend: str, rank: int) -> torch.device:
+    return torch.device("cpu") if backend == "gloo" else torch.device("cuda", rank)  # the sender's: cuda:0
+
+
+def _cache(device: torch.device, fill: bool) -> torch.Tensor:
     torch.manual_seed(0)
-    return torch.randn(SMOLLM2_KV)
+    return torch.randn(SMOLLM2_KV, device=device) if fill else torch.zeros(SMOLLM2_KV, device=device)
 
 
 def _ids(n: int, offset: int) -> list[int]:
     return [(offset + 2 * i) % SMOLLM2_KV[2] for i in range(n)]  # scattered, like a real block table
 
 
-def _receiver(conn, repeats: int) -> None:
-    asyncio.run(_receive_all(conn, repeats))
+def _receiver(conn, repeats: int, backend: str) -> None:
+    asyncio.run(_receive_all(conn, repeats, backend))
 
 
-async def _receive_all(conn, repeats: int) -> None:
-    receiver = TorchDistReceiver(timeout_s=120)
-    channel = receiver.channel_for("bench")
+async def _receive_all(conn, repeats: int, backend: str) -> None:
+    receiver = TorchDistReceiver(timeout_s=TIMEOUT.total_seconds(), device=_device(backend, 1))
+    channel = receiver.channel_for("bench")  # its backend follows the KV's device
     conn.send(channel)
-    raw = dist.ProcessGroupGloo(dist.PrefixStore("raw", receiver.store), 1, 2, timedelta(seconds=120))
-    cache = torch.zeros(SMOLLM2_KV)
-    results = {}
-    tag = 0
+    side = _Side(backend, 1, receiver.store)
+    cache = _cache(side.device, fill=False)
+    times: dict[tuple[int, str], list[float]] = {}
+    scatters: dict[int, list[float]] = {}
     for n in SIZES:
-        buffer = torch.empty(SMOLLM2_KV[:2] + (n,) + SMOLLM2_KV[3:])
-        for kind in ("raw gloo", "transport", "handoff path"):
-            times = []
-            for r in range(repeats):
-                tag += 1
-                raw.barrier().wait()
+        buffer = torch.empty(SMOLLM2_KV[:2] + (n,) + SMOLLM2_KV[3:], device=side.device)
+        for r in range(repeats + 1):  # the first round warms up
+            for kind in KINDS:
+                tag = receiver.next_tag(channel)
+                side.barrier.barrier().wait()
                 start = time.perf_counter()
-                if kind == "raw gloo":
-                    raw.recv([buffer], 0, tag).wait()
-                else:
+                if kind == "raw":
+                    side.raw_move(buffer, tag)
+                elif kind == "transport":
                     await receiver.recv(channel, tag, buffer)
-                if kind == "handoff path":
-                    crc = checksum(buffer)
-                    scatter_blocks(cache, _ids(n, r), buffer)
-                    assert crc == conn.recv()
-                times.append(time.perf_counter() - start)
-            results[(n, kind)] = statistics.median(times)
-    conn.send(results)
+                else:
+                    scatter_s = await _land(receiver, channel, tag, side, n, cache, _ids(n, r), conn)
+                    scatters.setdefault(n, []).append(scatter_s)
+                if r:
+                    times.setdefault((n, kind), []).append(time.perf_counter() - start)
+    conn.send(
+        ({k: statistics.median(v) for k, v in times.items()}, {n: statistics.median(v) for n, v in scatters.items()})
+    )
     receiver.close()
 
 
-async def _send_all(conn, repeats: int) -> None:
+async def _land(receiver, channel, tag, side: _Side, n, cache, ids, conn) -> float:
+    """The decode side of a handoff: receive into a buffer, check, scatter; the scatter's seconds."""
+    staging = side.buffer(n)  # as RankReceivers.recv does
+    moved = await receiver.recv(channel, tag, staging.tensor)
+    if moved.checksum != conn.recv():  # the sender's, as TransferDone carries it
+        raise SystemExit("checksum mismatch")
+    start = time.perf_counter()
+    scatter_blocks(cache, ids, staging.tensor)  # straight from the receive buffer
+    if side.device.type == "cuda":
+        torch.cuda.synchronize(side.device)
+    side.release(staging)
+    return time.perf_counter() - start
+
+
+async def _send_all(conn, repeats: int, backend: str) -> None:
     channel: ChannelSpec = conn.recv()
-    sender = TorchDistSender(timeout_s=120)
-    sender.connect(channel)
+    sender = TorchDistSender(timeout_s=TIMEOUT.total_seconds(), device=_device(backend, 0))
+    sender.connect(channel)  # first: the receiver's side of the channel waits for it
     host, port = channel.address.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=120))
-    raw = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, timedelta(seconds=120))
-    cache = _cache()
-    pool = StagingPool(SMOLLM2_KV[:2] + SMOLLM2_KV[3:], cache.dtype)
-    tag = 0
+    side = _Side(backend, 0, dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT))
+    cache, tag = _cache(side.device, fill=True), 0
     for n in SIZES:
-        for kind in ("raw gloo", "transport", "handoff path"):
-            for r in range(repeats):
-                tag += 1
+        for r in range(repeats + 1):
+            for kind in KINDS:
+                tag += 1  # the receiver's next_tag, in step
                 prepared = gather_blocks(cache, _ids(n, r)) if kind != "handoff path" else None
-                raw.barrier().wait()
-                if kind == "raw gloo":
-                    raw.send([prepared], 1, tag).wait()
+                side.barrier.barrier().wait()
+                if kind == "raw":
+                    side.raw_move(prepared, tag)
                 elif kind == "transport":
                     await sender.send(channel, tag, prepared)
                 else:
-                    staging = pool.acquire(n)  # as disagg/prefill.py does
-                    blocks = gather_blocks(cache, _ids(n, r), out=staging.tensor)
-                    sending = asyncio.ensure_future(sender.send(channel, tag, blocks))
-                    crc = await asyncio.to_thread(checksum, blocks)
-                    await sending
-                    pool.release(staging)
-                    conn.send(crc)
+                    staging, ids = side.buffer(n), _ids(n, r)  # as send_piece does
+                    fill = _filler(cache, ids, staging.tensor)  # HandoffPort.held_reader's whole-heads path
+                    moved = await sender.send(channel, tag, staging.tensor, fill)
+                    side.release(staging)
+                    conn.send(moved.checksum)
     sender.close()
 
 
-def transfer(repeats: int) -> None:
+def _filler(cache: torch.Tensor, ids: list[int], out: torch.Tensor):
+    return lambda rows: gather_blocks(cache, ids, out, rows)
+
+
+def _sender(conn, repeats: int, backend: str) -> None:
+    asyncio.run(_send_all(conn, repeats, backend))
+
+
+def transfer(repeats: int, json_path: str | None) -> None:
+    report: dict = {"conditions": _conditions(repeats)}
+    for backend in ("gloo", "nccl"):
+        skipped = _skipped(backend)
+        if skipped:
+            print(f"\n{backend}: not measured ({skipped})")
+            report[backend] = {"skipped": skipped}
+            continue
+        results, scatters = _run_pair(repeats, backend)
+        rows = [_row(n, results, scatters[n]) for n in SIZES]
+        report[backend] = {"sizes": rows}
+        _print_transfer(backend, rows, report["conditions"])
+    conditions = report["conditions"]
+    conditions["load_after"] = os.getloadavg()
+    print(f"load average {conditions['load_before'][0]:.2f} before, {conditions['load_after'][0]:.2f} after")
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2))
+
+
+def _skipped(backend: str) -> str | None:
+    if backend == "nccl" and not (dist.is_nccl_available() and torch.cuda.device_count() >= 2):
+        return f"needs NCCL and two CUDA devices; this machine has {torch.cuda.device_count()}"
+    return None
+
+
+def _run_pair(repeats: int, backend: str) -> tuple[dict, dict]:
+    """Receiver (rank 1) and sender (rank 0) in two processes; the receiver's medians."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(child, repeats))
-    proc.start()
-    asyncio.run(_send_all(parent, repeats))
-    results = parent.recv()
-    proc.join()
-    block_bytes = 4 * SMOLLM2_KV[0] * SMOLLM2_KV[1] * SMOLLM2_KV[3] * SMOLLM2_KV[4] * SMOLLM2_KV[5]
+    procs = [
+        ctx.Process(target=_receiver, args=(child, repeats, backend)),
+        ctx.Process(target=_sender, args=(parent, repeats, backend)),
+    ]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    return parent.recv()  # the receiver's, sent once the sender is done with this end
+
+
+def _conditions(repeats: int) -> dict:
+    return {
+        "repeats": repeats,
+        "statistic": "median",
+        "block_bytes": BLOCK_BYTES,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_before": os.getloadavg(),
+    }
+
+
+def _row(n: int, results: dict, scatter_s: float) -> dict:
+    num_bytes = n * BLOCK_BYTES
+    raw, transport, handoff = (results[(n, kind)] for kind in KINDS)
+    return {
+        "blocks": n,
+        "mib": num_bytes / 2**20,
+        "raw_ms": raw * 1e3,
+        "transport_ms": transport * 1e3,
+        "handoff_path_ms": handoff * 1e3,
+        "handoff_scatter_ms": scatter_s * 1e3,
+        "raw_gbps": num_bytes / raw / 1e9,
+        "transport_gbps": num_bytes / transport / 1e9,
+        "handoff_path_gbps": num_bytes / handoff / 1e9,
+        "transport_vs_raw": raw / transport,
+        "handoff_path_vs_raw": raw / handoff,
+    }
+
+
+def _print_transfer(backend: str, rows: list[dict], conditions: dict) -> None:
     print(
-        f"\nKV transfer, SmolLM2 fp32 blocks ({block_bytes / 1024:.0f} KiB each), median of {repeats}, "
-        f"two processes on {torch.get_num_threads()} threads each"
+        f"\nKV transfer over {backend}, SmolLM2 fp32 blocks ({BLOCK_BYTES / 1024:.0f} KiB each), median of "
+        f"{conditions['repeats']}, two processes on {conditions['torch_threads']} threads each"
     )
     print(f"{'blocks':>6} {'MiB':>8} {'path':<14}{'ms':>9}{'GB/s':>8}{'vs raw':>8}")
-    for n in SIZES:
-        raw = results[(n, "raw gloo")]
-        for kind in ("raw gloo", "transport", "handoff path"):
-            t = results[(n, kind)]
-            print(
-                f"{n:>6} {n * block_bytes / 2**20:>8.2f} {kind:<14}{t * 1e3:>9.2f}"
-                f"{n * block_bytes / t / 1e9:>8.2f}{raw / t:>7.2f}x"
-            )
+    for row in rows:
+        for kind, key in zip(KINDS, ("raw", "transport", "handoff_path")):
+            ms, gbps = row[f"{key}_ms"], row[f"{key}_gbps"]
+            name = f"raw {backend}" if kind == "raw" else kind
+            print(f"{row['blocks']:>6} {row['mib']:>8.2f} {name:<14}{ms:>9.2f}{gbps:>8.2f}{row['raw_ms'] / ms:>7.2f}x")
+        print(f"{'':>16}(handoff path: of which scatter {row['handoff_scatter_ms']:.2f} ms)")
 
 
-def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
+def latency(num_requests: int, prompt_len: int, output_len: int, json_path: str | None) -> None:
     from splitserve.experiments.loadgen import send_workload
     from splitserve.launch.launcher import start_cluster, stop_cluster
 
@@ -169,6 +294,20 @@ def latency(num_requests: int, prompt_len: int, output_len: int) -> None:
         print(f"{name:<12}{med[0]:>8.1f}{med[1]:>11.1f}{med[2]:>8.1f}{med[3]:>9.1f}")
     ratio = statistics.median(s[0] for s in rows["1P1D"]) / statistics.median(s[0] for s in rows["unified x1"])
     print(f"TTFT 1P1D / unified: {ratio:.2f}x (target <= 1.1x)")
+    if json_path:
+        medians = {
+            name: dict(
+                zip(
+                    ("ttft_ms", "second_token_ms", "itl_ms", "e2e_ms"),
+                    (statistics.median(s[i] for s in samples) * 1e3 for i in range(4)),
+                )
+            )
+            for name, samples in rows.items()
+        }
+        settings = {"requests": num_requests, "prompt_len": prompt_len, "output_len": output_len, "torch_threads": 2}
+        Path(json_path).write_text(
+            json.dumps({"settings": settings, "medians": medians, "ttft_ratio": ratio}, indent=2)
+        )
 
 
 def _latencies(r: RequestRecord) -> tuple[float, float, float, float]:
@@ -186,11 +325,13 @@ def main() -> None:
     lat.add_argument("--requests", type=int, default=12)
     lat.add_argument("--prompt-len", type=int, default=256)
     lat.add_argument("--output-len", type=int, default=32)
+    for p in (t, lat):
+        p.add_argument("--json", metavar="PATH", help="also write the figures there, as JSON")
     args = parser.parse_args()
     if args.what == "transfer":
-        transfer(args.repeats)
+        transfer(args.repeats, args.json)
     else:
-        latency(args.requests, args.prompt_len, args.output_len)
+        latency(args.requests, args.prompt_len, args.output_len, args.json)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from splitserve.disagg.handoff import (
     TransferDone,
 )
 from splitserve.disagg.rank_transfers import RankReceivers, Received
-from splitserve.disagg.transfer.base import KVReceiver, TransferError, TransferFailure
+from splitserve.disagg.transfer.base import Backend, KVReceiver, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import HandoffPort, Reservation
@@ -236,7 +236,7 @@ class DecodeHandoff:
     async def _admit(
         self, reservation: Reservation, job: HandoffJob, done: TransferDone, received: list[Received]
     ) -> bool:
-        """Every CRC checked, every rank writes its pieces (between steps), then the request joins the batch."""
+        """Every checksum checked, every rank writes its pieces (between steps), then the request joins the batch."""
         try:
             _check_pieces(job, done, received)
             admitted = await self.port.land(reservation, [r.piece for r in received])
@@ -262,6 +262,7 @@ class DecodeHandoff:
         """Post every piece's receive and read the sender's report together; the first failure wins
         (pieces that land anyway are discarded)."""
         if num_blocks == 0:
+            self._skip(job)
             return await anext(events), []
         recvs = [asyncio.ensure_future(self.ranks.recv(piece, num_blocks)) for piece in job.pieces]
         report = asyncio.ensure_future(asyncio.wait_for(anext(events), self.transfer_timeout_s * 2))
@@ -284,13 +285,20 @@ class DecodeHandoff:
                 report.cancel()
             report.add_done_callback(_consume_error)
 
+    def _skip(self, job: HandoffJob) -> None:
+        """No piece moves: an NCCL channel, whose transfers go in tag order, would wait for these tags
+        forever, so it is dropped (the next handoff names a new one); a gloo channel is unaffected."""
+        for piece in job.pieces:
+            if piece.channel.backend is Backend.NCCL:
+                self.ranks.drop(piece)
+
     def _discard_landed(self, recv: asyncio.Future) -> None:
         if not recv.cancelled() and recv.exception() is None:
             self.ranks.release(recv.result(), committed=False)
 
 
 def _check_pieces(job: HandoffJob, done: TransferDone, received: list[Received]) -> None:
-    """Every piece's CRC as its rank received it equals the sender's (a mismatch: recompute)."""
+    """Every piece's checksum as its rank received it equals the sender's (a mismatch: recompute)."""
     if received and len(done.checksums) != len(received):
         counts = f"{len(done.checksums)} checksums for {len(received)} pieces"
         raise HandoffProtocolError(f"the transfer report has {counts}")

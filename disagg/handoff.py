@@ -22,10 +22,11 @@ splitserve.v1 messages in prefill_client.py; unit tests pass them directly).
     5. first token -> to the client at once    <-- FirstToken (token, logprobs, seeded sampler
        (sampler state carried over)                   state, number of blocks)
                                                    6. send every piece from its rank (rank 0
-    7. land     each receiving rank receives its       itself, a follower by SEND_KV), CRC each,
-       pieces into a staging buffer; every CRC        release the blocks once every piece is
-       checked, then between steps each rank      <-- sent or failed; TransferDone (bytes, one
-       writes its pieces into the reserved blocks     CRC per piece, time)
+    7. land     each receiving rank receives its       itself, a follower by SEND_KV), gathered
+       pieces into a staging buffer; every           and checksummed chunk by chunk on the wire,
+       checksum checked, then between steps each      release the blocks once every piece is
+       rank writes its pieces into the reserved   <-- sent or failed; TransferDone (bytes, one
+       blocks straight from those buffers            checksum per piece, time)
        (COMMIT_KV for a follower): the prompt
        counts as computed, the request joins the
        batch
@@ -39,7 +40,7 @@ Failures:
 - before the first token (prefill worker dead, RPC failed or timed out, protocol broken, a plan that
   does not fit its size): the reservation is freed, the client gets UNAVAILABLE naming the prefill
   worker, and the gateway retries once on another pair (the peer's size is asked again next time);
-- after it (a sender died, a follower rank of either worker is gone, timeout, CRC mismatch, lease
+- after it (a sender died, a follower rank of either worker is gone, timeout, checksum mismatch, lease
   expired): any piece failing fails the handoff; the reservation is freed and the prompt
   recomputed on the decode worker; pieces that landed anyway are discarded; the client sees no
   error;
@@ -103,7 +104,7 @@ class TransferDone:
 
     num_blocks: int
     num_bytes: int  # of every piece
-    checksums: tuple[int, ...]  # CRC-32 of each piece, in the job's order
+    checksums: tuple[int, ...]  # of each piece as sent (disagg/transfer/checksum.py), in the job's order
     seconds: float
 
 

@@ -36,6 +36,7 @@ async def prefill_and_send(
     fault-injection hook for tests (a slow or stuck sender)."""
     port = HandoffPort(engine)
     _check_job(port, job)
+    sender.use_device(port.device)  # an NCCL channel's group is built on it
     for piece in job.pieces:
         connect_piece(port, sender, piece)  # build the pairs' groups while the prompt computes
     started_ns = time.time_ns()

@@ -19,7 +19,7 @@ from splitserve.common.wire import (
 from splitserve.disagg.decode import PrefillClient
 from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, PieceJob, TransferDone
 from splitserve.disagg.plan import Piece
-from splitserve.disagg.transfer.base import ChannelSpec
+from splitserve.disagg.transfer.base import Backend, ChannelSpec
 from splitserve.engine.request import Request
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
@@ -27,12 +27,17 @@ from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 PEER_TIMEOUT_S = 10.0  # GetLoad of a prefill worker (its size, once per peer)
 
 
+_BACKENDS = {Backend.GLOO: pb.KV_BACKEND_GLOO, Backend.NCCL: pb.KV_BACKEND_NCCL}
+_FROM_PROTO = {**{v: k for k, v in _BACKENDS.items()}, pb.KV_BACKEND_UNSPECIFIED: Backend.GLOO}
+
+
 def channel_to_proto(channel: ChannelSpec) -> pb.KVChannel:
-    return pb.KVChannel(store_address=channel.address, key=channel.key, secret=channel.secret)
+    backend = _BACKENDS[channel.backend]
+    return pb.KVChannel(store_address=channel.address, key=channel.key, secret=channel.secret, backend=backend)
 
 
 def channel_from_proto(msg: pb.KVChannel) -> ChannelSpec:
-    return ChannelSpec(msg.store_address, msg.key, msg.secret)
+    return ChannelSpec(msg.store_address, msg.key, msg.secret, _FROM_PROTO[msg.backend])
 
 
 def job_to_proto(job: HandoffJob, wire: pb.WorkerGenerateRequest) -> pb.PrefillRequest:
@@ -86,14 +91,12 @@ def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
                 compute_ms=event.compute_ms,
             )
         )
-    one = len(event.checksums) == 1
     return pb.PrefillResponse(
         transfer_done=pb.TransferDone(
             num_blocks=event.num_blocks,
             num_bytes=event.num_bytes,
-            checksum_crc32=event.checksums[0] if one else 0,
             send_ms=event.seconds * 1e3,
-            piece_checksums_crc32=[] if one else event.checksums,
+            piece_checksums_xxh3=event.checksums,
         )
     )
 
@@ -105,8 +108,7 @@ def event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
         first_logprobs = logprobs[0] if logprobs else None
         return FirstToken(f.token_id, first_logprobs, f.sampler_state or None, f.num_blocks, f.queue_ms, f.compute_ms)
     d = msg.transfer_done
-    checksums = tuple(d.piece_checksums_crc32) or (d.checksum_crc32,)
-    return TransferDone(d.num_blocks, d.num_bytes, checksums, d.send_ms / 1e3)
+    return TransferDone(d.num_blocks, d.num_bytes, tuple(d.piece_checksums_xxh3), d.send_ms / 1e3)
 
 
 class GrpcPrefillClient(PrefillClient):

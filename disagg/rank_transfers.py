@@ -5,11 +5,11 @@ orders over their pipes (engine/ranks.py; rank 0 reaches them through HandoffPor
 
 Lifecycle of a piece on a follower (RankAgent, its transfer thread):
     decode:  KV_CHANNEL (its channel to a prefill rank, cached by rank 0) -> RECV_KV (into a staging
-             buffer; reply: bytes, CRC) -> landed -> COMMIT_KV (on the step loop, between steps:
+             buffer; reply: bytes, checksum) -> landed -> COMMIT_KV (on the step loop, between steps:
              written into the cache) or DISCARD_KV (the handoff failed or the request is gone)
     prefill: CONNECT_KV (join the channel while the prompt computes) -> SEND_KV (read its heads of
-             the held blocks, send; reply: bytes, CRC); rank 0 releases the held blocks once every
-             piece has been sent or has failed
+             the held blocks as they are sent; reply: bytes, checksum); rank 0 releases the held
+             blocks once every piece has been sent or has failed
 A follower makes its endpoint at OPEN_KV (the worker's advertised host, its role), when the worker
 starts. The channel secret rides the pipe as bytes (rank 0 and its followers only) and is never
 logged. A transfer that fails replies with its TransferFailure; a follower that is gone fails its
@@ -18,12 +18,15 @@ recomputes, and the worker itself goes down (engine/ranks.py).
 
 Wire of the orders' payloads (int64 arrays, strings as uint8 bytes):
     OPEN_KV     [endpoint, timeout_ms], host
-    KV_CHANNEL  peer                                    -> address, key, secret
-    RECV_KV     address, key, secret, [tag, num_blocks, first head, end head]  -> [bytes, crc, us]
-    SEND_KV     address, key, secret, [tag, first head, end head], block_ids  -> [bytes, crc, us]
-    DISCARD_KV  [tag]
-    DROP_KV     address, key, secret
-    CONNECT_KV  address, key, secret
+    KV_CHANNEL  peer                                    -> channel
+    RECV_KV     channel, [tag, num_blocks, first head, end head, landing]  -> [bytes, checksum, us]
+    SEND_KV     channel, [tag, first head, end head], block_ids  -> [bytes, checksum, us]
+    DISCARD_KV  [landing]
+    DROP_KV     channel
+    CONNECT_KV  channel
+where a channel is address, key, secret, backend. Tags count per channel (the channel's order); a
+landing numbers a follower's received pieces across all its channels (COMMIT_KV and DISCARD_KV
+name a piece by it).
     a failure   [TransferFailure index], message
 """
 
@@ -44,10 +47,17 @@ import torch
 
 from splitserve.disagg.handoff import PieceJob
 from splitserve.disagg.plan import Piece, handoff_plan
-from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
+from splitserve.disagg.transfer.base import (
+    Backend,
+    ChannelSpec,
+    KVReceiver,
+    KVSender,
+    Moved,
+    TransferError,
+    TransferFailure,
+)
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from splitserve.engine.handoff_port import HandoffPort, LandedPiece
-from splitserve.engine.kv_cache.block_io import checksum
+from splitserve.engine.handoff_port import HandoffPort, LandedPiece, held_reader, piece_buffer, release_piece_buffer
 from splitserve.engine.kv_cache.staging import Staging
 from splitserve.engine.ranks import Message, Op, RanksLost, Status, bytes_array, encode
 
@@ -70,25 +80,35 @@ class PieceReport:
     """One piece sent or received."""
 
     num_bytes: int
-    checksum: int  # CRC-32 of the piece's bytes
+    checksum: int  # of the piece's bytes (disagg/transfer/checksum.py), as this side moved them
     seconds: float
 
 
 # -- payloads ---------------------------------------------------------------------------------------
+CHANNEL_ARRAYS = 4  # a channel's arrays at the head of an order
+
+
 def channel_to_wire(channel: ChannelSpec) -> tuple[np.ndarray, ...]:
-    return bytes_array(channel.address.encode()), bytes_array(channel.key.encode()), bytes_array(channel.secret)
+    texts = (channel.address.encode(), channel.key.encode(), channel.secret, channel.backend.value.encode())
+    return tuple(bytes_array(text) for text in texts)
 
 
-def channel_from_wire(address: np.ndarray, key: np.ndarray, secret: np.ndarray) -> ChannelSpec:
-    return ChannelSpec(address.tobytes().decode(), key.tobytes().decode(), secret.tobytes())
+def channel_from_wire(address: np.ndarray, key: np.ndarray, secret: np.ndarray, backend: np.ndarray) -> ChannelSpec:
+    names = (address.tobytes().decode(), key.tobytes().decode())
+    return ChannelSpec(*names, secret.tobytes(), Backend(backend.tobytes().decode()))
+
+
+def _report(tensor: torch.Tensor, moved: Moved) -> PieceReport:
+    return PieceReport(tensor.numel() * tensor.element_size(), moved.checksum, moved.seconds)
 
 
 def report_to_wire(report: PieceReport) -> tuple[np.ndarray]:
-    return (np.array([report.num_bytes, report.checksum, round(report.seconds * 1e6)]),)
+    # The checksum is 64 bits unsigned; the pipe carries int64: the same bits, read back as uint64.
+    return (np.array([report.num_bytes, report.checksum, round(report.seconds * 1e6)], dtype=np.uint64).view(np.int64),)
 
 
 def report_from_wire(arrays: Sequence[np.ndarray]) -> PieceReport:
-    num_bytes, crc, micros = (int(x) for x in arrays[0])
+    num_bytes, crc, micros = (int(x) for x in arrays[0].astype(np.int64).view(np.uint64))
     return PieceReport(num_bytes, crc, micros / 1e6)
 
 
@@ -140,12 +160,10 @@ async def send_piece(port: HandoffPort, sender: KVSender, job: PieceJob, block_i
         wire = (*channel_to_wire(job.channel), np.array([job.tag, heads.start, heads.stop]), np.array(block_ids))
         return report_from_wire(await _ask(port, rank, Op.SEND_KV, *wire))
     staging = port.acquire_staging(len(block_ids), len(heads))
-    blocks = await port.read_held(block_ids, heads, staging.tensor)
-    sending = asyncio.ensure_future(sender.send(job.channel, job.tag, blocks))
-    crc = await asyncio.to_thread(checksum, blocks)  # overlaps the send (both only read blocks)
-    seconds = await sending  # after a failure gloo may still be reading the buffer: never released
-    port.release_staging(staging)
-    return PieceReport(blocks.numel() * blocks.element_size(), crc, seconds)
+    fill = port.held_reader(block_ids, heads, staging.tensor)  # gathered chunk by chunk as it is sent
+    moved = await sender.send(job.channel, job.tag, staging.tensor, fill)
+    port.release_staging(staging)  # after a failure gloo may still be reading it: never released
+    return _report(staging.tensor, moved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +182,10 @@ class RankReceivers:
 
     def __init__(self, receiver: KVReceiver, port: HandoffPort) -> None:
         self.receiver, self.port = receiver, port
+        receiver.use_device(port.device)  # the channels it names get the wire for this worker's KV
         self._channels: dict[tuple[int, str], ChannelSpec] = {}  # (follower rank, peer) -> its channel
-        self._tags = itertools.count(1)  # for the followers' channels (rank 0 gives all their tags)
+        self._tags: dict[str, itertools.count] = {}  # by follower channel key: rank 0 numbers their transfers
+        self._landings = itertools.count(1)  # the followers' received pieces
 
     async def plan(self, peer: str, peer_size: int) -> tuple[PieceJob, ...]:
         """The pieces of a handoff from peer (a prefill worker of peer_size ranks), with channels and tags."""
@@ -181,19 +201,18 @@ class RankReceivers:
         if cached is None:
             wire = await _ask(self.port, piece.dst_rank, Op.KV_CHANNEL, bytes_array(key.encode()))
             cached = self._channels[(piece.dst_rank, key)] = channel_from_wire(*wire)
-        return PieceJob(piece, cached, next(self._tags))
+        return PieceJob(piece, cached, next(self._tags.setdefault(cached.key, itertools.count(1))))
 
     async def recv(self, job: PieceJob, num_blocks: int) -> Received:
         heads, rank = job.piece.heads, job.piece.dst_rank
         if rank != 0:
-            numbers = np.array([job.tag, num_blocks, heads.start, heads.stop])
+            landing = next(self._landings)
+            numbers = np.array([job.tag, num_blocks, heads.start, heads.stop, landing])
             report = report_from_wire(await _ask(self.port, rank, Op.RECV_KV, *channel_to_wire(job.channel), numbers))
-            return Received(LandedPiece(rank, heads, None, job.tag), report, None)
+            return Received(LandedPiece(rank, heads, None, landing), report, None)
         staging = self.port.acquire_staging(num_blocks, len(heads))
-        seconds = await self.receiver.recv(job.channel, job.tag, staging.tensor)  # a failed one is never released
-        crc = await asyncio.to_thread(checksum, staging.tensor)
-        report = PieceReport(staging.tensor.numel() * staging.tensor.element_size(), crc, seconds)
-        return Received(LandedPiece(0, heads, staging.tensor, job.tag), report, staging)
+        moved = await self.receiver.recv(job.channel, job.tag, staging.tensor)  # a failed one is never released
+        return Received(LandedPiece(0, heads, staging.tensor, job.tag), _report(staging.tensor, moved), staging)
 
     def release(self, received: Received, committed: bool) -> None:
         """After land(): rank 0's buffer back to the pool; a follower's piece, unless committed, dropped."""
@@ -224,7 +243,7 @@ class RankReceivers:
 class RankAgent:
     """A follower rank's KV transfers, run by an asyncio loop on a thread of its own (so a transfer
     never blocks the step loop). It owns its endpoint and the pieces it received and that are not
-    yet committed or discarded (_landed, by tag: the step loop takes one at COMMIT_KV, hence the
+    yet committed or discarded (_landed, by landing: the step loop takes one at COMMIT_KV, hence the
     lock). It is the only writer of replies on the follower's pipe."""
 
     def __init__(self, runner: ModelRunner, reply: Callable[[bytes], None]) -> None:
@@ -264,12 +283,12 @@ class RankAgent:
         if order.number:
             self._reply(encode(status, *payload, number=order.number))
 
-    def commit(self, tag: int, write: Callable[[torch.Tensor], None]) -> None:
+    def commit(self, landing: int, write: Callable[[torch.Tensor], None]) -> None:
         """On the step loop: write(piece) for a landed piece, then its buffer goes back to the pool."""
         with self._lock:
-            staging = self._landed.pop(tag)
+            staging = self._landed.pop(landing)
         write(staging.tensor)
-        self._loop.call_soon_threadsafe(self._runner.staging.release, staging)
+        self._loop.call_soon_threadsafe(release_piece_buffer, self._runner, staging)
 
     # -- orders (on the agent's loop) ---------------------------------------------------------------
     async def _open(self, numbers: np.ndarray, host: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -277,9 +296,9 @@ class RankAgent:
         name = host.tobytes().decode()
         try:
             if endpoint == Endpoint.RECEIVER:
-                self._receiver = TorchDistReceiver(name, timeout_ms / 1e3)
+                self._receiver = TorchDistReceiver(name, timeout_ms / 1e3, self._runner.device)
             else:
-                self._sender = TorchDistSender(name, timeout_ms / 1e3)
+                self._sender = TorchDistSender(name, timeout_ms / 1e3, self._runner.device)
         except (OSError, RuntimeError) as e:  # the host is not this machine's, or its store failed
             raise TransferError(TransferFailure.CONNECT, f"no KV endpoint on {name}: {e}") from None
         return ()
@@ -288,31 +307,27 @@ class RankAgent:
         return channel_to_wire(self._receiving().channel_for(peer.tobytes().decode()))
 
     async def _recv(self, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-        tag, num_blocks, first, stop = (int(x) for x in arrays[3])
-        staging = self._runner.acquire_piece(num_blocks, stop - first)
-        seconds = await self._receiving().recv(channel_from_wire(*arrays[:3]), tag, staging.tensor)
-        crc = await asyncio.to_thread(checksum, staging.tensor)
+        tag, num_blocks, first, stop, landing = (int(x) for x in arrays[CHANNEL_ARRAYS])
+        staging = piece_buffer(self._runner, num_blocks, stop - first)
+        moved = await self._receiving().recv(channel_from_wire(*arrays[:CHANNEL_ARRAYS]), tag, staging.tensor)
         with self._lock:
-            self._landed[tag] = staging
-        return report_to_wire(PieceReport(staging.tensor.numel() * staging.tensor.element_size(), crc, seconds))
+            self._landed[landing] = staging
+        return report_to_wire(_report(staging.tensor, moved))
 
     async def _send(self, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-        (tag, first, stop), block_ids = (int(x) for x in arrays[3]), arrays[4].tolist()
-        channel, sender = channel_from_wire(*arrays[:3]), self._sending()
-        sender.connect(channel)  # joins while the heads are read
-        staging = self._runner.acquire_piece(len(block_ids), stop - first)
-        blocks = await asyncio.to_thread(self._runner.read_heads, block_ids, range(first, stop), staging.tensor)
-        sending = asyncio.ensure_future(sender.send(channel, tag, blocks))
-        crc = await asyncio.to_thread(checksum, blocks)
-        seconds = await sending  # a failed send's buffer is never released (gloo may still read it)
-        self._runner.staging.release(staging)
-        return report_to_wire(PieceReport(blocks.numel() * blocks.element_size(), crc, seconds))
+        (tag, first, stop), block_ids = (int(x) for x in arrays[CHANNEL_ARRAYS]), arrays[CHANNEL_ARRAYS + 1].tolist()
+        channel, sender = channel_from_wire(*arrays[:CHANNEL_ARRAYS]), self._sending()
+        staging = piece_buffer(self._runner, len(block_ids), stop - first)
+        fill = held_reader(self._runner, block_ids, range(first, stop), staging.tensor)
+        moved = await sender.send(channel, tag, staging.tensor, fill)
+        release_piece_buffer(self._runner, staging)  # a failed send's buffer is never released (gloo may still read it)
+        return report_to_wire(_report(staging.tensor, moved))
 
-    async def _discard(self, tag: np.ndarray) -> tuple[np.ndarray, ...]:
+    async def _discard(self, landing: np.ndarray) -> tuple[np.ndarray, ...]:
         with self._lock:
-            staging = self._landed.pop(int(tag[0]), None)
+            staging = self._landed.pop(int(landing[0]), None)
         if staging is not None:
-            self._runner.staging.release(staging)
+            release_piece_buffer(self._runner, staging)
         return ()
 
     async def _drop(self, *channel: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -16,7 +16,7 @@ Decode side:
 Prefill side:
     make_prefill_request(...)   a request that finishes at its first token and keeps its blocks
                                 (the prefill policy, here and nowhere else)
-    claim_held / read_held / release_held   the held blocks, under their lease (engine/leases.py)
+    claim_held / held_reader / release_held   the held blocks, under their lease (engine/leases.py)
 
 Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
 their KV transfers, disagg/rank_transfers.py), load(), and the KV-event snapshot for the prefix
@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -37,11 +38,15 @@ from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
+from splitserve.engine.kv_cache.block_io import gather_blocks
 from splitserve.engine.kv_cache.staging import Staging
 from splitserve.engine.ranks import Followers, Message, Op, commit_to_wire
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.step_stats import StepKind, StepTotals
+
+if TYPE_CHECKING:
+    from splitserve.engine.model_runner import ModelRunner
 
 
 class ReservationState(enum.Enum):
@@ -95,6 +100,47 @@ class EngineLoad:
     @property
     def is_idle(self) -> bool:
         return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_held_requests)
+
+
+def piece_buffer(runner: ModelRunner, num_blocks: int, num_heads: int) -> Staging:
+    """A buffer for a piece in flight ([layers, 2, num_blocks, block_size, num_heads, head_dim]): a
+    reused host buffer for a host cache; for a CUDA cache one on the device (the caching allocator
+    reuses its memory), which the transport moves device to device or through pinned memory."""
+    cache = runner.kv_cache
+    if cache.device.type != "cuda":
+        return runner.acquire_piece(num_blocks, num_heads)
+    shape = (*cache.shape[:2], num_blocks, cache.shape[3], num_heads, cache.shape[5])
+    tensor = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+    return Staging(tensor, tensor, num_blocks)
+
+
+def release_piece_buffer(runner: ModelRunner, staging: Staging) -> None:
+    """After a piece_buffer is used: a host buffer goes back to the pool."""
+    if staging.storage.device.type == "cpu":
+        runner.staging.release(staging)
+
+
+def held_reader(
+    runner: ModelRunner, block_ids: Sequence[int], heads: range, out: torch.Tensor
+) -> Callable[[slice], None]:
+    """fill(rows) that copies rows [start, stop) of out's [num_layers * 2, -1] view from these heads of
+    these blocks, as the transport sends them (disagg/transfer/chunks.py). Every head, into a buffer
+    on the cache's device, is gathered a chunk at a time (overlapping the wire); anything else (some
+    heads) is read whole at the first call."""
+    if runner.local_heads(heads) == slice(0, runner.num_local_kv_heads) and out.device == runner.kv_cache.device:
+
+        def gather(rows: slice) -> None:
+            gather_blocks(runner.kv_cache, block_ids, out, rows)
+
+        return gather
+    read: list[bool] = []
+
+    def read_whole(rows: slice) -> None:
+        if not read:
+            runner.read_heads(block_ids, heads, out)
+            read.append(True)
+
+    return read_whole
 
 
 class HandoffPort:
@@ -179,10 +225,10 @@ class HandoffPort:
         prompt's forward (waiting for it delayed every handoff by up to a prefill step)."""
         return self._engine.claim_held(request_id)
 
-    async def read_held(self, block_ids: Sequence[int], heads: range, out: torch.Tensor) -> torch.Tensor:
-        """Copy rank 0's slice of held blocks (these global KV heads) into out (claimed blocks are
-        written by nobody: safe beside a step)."""
-        return await asyncio.to_thread(self._engine.runner.read_heads, block_ids, heads, out)
+    def held_reader(self, block_ids: Sequence[int], heads: range, out: torch.Tensor) -> Callable[[slice], None]:
+        """fill(rows) for a send of rank 0's slice of held blocks (these global KV heads) into out
+        (held_reader below; claimed blocks are written by nobody: safe beside a step)."""
+        return held_reader(self._engine.runner, block_ids, heads, out)
 
     async def release_held(self, request_id: str) -> bool:
         return await self._async.call(self._engine.release_held, request_id)
@@ -196,12 +242,17 @@ class HandoffPort:
     def num_kv_heads(self) -> int:
         return self._engine.runner.arch.num_kv_heads
 
+    @property
+    def device(self) -> torch.device:
+        """Where this worker's KV cache (rank 0's) lives: the transport picks its wire for it."""
+        return self._engine.runner.device
+
     def acquire_staging(self, num_blocks: int, num_heads: int) -> Staging:
-        """A host buffer for num_heads KV heads of num_blocks blocks (release_staging it once used)."""
-        return self._engine.runner.acquire_piece(num_blocks, num_heads)
+        """A buffer for num_heads KV heads of num_blocks blocks (piece_buffer; release_staging it once used)."""
+        return piece_buffer(self._engine.runner, num_blocks, num_heads)
 
     def release_staging(self, staging: Staging) -> None:
-        self._engine.runner.staging.release(staging)
+        release_piece_buffer(self._engine.runner, staging)
 
     async def ask_rank(self, rank: int, op: Op, *arrays: np.ndarray) -> Message:
         """An order to follower rank (>= 1) and its reply; RanksLost if that rank is gone."""

@@ -71,8 +71,8 @@ class Op(enum.IntEnum):
     WARM_UP = 2  # [full]
     OPEN_KV = 3  # make this rank's KV transport endpoint (receiver or sender), on the worker's host
     KV_CHANNEL = 4  # decode: this rank's channel to a prefill rank (reply: the ChannelSpec)
-    RECV_KV = 5  # decode: receive one piece into a buffer (reply: its bytes and CRC)
-    SEND_KV = 6  # prefill: send this rank's heads of held blocks (reply: bytes, CRC)
+    RECV_KV = 5  # decode: receive one piece into a buffer (reply: its bytes and checksum)
+    SEND_KV = 6  # prefill: send this rank's heads of held blocks (reply: bytes, checksum)
     COMMIT_KV = 7  # decode: write a received piece into the cache (on the step loop; no reply)
     DISCARD_KV = 8  # decode: forget a received piece, or one still arriving (no reply)
     DROP_KV = 9  # decode: forget a failed channel (no reply)

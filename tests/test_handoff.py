@@ -15,12 +15,12 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.disagg.decode import DecodeHandoff, PrefillClient
 from splitserve.disagg.handoff import HandoffError, HandoffEvent, HandoffJob
 from splitserve.disagg.prefill import prefill_and_send
+from splitserve.disagg.transfer.checksum import checksum
 from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
-from splitserve.engine.kv_cache.block_io import checksum
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import Request
 
@@ -145,6 +145,38 @@ def test_transfer_timeout_falls_back_to_recompute(engines, tiny_llama_dir):
 
     got, prefill, decode = asyncio.run(main())
     assert got == want
+    assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+
+def _flip_one_bit(wire: torch.Tensor) -> None:
+    wire.view(torch.uint8).view(-1)[1000] ^= 1
+
+
+def _swap_two_blocks(wire: torch.Tensor) -> None:  # the right bytes in the wrong places (misrouted)
+    wire[:, :, [0, 1]] = wire[:, :, [1, 0]].clone()
+
+
+@pytest.mark.parametrize(
+    ("tamper", "seed"), [(_flip_one_bit, 1), (_swap_two_blocks, 2)], ids=["bit-flipped", "blocks-swapped"]
+)
+def test_a_corrupted_transfer_fails_its_checksum_and_the_prompt_is_recomputed(
+    engines, tiny_llama_dir, tamper, seed, caplog
+):
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = [(13 * j + 7 * seed) % 290 + 1 for j in range(36)]  # 5 blocks, none cached by earlier tests
+    want = LLM(_config(tiny_llama_dir)).generate([prompt], params)[0].token_ids
+
+    async def main():
+        prefill, decode, client, handoff = _setup(engines)
+        client.sender.hub.tamper = tamper  # on the wire, after the sender's checksum
+        got = await _run(handoff, prompt, params, "tampered")
+        await _settle(prefill, decode)
+        return got, prefill, decode
+
+    with caplog.at_level("WARNING", logger="splitserve.decode"):
+        got, prefill, decode = asyncio.run(main())
+    assert "KV checksum mismatch" in caplog.text  # rejected for its checksum, not for another reason
+    assert got == want  # recomputed here: the corrupted blocks never reached the batch
     assert _all_free(prefill.engine) and _all_free(decode.engine)
 
 

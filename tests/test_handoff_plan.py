@@ -22,7 +22,7 @@ from splitserve.disagg.rank_transfers import (
     report_from_wire,
     report_to_wire,
 )
-from splitserve.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
+from splitserve.disagg.transfer.base import Backend, ChannelSpec, TransferError, TransferFailure
 from splitserve.engine.ranks import Message, Op, RanksLost, Status, bytes_array, decode, encode
 
 pytestmark = pytest.mark.unit
@@ -63,13 +63,13 @@ def test_a_plan_that_does_not_fit_is_refused():
 
 
 def test_orders_and_replies_carry_ints_and_bytes():
-    channel = ChannelSpec("10.0.0.7:29500", "c0ffee", bytes(range(32)))
+    channel = ChannelSpec("10.0.0.7:29500", "c0ffee", bytes(range(32)), Backend.NCCL)
     block_ids = np.array([3, 9, 4])
     message = decode(encode(Op.SEND_KV, *channel_to_wire(channel), np.array([5, 0, 1]), block_ids, number=42))
     assert (Op(message.kind), message.number) == (Op.SEND_KV, 42)
-    assert channel_from_wire(*message.arrays[:3]) == channel  # the secret too, byte for byte
-    assert message.arrays[4].tolist() == [3, 9, 4] and message.arrays[0].dtype == np.uint8
-    report = PieceReport(4096, 0xFFFFFFFF, 0.25)
+    assert channel_from_wire(*message.arrays[:4]) == channel  # the secret too, byte for byte
+    assert message.arrays[5].tolist() == [3, 9, 4] and message.arrays[0].dtype == np.uint8
+    report = PieceReport(4096, 0xFFFFFFFFFFFFFFFF, 0.25)  # a 64-bit checksum (XXH3-64)
     reply = decode(encode(Status.OK, *report_to_wire(report), number=42))
     assert report_from_wire(_result(reply)) == report
     failed = decode(encode(Status.FAILED, *failure_to_wire(TransferError(TransferFailure.TIMEOUT, "slow")), number=1))

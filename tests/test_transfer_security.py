@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from splitserve.disagg.transfer import torch_dist
+from splitserve.disagg.transfer import chunks, torch_dist
 from splitserve.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 
@@ -34,6 +34,7 @@ SHAPE = (2, 2, 3, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_d
 TIMEOUT_S = 5.0
 FORGED = 7.0  # what the attackers send as KV
 NOTHING_S = timedelta(seconds=2)  # how long a side waits to be sure KV it should not get never comes
+KV_WIRE_TAG = chunks.wire_tag(1, 0)  # where transfer tag 1 of SHAPE (one chunk) travels on the pair
 
 
 # --- what this process listens on ------------------------------------------------------------
@@ -205,7 +206,7 @@ def test_the_sender_sends_nothing_to_a_receiver_that_cannot_prove_the_secret():
         scoped.wait([torch_dist.SENDER_PROOF])
         scoped.set(torch_dist.RECEIVER_PROOF, os.urandom(32))  # a guess
         try:
-            group.recv([torch.zeros(SHAPE)], torch_dist.SENDER_RANK, 1).wait(NOTHING_S)
+            group.recv([torch.zeros(SHAPE)], torch_dist.SENDER_RANK, KV_WIRE_TAG).wait(NOTHING_S)
             seen.append("kv")
         except RuntimeError:
             seen.append("nothing")
@@ -296,7 +297,7 @@ def _join_first(address: str) -> dict:
     group = _attacker_group(scoped, torch_dist.SENDER_RANK)
     nonce = group.recv([torch.zeros(torch_dist.NONCE_BYTES, dtype=torch.uint8)], torch_dist.RECEIVER_RANK, 0)
     scoped.set(torch_dist.SENDER_PROOF, os.urandom(32))
-    forged = group.send([torch.full(SHAPE, FORGED)], torch_dist.RECEIVER_RANK, 1)
+    forged = group.send([torch.full(SHAPE, FORGED)], torch_dist.RECEIVER_RANK, KV_WIRE_TAG)
     for work in (nonce, forged):
         try:
             work.wait(NOTHING_S)
@@ -321,7 +322,7 @@ def _sit_between(address: str) -> dict:
     to_sender.send([nonce], torch_dist.SENDER_RANK, 0).wait()
     kv = torch.zeros(SHAPE)
     try:
-        to_sender.recv([kv], torch_dist.SENDER_RANK, 1).wait(NOTHING_S)
+        to_sender.recv([kv], torch_dist.SENDER_RANK, KV_WIRE_TAG).wait(NOTHING_S)
         kv_seen = True
     except RuntimeError:
         kv_seen = False

@@ -8,6 +8,11 @@ or one of its tensor-parallel ranks: disagg/rank_transfers.py); the receiver nam
 (ChannelSpec, sent to the sender inside the handoff RPC) and a tag that tells concurrent transfers
 apart.
 
+Integrity: send and recv each return the checksum (disagg/transfer/checksum.py) of the bytes as that
+side sent or received them, computed chunk by chunk while they move; the caller compares the two
+(the prefill worker reports its own in TransferDone) and fails the handoff with "checksum" when they
+differ.
+
 Trust: a channel carries a secret that only the handoff RPC carries. A transport admits a peer
 onto a channel only once it has shown it holds that secret, and fails the channel with "auth"
 otherwise; no byte from a peer that has not is ever written into a receiver's buffer.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +50,27 @@ class TransferFailure(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Moved:
+    """One transfer as one side saw it."""
+
+    seconds: float
+    checksum: int  # disagg/transfer/checksum.py of the bytes this side sent or received
+
+
+# fill(rows), given to send, writes rows [start, stop) of the blocks' row view ([num_layers * 2, -1],
+# disagg/transfer/chunks.py) just before the transport sends them: reading the cache overlaps the wire.
+Fill = Callable[[slice], None]
+
+
+class Backend(enum.Enum):
+    """What moves a channel's bytes (torch_dist.py): the receiver picks it for the device its KV is
+    on and names it in the channel; the sender follows."""
+
+    GLOO = "gloo"  # TCP between host buffers (a CUDA tensor is staged through pinned memory)
+    NCCL = "nccl"  # device to device; transfers on a channel move in the receiver's tag order
+
+
+@dataclass(frozen=True, slots=True)
 class ChannelSpec:
     """A receiver's channel to one sender, as the sender needs it to join."""
 
@@ -52,6 +79,7 @@ class ChannelSpec:
     # Shared by the two ends of this channel only: sent inside the handoff RPC, never written to the
     # rendezvous store, never logged (hence repr=False).
     secret: bytes = field(repr=False)
+    backend: Backend = Backend.GLOO
 
 
 class TransferError(Exception):
@@ -70,11 +98,17 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def next_tag(self, channel: ChannelSpec) -> int:
-        """A tag not used before on this channel; tags start at 1 (transports may reserve 0)."""
+        """The channel's next tag: 1, 2, 3, ... on each channel (transports may reserve 0). The tag
+        order is the receiver's order: an NCCL channel moves its transfers in it."""
+
+    def use_device(self, device: torch.device) -> None:
+        """Where this side's KV buffers live: channels named afterwards get the backend that suits it
+        (a transport with one kind of channel ignores this)."""
 
     @abstractmethod
-    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
-        """Fill buffer (contiguous) with the transfer sent under tag; returns the seconds it took."""
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> Moved:
+        """Fill buffer (contiguous) with the transfer sent under tag; returns the seconds it took and
+        the checksum of what arrived."""
 
     @abstractmethod
     def drop(self, channel: ChannelSpec) -> None:
@@ -91,9 +125,14 @@ class KVSender(ABC):
     def connect(self, channel: ChannelSpec) -> None:
         """Start joining channel if new (non-blocking; call early so both sides meet sooner)."""
 
+    def use_device(self, device: torch.device) -> None:
+        """Where this side's KV lives: the device of the NCCL groups it joins (ignored otherwise)."""
+
     @abstractmethod
-    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
-        """Send blocks (contiguous) under tag; returns when the receiver has them, with the seconds."""
+    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill: Fill | None = None) -> Moved:
+        """Send blocks (contiguous) under tag; returns when the receiver has them, with the seconds and
+        the checksum of what was sent. With fill, blocks is only a buffer the transport fills (every
+        row, in order) as it goes; without, blocks are ready."""
 
     def close(self) -> None:
         """Release every channel."""

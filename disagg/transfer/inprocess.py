@@ -1,7 +1,7 @@
 """In-process transport for unit tests: sender and receiver share a Hub in one event loop.
 
-Same contract as torch_dist (tags, timeouts, dropped channels, a secret per channel), with
-tensors copied in memory.
+Same contract as torch_dist (tags, timeouts, dropped channels, a secret per channel, checksums),
+with tensors copied in memory.
 """
 
 from __future__ import annotations
@@ -11,10 +11,21 @@ import hmac
 import itertools
 import secrets
 import time
+from collections.abc import Callable
 
 import torch
 
-from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
+from splitserve.disagg.transfer.base import (
+    ChannelSpec,
+    Fill,
+    KVReceiver,
+    KVSender,
+    Moved,
+    TransferError,
+    TransferFailure,
+)
+from splitserve.disagg.transfer.checksum import checksum
+from splitserve.disagg.transfer.chunks import row_view
 
 
 class Hub:
@@ -25,6 +36,7 @@ class Hub:
         self.slots: dict[tuple[str, int], asyncio.Future[torch.Tensor]] = {}
         self.dead: set[str] = set()
         self.secrets: dict[str, bytes] = {}  # by channel key, as receivers made them
+        self.tamper: Callable[[torch.Tensor], None] | None = None  # tests: changes the bytes in flight
 
     def check_secret(self, channel: ChannelSpec) -> None:
         """torch_dist's handshake, in memory: a sender without the channel's secret fails the channel
@@ -49,7 +61,7 @@ class InProcessReceiver(KVReceiver):
         self.hub, self.name = hub, name
         self._channels: dict[str, ChannelSpec] = {}
         self._ids = itertools.count()
-        self._tags = itertools.count(1)
+        self._tags: dict[str, itertools.count] = {}  # by channel key
 
     def channel_for(self, peer: str) -> ChannelSpec:
         if peer not in self._channels:
@@ -59,9 +71,9 @@ class InProcessReceiver(KVReceiver):
         return self._channels[peer]
 
     def next_tag(self, channel: ChannelSpec) -> int:
-        return next(self._tags)
+        return next(self._tags.setdefault(channel.key, itertools.count(1)))
 
-    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> Moved:
         start = time.monotonic()
         slot = self.hub.slot(channel.key, tag)
         try:
@@ -73,7 +85,7 @@ class InProcessReceiver(KVReceiver):
         finally:
             self.hub.slots.pop((channel.key, tag), None)
         buffer.copy_(data)
-        return time.monotonic() - start
+        return Moved(time.monotonic() - start, checksum(buffer))
 
     def drop(self, channel: ChannelSpec) -> None:
         for peer, spec in list(self._channels.items()):
@@ -89,10 +101,16 @@ class InProcessSender(KVSender):
     def connect(self, channel: ChannelSpec) -> None:
         pass
 
-    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
+    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill: Fill | None = None) -> Moved:
         start = time.monotonic()
         self.hub.check_secret(channel)
+        if fill is not None:
+            fill(slice(0, row_view(blocks).shape[0]))
+        crc = checksum(blocks)
         slot = self.hub.slot(channel.key, tag)
         if not slot.done():
-            slot.set_result(blocks.clone())
-        return time.monotonic() - start
+            wire = blocks.clone()
+            if self.hub.tamper is not None:
+                self.hub.tamper(wire)
+            slot.set_result(wire)
+        return Moved(time.monotonic() - start, crc)

@@ -1,5 +1,6 @@
-"""torch.distributed transport: one two-rank gloo process group per (decode, prefill) pair, no
-global world, made at run time so workers of either tier can join and leave.
+"""torch.distributed transport: one two-rank process group per (decode, prefill) pair, no global
+world, made at run time so workers of either tier can join and leave: gloo, plus NCCL when the
+receiver's KV is on CUDA (the receiver picks, per channel: nccl.backend_for).
 
 Rendezvous: every decode worker hosts a TCPStore for as long as it lives (so a store never
 outlives the groups that need it). When a decode worker first hands a request to a prefill
@@ -42,8 +43,9 @@ raises at once) or an operation times out, so any failure drops the group on tha
 handoff names a new key and both sides build a fresh group. Every blocking wait runs in a worker
 thread, bounded by the group timeout.
 
-GPU: blocks are staged through host memory and moved by gloo. NCCL pair groups are not used yet:
-NCCL point-to-point ignores tags, so concurrent transfers on one pair would need an agreed order.
+Wire: a gloo channel moves a transfer in chunks, each checksummed while the next moves (chunks.py;
+a CUDA tensor is staged through pinned host memory on a side stream). An NCCL channel moves it
+device to device, in the receiver's tag order (nccl.py, order.py; untested on a GPU so far).
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ import itertools
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import cast
 
@@ -63,9 +67,21 @@ import torch
 import torch.distributed as dist
 
 from splitserve.common.dist_store import Device, gloo_device, host_store
-from splitserve.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, TransferError, TransferFailure
+from splitserve.disagg.transfer import nccl
+from splitserve.disagg.transfer.base import (
+    Backend,
+    ChannelSpec,
+    Fill,
+    KVReceiver,
+    KVSender,
+    Moved,
+    TransferError,
+    TransferFailure,
+)
+from splitserve.disagg.transfer.chunks import recv_chunks, send_chunks
+from splitserve.disagg.transfer.order import IssueOrder
 
-# Blocking gloo calls (group construction, work.wait) run here; one thread per transfer in flight.
+# Blocking gloo calls (group construction, whole transfers) run here; one thread per transfer in flight.
 _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-transfer")
 SENDER_RANK, RECEIVER_RANK = 0, 1
 AUTH_TAG = 0  # the handshake's nonce; KV transfers use tags from 1
@@ -109,16 +125,42 @@ def _put(store: dist.Store, key: str, value: bytes) -> None:
     store.set(key, value)  # type: ignore[arg-type]  # bytes are fine; torch's stub says str only
 
 
-def _make_group(store: dist.Store, rank: int, device: Device, timeout_s: float) -> tuple[dist.ProcessGroup, bytes]:
-    """The pair's group, with the digest of the rendezvous this rank saw."""
+@dataclass(eq=False, slots=True)
+class _Link:
+    """A channel's groups, once built."""
+
+    gloo: dist.ProcessGroup  # the handshake's, and a gloo channel's KV
+    nccl: dist.ProcessGroup | None = None  # an NCCL channel's KV
+    cuda: torch.device | None = None  # the NCCL group's device
+    order: IssueOrder = field(default_factory=IssueOrder)  # an NCCL channel's: the receiver's tag order
+
+    def shutdown(self) -> None:
+        self.order.break_order()
+        for group in (self.nccl, self.gloo):
+            if group is not None:
+                group.shutdown()
+
+
+def _open(
+    store: dist.Store, channel: ChannelSpec, rank: int, device: Device, cuda: torch.device | None, timeout_s: float
+) -> tuple[_Link, bytes]:
+    """The pair's groups (for an NCCL channel, its NCCL group too, connected in the same
+    rendezvous), with the digest of the rendezvous this rank saw."""
     # torch's stubs lag its bindings here (no _Options, no send/recv on ProcessGroupGloo): hence
     # the ignore and the cast.
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     options._devices = [device]
     options._timeout = timedelta(seconds=timeout_s)
     rendezvous = _Rendezvous(store)
-    group = dist.ProcessGroupGloo(rendezvous, rank, 2, options)
-    return cast(dist.ProcessGroup, group), rendezvous.digest()
+    link = _Link(cast(dist.ProcessGroup, dist.ProcessGroupGloo(rendezvous, rank, 2, options)))
+    if channel.backend is Backend.NCCL:
+        link.cuda = cuda or torch.device("cuda", torch.cuda.current_device())
+        try:
+            link.nccl = nccl.make_group(rendezvous, rank, link.cuda, timeout_s)
+        except BaseException:  # release the gloo group's sockets, whatever went wrong
+            link.shutdown()
+            raise
+    return link, rendezvous.digest()
 
 
 def _proof(channel: ChannelSpec, role: bytes, nonce: bytes, rendezvous: bytes) -> bytes:
@@ -133,8 +175,8 @@ def _await_proof(store: dist.Store, key: str, timeout_s: float) -> bytes:
     return store.get(key)
 
 
-def _refused(group: dist.ProcessGroup, channel: ChannelSpec, who: str) -> TransferError:
-    group.shutdown()
+def _refused(link: _Link, channel: ChannelSpec, who: str) -> TransferError:
+    link.shutdown()
     message = (
         f"the {who} on KV channel {channel.key} could not prove it holds the channel's secret; another "
         f"process reached the TCPStore at {channel.address} (keep workers on a private network)"
@@ -142,43 +184,47 @@ def _refused(group: dist.ProcessGroup, channel: ChannelSpec, who: str) -> Transf
     return TransferError(TransferFailure.AUTH, message)
 
 
-def _accept_channel(store: dist.Store, channel: ChannelSpec, device: Device, timeout_s: float) -> dist.ProcessGroup:
+def _accept_channel(
+    store: dist.Store, channel: ChannelSpec, device: Device, cuda: torch.device | None, timeout_s: float
+) -> _Link:
     """Receiver side of a new channel: build the group and admit the peer only once it has proved
     itself (module docstring)."""
     scoped = dist.PrefixStore(f"kv/{channel.key}", store)
-    group, rendezvous = _make_group(scoped, RECEIVER_RANK, device, timeout_s)
+    link, rendezvous = _open(scoped, channel, RECEIVER_RANK, device, cuda, timeout_s)
     nonce = secrets.token_bytes(NONCE_BYTES)
     try:
-        group.send([torch.frombuffer(bytearray(nonce), dtype=torch.uint8)], SENDER_RANK, AUTH_TAG).wait()
+        link.gloo.send([torch.frombuffer(bytearray(nonce), dtype=torch.uint8)], SENDER_RANK, AUTH_TAG).wait()
         admitted = hmac.compare_digest(
             _await_proof(scoped, SENDER_PROOF, timeout_s), _proof(channel, b"sender", nonce, rendezvous)
         )
         _put(scoped, RECEIVER_PROOF, _proof(channel, b"receiver", nonce, rendezvous) if admitted else b"")
     except RuntimeError:  # gloo or the store failed or timed out: the channel never opened
-        group.shutdown()
+        link.shutdown()
         raise
     if not admitted:
-        raise _refused(group, channel, "prefill worker")
-    return group
+        raise _refused(link, channel, "prefill worker")
+    return link
 
 
-def _join_channel(store: dist.Store, channel: ChannelSpec, device: Device, timeout_s: float) -> dist.ProcessGroup:
+def _join_channel(
+    store: dist.Store, channel: ChannelSpec, device: Device, cuda: torch.device | None, timeout_s: float
+) -> _Link:
     """Sender side of a new channel: answer the receiver's nonce; send KV only once the receiver
     has proved itself too."""
     scoped = dist.PrefixStore(f"kv/{channel.key}", store)
-    group, rendezvous = _make_group(scoped, SENDER_RANK, device, timeout_s)
+    link, rendezvous = _open(scoped, channel, SENDER_RANK, device, cuda, timeout_s)
     received = torch.empty(NONCE_BYTES, dtype=torch.uint8)
     try:
-        group.recv([received], RECEIVER_RANK, AUTH_TAG).wait()
+        link.gloo.recv([received], RECEIVER_RANK, AUTH_TAG).wait()
         nonce = received.numpy().tobytes()
         _put(scoped, SENDER_PROOF, _proof(channel, b"sender", nonce, rendezvous))
         proof = _await_proof(scoped, RECEIVER_PROOF, timeout_s)
     except RuntimeError:
-        group.shutdown()
+        link.shutdown()
         raise
     if not hmac.compare_digest(proof, _proof(channel, b"receiver", nonce, rendezvous)):
-        raise _refused(group, channel, "decode worker")
-    return group
+        raise _refused(link, channel, "decode worker")
+    return link
 
 
 def _check_tag(tag: int) -> None:
@@ -192,37 +238,74 @@ def _reason(error: Exception) -> TransferFailure:
     return TransferFailure.TIMEOUT if timed_out else TransferFailure.PEER_LOST
 
 
-async def _wait(work) -> None:
-    await asyncio.get_running_loop().run_in_executor(_EXECUTOR, work.wait)
+def _recv_gloo(link: _Link, tag: int, buffer: torch.Tensor, timeout_s: float) -> int:
+    return recv_chunks(link.gloo, SENDER_RANK, tag, buffer)
 
 
-async def _group(future: Future) -> dist.ProcessGroup:
-    """The group once built (no thread hop when it already is)."""
+def _recv_nccl(link: _Link, tag: int, buffer: torch.Tensor, timeout_s: float) -> int:
+    assert link.nccl is not None and link.cuda is not None
+    return nccl.recv(link.nccl, link.order, SENDER_RANK, tag, buffer, link.cuda, timeout_s)
+
+
+def _send_gloo(link: _Link, tag: int, blocks: torch.Tensor, fill: Fill | None, timeout_s: float) -> int:
+    return send_chunks(link.gloo, RECEIVER_RANK, tag, blocks, fill)
+
+
+def _send_nccl(link: _Link, tag: int, blocks: torch.Tensor, fill: Fill | None, timeout_s: float) -> int:
+    assert link.nccl is not None and link.cuda is not None
+    return nccl.send(link.nccl, link.order, RECEIVER_RANK, tag, blocks, fill, link.cuda, timeout_s)
+
+
+# How each backend moves a whole transfer (every chunk, its checksum), on one worker thread.
+_RECEIVE: dict[Backend, Callable[[_Link, int, torch.Tensor, float], int]] = {
+    Backend.GLOO: _recv_gloo,
+    Backend.NCCL: _recv_nccl,
+}
+_SEND: dict[Backend, Callable[[_Link, int, torch.Tensor, Fill | None, float], int]] = {
+    Backend.GLOO: _send_gloo,
+    Backend.NCCL: _send_nccl,
+}
+
+
+async def _run(move: Callable[..., int], *args) -> int:
+    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, move, *args)
+
+
+async def _link(future: Future) -> _Link:
+    """The channel's groups once built (no thread hop when they already are)."""
     return future.result() if future.done() else await asyncio.wrap_future(future)
 
 
 class TorchDistReceiver(KVReceiver):
     """Decode side. Hosts the TCPStore every channel of this worker meets through."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, device: torch.device | None = None) -> None:
         self.timeout_s = timeout_s
         self.store = host_store(host, timeout_s)
         self.address = f"{host}:{self.store.port}"
         self._device = gloo_device(host)
-        self._tags = itertools.count(AUTH_TAG + 1)
+        self.backend: Backend = Backend.GLOO  # of the channels named from now on
+        self._cuda: torch.device | None = None
+        if device is not None:
+            self.use_device(device)
+        self._tags: dict[str, itertools.count] = {}  # by channel key
         self._channels: dict[str, tuple[ChannelSpec, Future]] = {}  # by peer
+
+    def use_device(self, device: torch.device) -> None:
+        self.backend, self._cuda = nccl.backend_for(device), device if device.type == "cuda" else None
 
     def channel_for(self, peer: str) -> ChannelSpec:
         entry = self._channels.get(peer)
         if entry is None:
             # The key is unguessable too, but only the secret (never in the store) is relied on.
-            spec = ChannelSpec(self.address, secrets.token_hex(16), secrets.token_bytes(SECRET_BYTES))
-            future = _EXECUTOR.submit(_accept_channel, self.store, spec, self._device, self.timeout_s)
+            key, secret = secrets.token_hex(16), secrets.token_bytes(SECRET_BYTES)
+            spec = ChannelSpec(self.address, key, secret, self.backend)
+            future = _EXECUTOR.submit(_accept_channel, self.store, spec, self._device, self._cuda, self.timeout_s)
             entry = self._channels[peer] = (spec, future)
         return entry[0]
 
     def next_tag(self, channel: ChannelSpec) -> int:
-        return next(self._tags)
+        return next(self._tags.setdefault(channel.key, itertools.count(AUTH_TAG + 1)))
 
     def _group_future(self, channel: ChannelSpec) -> Future:
         for spec, future in self._channels.values():
@@ -230,30 +313,28 @@ class TorchDistReceiver(KVReceiver):
                 return future
         raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was dropped after a failure")
 
-    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> float:
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> Moved:
         _check_tag(tag)
         start = time.monotonic()
         try:
-            group = await _group(self._group_future(channel))
+            link = await _link(self._group_future(channel))
         except TransferError:
             raise
         except Exception as e:
             message = f"the prefill worker never joined channel {channel.key}: {e}"
             raise TransferError(TransferFailure.CONNECT, message) from None
-        staged = buffer if buffer.device.type == "cpu" else torch.empty_like(buffer, device="cpu")
         try:
-            await _wait(group.recv([staged], SENDER_RANK, tag))
+            crc = await _run(_RECEIVE[channel.backend], link, tag, buffer, self.timeout_s)
         except RuntimeError as e:
             raise TransferError(_reason(e), f"receiving KV on channel {channel.key} failed: {e}") from None
-        if staged is not buffer:
-            buffer.copy_(staged)
-        return time.monotonic() - start
+        return Moved(time.monotonic() - start, crc)
 
     def drop(self, channel: ChannelSpec) -> None:
         for peer, (spec, future) in list(self._channels.items()):
             if spec == channel:
                 del self._channels[peer]
-                future.add_done_callback(_shutdown_group)
+                self._tags.pop(spec.key, None)
+                future.add_done_callback(_shutdown_link)
 
     def close(self) -> None:
         for spec, _ in list(self._channels.values()):
@@ -263,9 +344,12 @@ class TorchDistReceiver(KVReceiver):
 class TorchDistSender(KVSender):
     """Prefill side. Keeps one live group per receiver (a new key from it replaces the old)."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, device: torch.device | None = None) -> None:
         self.timeout_s = timeout_s
         self._device = gloo_device(host)
+        self._cuda: torch.device | None = None  # for NCCL channels
+        if device is not None:
+            self.use_device(device)
         self._lock = threading.Lock()  # guards _stores (filled from executor threads)
         self._stores: dict[str, dist.TCPStore] = {}
         self._groups: dict[str, tuple[str, Future]] = {}  # receiver address -> (key, group)
@@ -278,11 +362,14 @@ class TorchDistSender(KVSender):
         if current is not None and current[0] == channel.key:
             return
         if current is not None:  # the receiver replaced the channel: its old group is gone
-            current[1].add_done_callback(_shutdown_group)
+            current[1].add_done_callback(_shutdown_link)
         future = _EXECUTOR.submit(self._join, channel)
         self._groups[channel.address] = (channel.key, future)
 
-    def _join(self, channel: ChannelSpec) -> dist.ProcessGroup:
+    def use_device(self, device: torch.device) -> None:
+        self._cuda = device if device.type == "cuda" else None
+
+    def _join(self, channel: ChannelSpec) -> _Link:
         with self._lock:
             store = self._stores.get(channel.address)
         if store is None:
@@ -290,9 +377,9 @@ class TorchDistSender(KVSender):
             store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s))
             with self._lock:
                 self._stores[channel.address] = store
-        return _join_channel(store, channel, self._device, self.timeout_s)
+        return _join_channel(store, channel, self._device, self._cuda, self.timeout_s)
 
-    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor) -> float:
+    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill: Fill | None = None) -> Moved:
         _check_tag(tag)
         start = time.monotonic()
         if channel.key in self._dead:
@@ -302,7 +389,7 @@ class TorchDistSender(KVSender):
         if key != channel.key:
             raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was replaced by {key}")
         try:
-            group = await _group(future)
+            link = await _link(future)
         except TransferError:
             self._fail(channel)
             raise
@@ -312,29 +399,31 @@ class TorchDistSender(KVSender):
                 self._stores.pop(channel.address, None)
             message = f"could not join channel {channel.key} at {channel.address}: {e}"
             raise TransferError(TransferFailure.CONNECT, message) from None
-        staged = blocks.contiguous() if blocks.device.type == "cpu" else blocks.cpu()
         try:
-            await _wait(group.send([staged], RECEIVER_RANK, tag))
+            crc = await _run(_SEND[channel.backend], link, tag, blocks, fill, self.timeout_s)
+        except TransferError:
+            self._fail(channel)
+            raise
         except RuntimeError as e:
             self._fail(channel)
             raise TransferError(_reason(e), f"sending KV on channel {channel.key} failed: {e}") from None
-        return time.monotonic() - start
+        return Moved(time.monotonic() - start, crc)
 
     def _fail(self, channel: ChannelSpec) -> None:
         self._dead.add(channel.key)
         current = self._groups.get(channel.address)
         if current is not None and current[0] == channel.key:
             del self._groups[channel.address]
-            current[1].add_done_callback(_shutdown_group)
+            current[1].add_done_callback(_shutdown_link)
 
     def close(self) -> None:
         for _, future in self._groups.values():
-            future.add_done_callback(_shutdown_group)
+            future.add_done_callback(_shutdown_link)
         self._groups.clear()
 
 
-def _shutdown_group(future: Future) -> None:
-    """Release a dropped group's sockets once it exists (it may still be connecting)."""
+def _shutdown_link(future: Future) -> None:
+    """Release a dropped channel's groups once they exist (they may still be connecting)."""
     if future.cancelled() or future.exception() is not None:
         return
     try:

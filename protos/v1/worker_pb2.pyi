@@ -14,10 +14,19 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_UNIFIED: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+
+class KVBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_BACKEND_UNSPECIFIED: _ClassVar[KVBackend]
+    KV_BACKEND_GLOO: _ClassVar[KVBackend]
+    KV_BACKEND_NCCL: _ClassVar[KVBackend]
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_UNIFIED: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
+KV_BACKEND_UNSPECIFIED: KVBackend
+KV_BACKEND_GLOO: KVBackend
+KV_BACKEND_NCCL: KVBackend
 
 class WorkerGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "stopping", "logprobs", "priority", "prefill_address")
@@ -38,14 +47,16 @@ class WorkerGenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[_generation_pb2.StoppingCriteria, _Mapping]] = ..., logprobs: _Optional[int] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class KVChannel(_message.Message):
-    __slots__ = ("store_address", "key", "secret")
+    __slots__ = ("store_address", "key", "secret", "backend")
     STORE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SECRET_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
     store_address: str
     key: str
     secret: bytes
-    def __init__(self, store_address: _Optional[str] = ..., key: _Optional[str] = ..., secret: _Optional[bytes] = ...) -> None: ...
+    backend: KVBackend
+    def __init__(self, store_address: _Optional[str] = ..., key: _Optional[str] = ..., secret: _Optional[bytes] = ..., backend: _Optional[_Union[KVBackend, str]] = ...) -> None: ...
 
 class KVPiece(_message.Message):
     __slots__ = ("src_rank", "dst_rank", "first_kv_head", "num_kv_heads", "channel", "transfer_tag")
@@ -106,18 +117,16 @@ class FirstToken(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class TransferDone(_message.Message):
-    __slots__ = ("num_blocks", "num_bytes", "checksum_crc32", "send_ms", "piece_checksums_crc32")
+    __slots__ = ("num_blocks", "num_bytes", "send_ms", "piece_checksums_xxh3")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_CRC32_FIELD_NUMBER: _ClassVar[int]
     SEND_MS_FIELD_NUMBER: _ClassVar[int]
-    PIECE_CHECKSUMS_CRC32_FIELD_NUMBER: _ClassVar[int]
+    PIECE_CHECKSUMS_XXH3_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_bytes: int
-    checksum_crc32: int
     send_ms: float
-    piece_checksums_crc32: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., checksum_crc32: _Optional[int] = ..., send_ms: _Optional[float] = ..., piece_checksums_crc32: _Optional[_Iterable[int]] = ...) -> None: ...
+    piece_checksums_xxh3: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., send_ms: _Optional[float] = ..., piece_checksums_xxh3: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "stop_reason", "usage", "queue_ms", "stages")
