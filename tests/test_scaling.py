@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -12,7 +11,7 @@ import time
 
 import grpc
 import pytest
-from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
+from cluster_helpers import drained_empty, engine_argv, greedy_request, metric, stub, tokens
 
 from splitserve.common.serving import free_port
 from splitserve.launch.launcher import start_cluster, stop_cluster, wait_healthy
@@ -21,8 +20,6 @@ from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 
 pytestmark = pytest.mark.integration
-
-DRAINED = re.compile(r"drained: free_blocks=(\d+) total_blocks=(\d+) running=0 waiting=0 awaiting_kv=0 held=0")
 
 
 class SteadyLoad:
@@ -52,15 +49,6 @@ class SteadyLoad:
         self.stop.set()
         for t in self.threads:
             t.join(60)
-
-
-def _drained_empty(child) -> bool:
-    """The worker's last words: its KV pool was fully free when it exited."""
-    for line in child.log:
-        m = DRAINED.search(line)
-        if m:
-            return m.group(1) == m.group(2)
-    return False
 
 
 def _moved_kv(child) -> float:
@@ -93,7 +81,7 @@ def test_add_workers_then_drain_the_originals_under_load(tiny_llama_dir):
             assert len(load.outcomes) > before, [(c.name, c.proc.poll()) for c in supervisor.children]
         failures = [o for o in load.outcomes if o is not True]
         assert not failures and len(load.outcomes) > 10, failures[:3]
-        assert _drained_empty(original_p) and _drained_empty(original_d)
+        assert drained_empty(original_p) and drained_empty(original_d)
     finally:
         stop_cluster(supervisor.children)
 
