@@ -16,13 +16,28 @@ Table 2, one decode step at batch B with ~300-token contexts: splitserve engine.
 prepare, forward, sample, update) against a bare runner.forward() on one prepared batch, and
 transformers' model forward of one token against a DynamicCache of the same length.
 
-Usage: python benchmarks/offline.py [--quick] [--json PATH]
+Table 3, prefill: time to the first token of one fresh prompt of 512 and 2,048 random tokens
+(LLM.generate with max_tokens=1: schedule, forward, sample), once with the default token budget (one
+chunk) and once with a budget of 512 tokens (chunked prefill), against transformers' forward of the
+same ids (a DynamicCache built; the logits of the last token only, as generate() asks for on its
+prefill, and of every token, as a plain forward returns). Medians over --repeats fresh prompts, the
+systems interleaved within each repeat; one more round before them warms up.
+
+Table 4, prefix hit: time to the first token of a fresh 2,048-token prompt (cold), then of a prompt
+sharing its first 1,920 tokens (120 blocks of 16 found in the prefix cache) with 128 fresh ones.
+Target: cold / hit >= 8x.
+
+Usage: python benchmarks/offline.py [--quick] [--tables throughput,decode,prefill,prefix] [--threads N]
+                                    [--repeats N] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import random
+import statistics
 import time
 from dataclasses import asdict
 
@@ -35,9 +50,14 @@ from splitserve.engine.llm import LLM
 from splitserve.experiments.offline import FULL, QUICK, Settings, decode_step_ms, timed
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
 
+TABLES = ("throughput", "decode", "prefill", "prefix")
 HF_PAGE_SIZE = 256  # transformers' default page size, tokens per KV block
 STATIC_BATCH_SIZE = 8
 KV_CACHE_BYTES = 3 * 1024**3  # SmolLM2 fp32 KV is 45 KiB/token: ~68k tokens, all 64 requests fit
+PREFILL_LENS = (512, 2048)
+CHUNK_BUDGET = 512  # the chunked-prefill engine's token budget: a 2,048-token prompt in 4 steps
+CHUNKED_KV_CACHE_BYTES = 256 * 1024**2  # ~5.8k tokens: one prompt at a time
+PREFIX_PROMPT_LEN, PREFIX_CACHED_LEN = 2048, 1920
 
 
 def warmup_requests(vocab_size: int) -> list[RequestSpec]:
@@ -147,6 +167,70 @@ def hf_decode_ms(model, batch_size: int, s: Settings) -> float:
     return total * 1e3 / s.decode_steps
 
 
+# -- prefill and prefix hits ------------------------------------------------------------------------
+def random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(WorkloadConfig().vocab_low, vocab_size) for _ in range(n)]
+
+
+def ttft_s(llm: LLM, ids: list[int]) -> tuple[float, int]:
+    """(seconds to generate one token for prompt ids, prompt tokens found in the prefix cache)."""
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    (out,), seconds = timed(llm.generate, [ids], params)
+    return seconds, out.num_cached_tokens
+
+
+@torch.inference_mode()
+def hf_prefill_s(model, ids: list[int], logits_to_keep: int) -> float:
+    """Seconds for transformers' forward of ids into a new cache; logits_to_keep 0: every token's logits."""
+    start = time.perf_counter()
+    model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=logits_to_keep)
+    return time.perf_counter() - start
+
+
+def prefill_table(llms: dict[str, LLM], model, repeats: int, vocab_size: int) -> list[dict]:
+    rng = random.Random(7)
+    rows = []
+    for n in PREFILL_LENS:
+        samples: dict[str, list[float]] = {}
+        for r in range(repeats + 1):  # round 0 warms up
+            ids = random_ids(rng, n, vocab_size)  # fresh: no prefix hit
+            times = {name: ttft_s(llm, ids)[0] for name, llm in llms.items()}
+            times["hf_last_logits"] = hf_prefill_s(model, ids, 1)
+            times["hf_all_logits"] = hf_prefill_s(model, ids, 0)
+            for name, seconds in times.items() if r else ():
+                samples.setdefault(name, []).append(seconds)
+        row: dict = {"prompt_tokens": n, "samples_s": samples}
+        row |= {f"{name}_s": statistics.median(v) for name, v in samples.items()}
+        for name in llms:
+            row[f"{name}_over_hf_last"] = row[f"{name}_s"] / row["hf_last_logits_s"]
+            row[f"{name}_over_hf_all"] = row[f"{name}_s"] / row["hf_all_logits_s"]
+        rows.append(row)
+    return rows
+
+
+def prefix_table(llm: LLM, repeats: int, vocab_size: int) -> dict:
+    rng = random.Random(11)
+    cold, hit = [], []
+    for r in range(repeats + 1):  # round 0 warms up
+        ids = random_ids(rng, PREFIX_PROMPT_LEN, vocab_size)
+        cold_s, cold_cached = ttft_s(llm, ids)
+        tail = random_ids(rng, PREFIX_PROMPT_LEN - PREFIX_CACHED_LEN, vocab_size)
+        hit_s, hit_cached = ttft_s(llm, ids[:PREFIX_CACHED_LEN] + tail)
+        assert (cold_cached, hit_cached) == (0, PREFIX_CACHED_LEN), f"cached {cold_cached} / {hit_cached} tokens"
+        if r:
+            cold.append(cold_s)
+            hit.append(hit_s)
+    cold_med, hit_med = statistics.median(cold), statistics.median(hit)
+    return {
+        "prompt_tokens": PREFIX_PROMPT_LEN,
+        "cached_tokens": PREFIX_CACHED_LEN,
+        "cold_s": cold_med,
+        "hit_s": hit_med,
+        "cold_over_hit": cold_med / hit_med,
+        "samples_s": {"cold": cold, "hit": hit},
+    }
+
+
 # -- main -------------------------------------------------------------------------------------------
 def load_hf():
     from transformers import AutoModelForCausalLM
@@ -186,13 +270,15 @@ def decode_table(llm: LLM, model, s: Settings) -> list[dict]:
     rows = []
     for batch_size in s.decode_batches:
         step_ms, forward_ms = decode_step_ms(llm, batch_size, s.decode_context, s.decode_steps)
+        hf_ms = hf_decode_ms(model, batch_size, s)
         rows.append(
             {
                 "batch": batch_size,
                 "step_ms": step_ms,
                 "forward_ms": forward_ms,
                 "step_over_forward": step_ms / forward_ms,
-                "hf_forward_ms": hf_decode_ms(model, batch_size, s),
+                "hf_forward_ms": hf_ms,
+                "forward_over_hf": forward_ms / hf_ms,
             }
         )
     return rows
@@ -220,38 +306,103 @@ def print_throughput(t: dict, wl: list[RequestSpec]) -> None:
 
 def print_decode(rows: list[dict], s: Settings) -> None:
     print(f"\nDecode step, {s.decode_context}-token contexts, mean of {s.decode_steps} steps")
-    print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'step/fwd':>10}{'HF fwd ms':>11}")
+    print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'step/fwd':>10}{'HF fwd ms':>11}{'fwd/HF':>8}")
     for r in rows:
         print(
             f"{r['batch']:>6}{r['step_ms']:>10.1f}{r['forward_ms']:>12.1f}"
-            f"{r['step_over_forward']:>10.2f}{r['hf_forward_ms']:>11.1f}"
+            f"{r['step_over_forward']:>10.2f}{r['hf_forward_ms']:>11.1f}{r['forward_over_hf']:>8.2f}"
         )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small workload, finishes in a minute or two")
-    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
-    args = parser.parse_args()
-    s = QUICK if args.quick else FULL
-    llm = LLM(
-        EngineConfig(
+def print_prefill(rows: list[dict], repeats: int) -> None:
+    print(f"\nPrefill: seconds to the first token of one fresh prompt, median of {repeats}")
+    print(
+        f"{'tokens':>7}{'splitserve':>12}{f'chunks {CHUNK_BUDGET}':>12}{'HF last':>10}{'HF all':>9}{'ss/HF last':>12}"
+    )
+    for r in rows:
+        print(
+            f"{r['prompt_tokens']:>7}{r['splitserve_s']:>12.2f}{r['splitserve_chunked_s']:>12.2f}"
+            f"{r['hf_last_logits_s']:>10.2f}{r['hf_all_logits_s']:>9.2f}{r['splitserve_over_hf_last']:>12.2f}"
+        )
+
+
+def print_prefix(r: dict, repeats: int) -> None:
+    print(
+        f"\nPrefix hit, {r['prompt_tokens']}-token prompts, median of {repeats}: cold {r['cold_s']:.2f} s, "
+        f"{r['cached_tokens']} tokens cached {r['hit_s']:.3f} s, cold / hit {r['cold_over_hit']:.1f}x (target >= 8x)"
+    )
+
+
+def conditions(threads: int) -> dict:
+    import transformers
+
+    return {
+        "torch_threads": threads,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_before": os.getloadavg(),
+    }
+
+
+def engine_config(budget: int | None = None) -> EngineConfig:
+    """The benchmark's engine; with a token budget (chunked prefill), one with a small KV cache beside it."""
+    if budget is None:
+        return EngineConfig(
             dtype="float32",
             device="cpu",
             cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES),
             scheduler=SchedulerConfig(max_num_seqs=64),
         )
+    return EngineConfig(
+        dtype="float32",
+        device="cpu",
+        cache=CacheConfig(kv_cache_bytes=CHUNKED_KV_CACHE_BYTES),
+        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=budget),
     )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small workload, finishes in a minute or two")
+    parser.add_argument("--tables", default=",".join(TABLES), help=f"comma-separated, of {','.join(TABLES)}")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for both systems (0: torch's default)")
+    parser.add_argument("--repeats", type=int, default=3, help="fresh prompts per prefill / prefix-hit row")
+    parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    args = parser.parse_args()
+    args.tables = args.tables.split(",")
+    if unknown := set(args.tables) - set(TABLES):
+        parser.error(f"unknown tables {sorted(unknown)}; choose from {','.join(TABLES)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    s = QUICK if args.quick else FULL
+    llm = LLM(engine_config())
     vocab_size = llm.engine.runner.arch.vocab_size
     model = load_hf()
-    wl = make_requests(s.workload(vocab_size))
-    throughput = throughput_table(llm, model, wl, vocab_size)
-    print_throughput(throughput, wl)
-    decode = decode_table(llm, model, s)
-    print_decode(decode, s)
+    result: dict = {"settings": asdict(s), "conditions": conditions(torch.get_num_threads())}
+    if "throughput" in args.tables:
+        wl = make_requests(s.workload(vocab_size))
+        result["throughput"] = throughput_table(llm, model, wl, vocab_size)
+        print_throughput(result["throughput"], wl)
+    if "decode" in args.tables:
+        result["decode"] = decode_table(llm, model, s)
+        print_decode(result["decode"], s)
+    if "prefill" in args.tables:
+        llms = {"splitserve": llm, "splitserve_chunked": LLM(engine_config(CHUNK_BUDGET))}
+        result["prefill"] = prefill_table(llms, model, args.repeats, vocab_size)
+        print_prefill(result["prefill"], args.repeats)
+    if "prefix" in args.tables:
+        result["prefix_hit"] = prefix_table(llm, args.repeats, vocab_size)
+        print_prefix(result["prefix_hit"], args.repeats)
+    result["conditions"]["load_after"] = os.getloadavg()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"settings": asdict(s), "throughput": throughput, "decode": decode}, f, indent=2)
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

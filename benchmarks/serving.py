@@ -1,12 +1,23 @@
-"""Throughput through gateway + 1 unified worker (concurrent gRPC streams) vs the in-process engine,
-on the offline workload of benchmarks/offline.py (SmolLM2 fp32, CPU). Target: >= 0.9x.
+"""Through the gateway (SmolLM2 fp32, CPU), two measurements:
 
-Usage: python benchmarks/serving.py [--quick]
+throughput (default): the offline workload of benchmarks/offline.py as concurrent gRPC streams to
+    gateway + 1 unified worker, against the in-process engine on the same requests. Target: >= 0.9x.
+--prefix-hit: time to the first token through gateway + 1 prefill + 1 decode worker (1P1D), one
+    request at a time, of 2,048-token prompts: each of --pairs prefixes of 1,920 tokens is sent twice
+    with 128 fresh tokens after it, in a shuffled order; the first time it is cold, the second a prefix
+    hit on the prefill worker (the gateway routes it there; the prefix's KV is handed to the decode
+    worker again). Two warm-up requests first. Target: cold / hit >= 8x, as in process (offline.py).
+
+Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--json PATH]
+       python benchmarks/serving.py --prefix-hit [--pairs 3] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
 import time
 
 from splitserve.common.sampling_params import SamplingParams
@@ -15,10 +26,12 @@ from splitserve.engine.llm import LLM
 from splitserve.experiments.loadgen import send_workload
 from splitserve.experiments.offline import FULL, QUICK
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.launch.launcher import start_cluster, stop_cluster, threads_per_worker
 
 KV_CACHE_BYTES = 3 * 1024**3
+PREFIX_KV_CACHE_BYTES = 1024**3  # ~23k tokens per worker: every prefix stays cached until its hit
 VOCAB_SIZE = 49152
+PROMPT_LEN, PREFIX_LEN = 2048, 1920
 WARMUP = WorkloadConfig(
     num_requests=1,
     arrival="concurrency",
@@ -43,11 +56,7 @@ def in_process(requests: list[RequestSpec]) -> tuple[float, int]:
     return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: all cores)")
-    args = parser.parse_args()
+def throughput(args: argparse.Namespace) -> dict:
     workload = (QUICK if args.quick else FULL).workload(VOCAB_SIZE)  # every request sent at once
     requests = make_requests(workload)
     worker_argv = ["--kv-cache-bytes", str(KV_CACHE_BYTES)]
@@ -64,7 +73,80 @@ def main() -> None:
     print(f"{'system':<34}{'seconds':>9}{'out tok/s':>11}")
     print(f"{'gateway + 1 worker (gRPC streams)':<34}{grpc_s:>9.2f}{grpc_tokens / grpc_s:>11.1f}")
     print(f"{'in-process LLM.generate':<34}{local_s:>9.2f}{local_tokens / local_s:>11.1f}")
-    print(f"ratio gRPC / in-process: {(grpc_tokens / grpc_s) / (local_tokens / local_s):.2f}x")
+    ratio = (grpc_tokens / grpc_s) / (local_tokens / local_s)
+    print(f"ratio gRPC / in-process: {ratio:.2f}x")
+    return {
+        "requests": len(requests),
+        "grpc": {"seconds": grpc_s, "tokens": grpc_tokens, "tokens_per_s": grpc_tokens / grpc_s},
+        "in_process": {"seconds": local_s, "tokens": local_tokens, "tokens_per_s": local_tokens / local_s},
+        "ratio_grpc_over_in_process": ratio,
+    }
+
+
+def prefix_workload(pairs: int, seed: int) -> WorkloadConfig:
+    """2 x pairs requests, one at a time: every prefix twice (balanced), 128 fresh tokens after it."""
+    return WorkloadConfig(
+        num_requests=2 * pairs,
+        arrival="concurrency",
+        concurrency=1,
+        prompt_len=LengthDist("fixed", PROMPT_LEN),
+        output_len=LengthDist("fixed", 4),
+        shared_prefix_fraction=1.0,
+        prefix_len=PREFIX_LEN,
+        num_prefixes=pairs,
+        prefix_assignment="balanced",
+        seed=seed,
+        vocab_high=VOCAB_SIZE,
+    )
+
+
+def prefix_hit(args: argparse.Namespace) -> dict:
+    workload = prefix_workload(args.pairs, seed=0)
+    warm_up = prefix_workload(1, seed=1)  # a cold prompt and a hit: every shape once
+    argv = ["--kv-cache-bytes", str(PREFIX_KV_CACHE_BYTES)]
+    children = start_cluster(0, argv, num_prefill=1, num_decode=1)
+    try:
+        send_workload(children[0].address, warm_up)
+        records, _ = send_workload(children[0].address, workload)
+    finally:
+        stop_cluster(children)
+    seen: set[int | None] = set()
+    cold, hit = [], []
+    for spec, record in zip(make_requests(workload), records):  # records come in send order
+        (hit if spec.prefix_id in seen else cold).append(record.ttft_s)
+        seen.add(spec.prefix_id)
+    result = {
+        "deployment": "1P1D",
+        "worker_threads": threads_per_worker(2),
+        "prompt_tokens": PROMPT_LEN,
+        "cached_tokens": PREFIX_LEN,
+        "cold_ttft_s": statistics.median(cold),
+        "hit_ttft_s": statistics.median(hit),
+        "samples_s": {"cold": cold, "hit": hit},
+    }
+    result["cold_over_hit"] = result["cold_ttft_s"] / result["hit_ttft_s"]
+    print(
+        f"\n1P1D through the gateway, {PROMPT_LEN}-token prompts, median of {args.pairs}: TTFT cold "
+        f"{result['cold_ttft_s']:.2f} s, {PREFIX_LEN} tokens cached {result['hit_ttft_s']:.3f} s, "
+        f"cold / hit {result['cold_over_hit']:.1f}x (target >= 8x)"
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: all cores)")
+    parser.add_argument("--prefix-hit", action="store_true", help="cold vs prefix-hit TTFT on 1P1D instead")
+    parser.add_argument("--pairs", type=int, default=3, help="--prefix-hit: prefixes, each sent cold then hit")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures there, as JSON")
+    args = parser.parse_args()
+    load_before = os.getloadavg()
+    result = prefix_hit(args) if args.prefix_hit else throughput(args)
+    result["conditions"] = {"cpu_count": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

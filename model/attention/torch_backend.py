@@ -1,6 +1,22 @@
-"""Plain-torch paged attention: the CPU path and the reference for the Triton kernels."""
+"""Plain-torch paged attention: the CPU path and the reference for the Triton kernels.
+
+Every layer of a step attends with the same metadata, so the first layer builds a plan (_StepPlan)
+that the others reuse: the decodes' length groups with their block ids and padding masks, and each
+prompt chunk's context blocks and mask (masks additive, in the query's dtype: what SDPA would turn a
+boolean mask into on every call). Then, per layer, after storing the new K/V:
+- a group of decodes gathers its sequences' whole blocks and attends with a padding mask;
+- a prompt chunk with nothing cached before it attends to its own new K/V (no gather), causal;
+- a chunk after cached tokens gathers its context and attends with the plan's [query, context] mask
+  (torch's is_causal aligns the diagonal top-left, wrong for queries at the end of the context).
+SDPA always gets 4-D [batch, heads, tokens, head_dim] inputs: on CPU only those reach the flash
+kernel; 3-D ones fall back to the math path, which materialises float32 scores (~5x slower at 2,048
+tokens).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,13 +36,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     flat[1].index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """K and V of whole blocks: [2, num_seqs, num_blocks * block_size, num_kv_heads, head_dim]."""
+def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """K and V of whole blocks, block_ids [n] in order: [2, n * block_size, num_kv_heads, head_dim]."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    num_seqs, blocks_per_seq = block_table.shape
-    # index_select over whole blocks copies contiguous rows; kv_cache[:, block_table] is ~20x slower.
-    rows = kv_cache.view(2, num_blocks, -1).index_select(1, block_table.flatten())
-    return rows.view(2, num_seqs, blocks_per_seq * block_size, num_kv_heads, head_dim)
+    src = kv_cache.view(2, num_blocks, -1)  # [2, num_blocks, one block's K (or V)]
+    out = src.new_empty(2, len(block_ids), src.shape[2])
+    # Whole blocks along dim 0 of a contiguous tensor: row copies, split over the threads (along dim 1
+    # index_select runs on one thread; kv_cache[:, block_ids] is slower still).
+    torch.index_select(src[0], 0, block_ids, out=out[0])
+    torch.index_select(src[1], 0, block_ids, out=out[1])
+    return out.view(2, len(block_ids) * block_size, num_kv_heads, head_dim)
 
 
 def length_groups(seq_lens: list[int], ratio: float = 1.5, min_size: int = 8) -> list[list[int]]:
@@ -44,66 +63,119 @@ def length_groups(seq_lens: list[int], ratio: float = 1.5, min_size: int = 8) ->
     return groups
 
 
+class _DecodeGroup(NamedTuple):
+    rows: slice | torch.Tensor  # its sequences' rows in the batch (a slice: all decodes, in order)
+    block_ids: torch.Tensor  # [num_seqs * blocks_per_seq]: each sequence's first blocks_per_seq blocks
+    num_seqs: int
+    mask: torch.Tensor | None  # [num_seqs, 1, 1, blocks_per_seq * block_size] 0 / -inf; None: no padding
+
+
+class _Chunk(NamedTuple):
+    tokens: slice  # its query tokens in the batch
+    seq_len: int  # context length, its own tokens included
+    block_ids: torch.Tensor | None  # [ceil(seq_len / block_size)]; None: nothing cached before it
+    mask: torch.Tensor | None  # [query_len, seq_len] 0 / -inf: query j sits at seq_len - query_len + j
+
+
+@dataclass(frozen=True, slots=True)
+class _StepPlan:
+    """What every layer of one step shares; built from (and valid for) one AttentionMetadata."""
+
+    meta: AttentionMetadata
+    decodes: list[_DecodeGroup]
+    chunks: list[_Chunk]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+        nd = meta.num_decodes
+        decodes = _decode_groups(meta, block_size, dtype) if nd else []
+        chunks, start = [], nd
+        for i in range(nd, meta.num_seqs):
+            end = start + meta.query_lens_cpu[i]
+            chunks.append(_chunk(meta, i, slice(start, end), block_size, dtype))
+            start = end
+        return cls(meta, decodes, chunks)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA adds it to the scores: 0 where visible, -inf elsewhere."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _decode_groups(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[_DecodeGroup]:
+    lens = meta.seq_lens_cpu[: meta.num_decodes]
+    groups = length_groups(lens)
+    device = meta.block_tables.device
+    out = []
+    for group in groups:  # similar lengths together: less padding to gather and attend over
+        rows = slice(0, len(lens)) if len(groups) == 1 else torch.tensor(group, device=device)
+        group_lens = [lens[i] for i in group]
+        num_blocks = -(-max(group_lens) // block_size)
+        block_ids = meta.block_tables[rows, :num_blocks].flatten()
+        mask = None
+        if min(group_lens) < num_blocks * block_size:
+            positions = torch.arange(num_blocks * block_size, device=device)
+            mask = _additive(positions[None, :] < meta.seq_lens[rows, None], dtype)[:, None, None, :]
+        out.append(_DecodeGroup(rows, block_ids, len(group), mask))
+    return out
+
+
+def _chunk(meta: AttentionMetadata, i: int, tokens: slice, block_size: int, dtype: torch.dtype) -> _Chunk:
+    seq_len, query_len = meta.seq_lens_cpu[i], meta.query_lens_cpu[i]
+    if seq_len == query_len:
+        return _Chunk(tokens, seq_len, None, None)
+    device = meta.block_tables.device
+    block_ids = meta.block_tables[i, : -(-seq_len // block_size)]
+    rows = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    mask = _additive(torch.arange(seq_len, device=device)[None, :] <= rows, dtype)
+    return _Chunk(tokens, seq_len, block_ids, mask)
+
+
 @register_backend
 class TorchAttention(AttentionBackend):
     name = "torch"
 
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        self.gqa = num_heads != num_kv_heads
+        self._plan: _StepPlan | None = None  # the last step's (held: a new step's meta is a new object)
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
+        plan = self._plan_for(meta, q.dtype)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta)
-        start = nd
-        for i in range(nd, meta.num_seqs):
-            end = start + meta.query_lens_cpu[i]
-            out[start:end] = self._prefill(q[start:end], kv_cache, meta, i)
-            start = end
+        for group in plan.decodes:
+            out[group.rows] = self._decode(q[group.rows], kv_cache, group)
+        for chunk in plan.chunks:
+            out[chunk.tokens] = self._prefill(q[chunk.tokens], k[chunk.tokens], v[chunk.tokens], kv_cache, chunk)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        lens = meta.seq_lens_cpu[: meta.num_decodes]
-        groups = length_groups(lens)
-        if len(groups) == 1:
-            num_seqs = len(lens)
-            return self._decode_group(q, kv_cache, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs], max(lens))
-        out = torch.empty_like(q)
-        for group in groups:  # similar lengths together: less padding to gather and attend over
-            idx = torch.tensor(group, device=q.device)
-            out[idx] = self._decode_group(
-                q[idx], kv_cache, meta.block_tables[idx], meta.seq_lens[idx], max(lens[i] for i in group)
-            )
-        return out
+    def _plan_for(self, meta: AttentionMetadata, dtype: torch.dtype) -> _StepPlan:
+        if self._plan is None or self._plan.meta is not meta:
+            self._plan = _StepPlan.build(meta, self.block_size, dtype)
+        return self._plan
 
-    def _decode_group(self, q, kv_cache, block_tables, seq_lens, max_len: int) -> torch.Tensor:
-        bs = self.block_size
-        num_blocks = -(-max_len // bs)
-        kv = gather_kv(kv_cache, block_tables[:, :num_blocks])
-        keys = kv[0].transpose(1, 2)  # [n, kvh, L, d]
-        values = kv[1].transpose(1, 2)
-        positions = torch.arange(num_blocks * bs, device=q.device)
-        mask = positions[None, :] < seq_lens[:, None]  # [n, L]
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
+        # q: [n, h, d] -> [n, h, d]
+        kv = gather_kv(kv_cache, group.block_ids)
+        kv = kv.view(2, group.num_seqs, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)  # [2, n, kvh, L, d]
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            keys,
-            values,
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
+            q.unsqueeze(2), kv[0], kv[1], attn_mask=group.mask, scale=self.scale, enable_gqa=self.gqa
         )  # [n, h, 1, d]
         return out.squeeze(2)
 
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, i: int) -> torch.Tensor:
-        seq_len, query_len = meta.seq_lens_cpu[i], meta.query_lens_cpu[i]
-        num_blocks = -(-seq_len // self.block_size)
-        kv = gather_kv(kv_cache, meta.block_tables[i : i + 1, :num_blocks])[:, 0, :seq_len]
-        keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # [kvh, L, d]
-        gqa = self.num_heads != self.num_kv_heads
-        qt = q.transpose(0, 1)  # [h, ql, d]
-        if seq_len == query_len:
-            out = F.scaled_dot_product_attention(qt, keys, values, is_causal=True, scale=self.scale, enable_gqa=gqa)
-        else:  # a cached prefix: query j sits at position seq_len - query_len + j
-            rows = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-            out = F.scaled_dot_product_attention(qt, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
-        return out.transpose(0, 1)
+    def _prefill(self, q, k, v, kv_cache: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+        # q: [ql, h, d]; k, v: [ql, kvh, d], this chunk's new tokens -> [ql, h, d]
+        if chunk.block_ids is not None:  # cached tokens come first: attend to the whole context
+            kv = gather_kv(kv_cache, chunk.block_ids)[:, : chunk.seq_len]
+            k, v = kv[0], kv[1]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, h, ql, d]
+            k.transpose(0, 1).unsqueeze(0),  # [1, kvh, L, d]
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=self.scale,
+            enable_gqa=self.gqa,
+        )  # [1, h, ql, d]
+        return out[0].transpose(0, 1)
