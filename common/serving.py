@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -54,7 +55,35 @@ def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> i
     return port
 
 
+_LOWEST_PORT = 10_000  # free_port's ports: from here to just below the kernel's ephemeral range
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands out for port 0 and outgoing connections (Linux's default elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port that is free now and that the kernel will not give anyone else meanwhile: chosen at random
+    below its ephemeral range. A port from bind(0) is ephemeral, and a child process binding it seconds
+    later could find it taken by any outgoing connection (CI saw a worker's metrics port go that way)."""
+    low, high = ephemeral_port_range()
+    bottom, top = (_LOWEST_PORT, low - 1) if low > _LOWEST_PORT + 1000 else (high + 1, 65535)
+    if top - bottom < 1000:  # the kernel's range covers (nearly) every port: take one from it
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    for _ in range(100):
+        port = random.randint(bottom, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {bottom}-{top} on {host}")
