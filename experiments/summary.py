@@ -145,13 +145,16 @@ def _point_row(p: Point, slo: str) -> list[str]:
     ]
 
 
+def _compared_by_rate(points: list[Point]) -> list[tuple[float, list[Point]]]:
+    """The points of each offered rate, in rate order, where at least two deployments ran it."""
+    by_rate = [(rate, [p for p in points if p.rate == rate]) for rate in sorted({p.rate for p in points})]
+    return [(rate, at_rate) for rate, at_rate in by_rate if len(at_rate) >= 2]
+
+
 def _rate_verdicts(points: list[Point], slo: str) -> list[str]:
     """One line per distinct verdict, listing the rates it holds at (rates with one deployment: none)."""
     rates_by_verdict: dict[str, list[str]] = {}
-    for rate in sorted({p.rate for p in points}):
-        at_rate = [p for p in points if p.rate == rate]
-        if len(at_rate) < 2:
-            continue
+    for rate, at_rate in _compared_by_rate(points):
         v = compare_attainment(at_rate, slo)
         if v.winner is not None:
             verdict = f"**{v.winner}** has the highest attainment (intervals do not overlap)"
@@ -180,10 +183,7 @@ def _fleet_row(p: Point, slo: str) -> list[str]:
 
 def _fleet_verdicts(points: list[Point], slo: str) -> list[str]:
     lines = []
-    for rate in sorted({p.rate for p in points}):
-        at_rate = [p for p in points if p.rate == rate]
-        if len(at_rate) < 2:
-            continue
+    for rate, at_rate in _compared_by_rate(points):
         v = compare_per_worker_second(at_rate, slo)
         if v.winner is not None:
             lines.append(f"- {rate:g} req/s: **{v.winner}** has the highest goodput per worker-second")
