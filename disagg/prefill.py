@@ -127,8 +127,8 @@ async def _send_held(
             await asyncio.sleep(send_delay_s)
         sends = (send_piece(port, sender, piece, block_ids) for piece in job.pieces)
         results = await asyncio.gather(*sends, return_exceptions=True)
-    finally:
-        await port.release_held(request_id)  # every piece sent or failed
+    finally:  # every piece sent or failed; the decode worker gets TransferDone before the release is done
+        port.release_held_soon(request_id)
     reports = _reports(results, metrics)
     done = TransferDone(
         len(block_ids),

@@ -128,6 +128,11 @@ class AsyncEngine:
         self._start()
         return await future
 
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the step thread between steps, without waiting for it (fn must not raise:
+        an error there ends the step loop)."""
+        self._command(fn, *args)
+
     def abort(self, request_id: str) -> None:
         if self._step_thread is not None:  # otherwise the engine never saw it
             self._command(self.engine.abort_request, request_id)

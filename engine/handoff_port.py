@@ -16,7 +16,7 @@ Decode side:
 Prefill side:
     make_prefill_request(...)   a request that finishes at its first token and keeps its blocks
                                 (the prefill policy, here and nowhere else)
-    claim_held / held_reader / release_held   the held blocks, under their lease (engine/leases.py)
+    claim_held / held_reader / release_held(_soon)   the held blocks, under their lease (engine/leases.py)
 
 Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
 their KV transfers, disagg/rank_transfers.py), load(), and the KV-event snapshot for the prefix
@@ -232,6 +232,11 @@ class HandoffPort:
 
     async def release_held(self, request_id: str) -> bool:
         return await self._async.call(self._engine.release_held, request_id)
+
+    def release_held_soon(self, request_id: str) -> None:
+        """Release between steps without waiting: the step thread may be a whole prefill forward away,
+        and the sent KV need not wait for its blocks to be freed."""
+        self._async.post(self._engine.release_held, request_id)
 
     # -- both -----------------------------------------------------------------------------------
     @property

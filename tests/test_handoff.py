@@ -259,3 +259,36 @@ def test_the_sender_claims_held_blocks_while_a_step_runs(tiny_llama_dir):
         await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_the_second_token_does_not_wait_for_the_prefill_workers_step(engines):
+    """Once the KV is sent, the decode worker gets TransferDone and lands it while the prefill worker's
+    step thread is busy (its next prompt's forward, seconds on a CPU). Releasing the sent blocks waits
+    for that step; TransferDone waiting for the release delayed the second token by a whole prefill step."""
+    import threading
+
+    async def main() -> None:
+        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.3)  # the send starts 0.3 s after the claim
+        request = decode.engine.make_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=4), "s")
+        stream = handoff.generate(request, "p0")
+        busy, release = threading.Event(), threading.Event()
+
+        def long_step() -> None:  # the prefill step thread, stuck as in the next prompt's forward
+            busy.set()
+            release.wait(30)
+
+        try:
+            await anext(stream)  # the first token: the send has not started yet (send_delay_s)
+            stuck = asyncio.ensure_future(prefill.call(long_step))
+            await asyncio.to_thread(busy.wait, 10)
+            second = await asyncio.wait_for(anext(stream), 10)
+            assert second.new_token_ids
+        finally:
+            release.set()
+        await stuck
+        async for _ in stream:
+            pass
+        await _settle(prefill, decode)
+        assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+    asyncio.run(main())
