@@ -50,6 +50,20 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class CudaGraphConfig:
+    """Decode steps replayed from CUDA graphs (engine/cuda_graphs.py), captured by the warm-up at batch
+    sizes 1, 2, 4, ... up to min(max_num_seqs, max_batch_size). Off by default: never run on a GPU yet
+    (`make gpu-check` compares it with eager steps; turn it on once that passes)."""
+
+    enabled: bool = False
+    max_batch_size: int = 256  # the largest captured decode batch (vLLM's largest default size)
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"cuda graph max_batch_size must be >= 1, got {self.max_batch_size}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF folder or .gguf file; None: the bundled SmolLM2-135M-Instruct
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
@@ -61,6 +75,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cuda_graphs import Capture, DecodeGraphs, GraphTarget, capture_sizes, default_capture
 from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 from splitserve.engine.kv_cache.staging import Staging, StagingPool
 from splitserve.engine.memory import MemorySnapshot, profile_memory
@@ -71,7 +72,8 @@ class StepShape(NamedTuple):
 @dataclass(frozen=True, slots=True)
 class WarmUpReport:
     num_steps: int
-    seconds: float
+    seconds: float  # the steps and the graph captures
+    num_graphs: int = 0  # decode batch sizes captured in CUDA graphs (engine/cuda_graphs.py)
 
 
 class ModelRunner:
@@ -98,6 +100,8 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.scheduler_config = config.scheduler
+        self.graph_config = config.cuda_graphs
+        self._graphs: DecodeGraphs | None = None  # captured by warm_up when graph_config asks
         backend_cls = get_backend(config.attention_backend, self.device)
         num_heads, self.num_local_kv_heads = self.tp.local_heads(self.arch)
         self.backend = backend_cls(num_heads, self.num_local_kv_heads, self.arch.head_dim, self.block_size)
@@ -240,11 +244,12 @@ class ModelRunner:
         return block_ids
 
     @torch.inference_mode()
-    def warm_up(self, full: bool | None = None) -> WarmUpReport:
+    def warm_up(self, full: bool | None = None, capture: Capture | None = None) -> WarmUpReport:
         """Run once every step shape whose kernels a step could otherwise compile while serving
         (warm_up_shapes: the token budget's step and a decode per split count of the backend), on the
         real KV cache, so its strides and sizes are the ones compiled for. full: that plan (None: on CUDA
-        only; elsewhere nothing compiles and one small step runs the path once).
+        only; elsewhere nothing compiles and one small step runs the path once). Then, if the config
+        enables them, capture the decode graphs (capture: how; None: CUDA graphs on a CUDA device).
 
         Call it before the first step or KV transfer: every sequence's blocks are block 0, which it
         fills with scratch values."""
@@ -260,15 +265,43 @@ class ModelRunner:
         shapes = warm_up_shapes(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, decode_lens, full)
         for shape in shapes:
             self._run_shape(shape, [[0] * -(-n // self.block_size) for n in shape.seq_lens], self.kv_caches)
+        num_graphs = self._capture_graphs(capture)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return WarmUpReport(len(shapes), time.perf_counter() - start)
+        return WarmUpReport(len(shapes), time.perf_counter() - start, num_graphs)
+
+    def _capture_graphs(self, capture: Capture | None) -> int:
+        """Record the decode graphs if the config asks for them (engine/cuda_graphs.py); how many."""
+        if not self.graph_config.enabled:
+            return 0
+        capture = capture or default_capture(self.device)
+        reason = self._no_graphs_reason(capture)
+        if capture is None or reason is not None:
+            log.warning("CUDA graphs off: %s; decode steps run eagerly", reason)
+            return 0
+        sizes = capture_sizes(self.scheduler_config.max_num_seqs, self.graph_config.max_batch_size)
+        start = time.perf_counter()
+        target = GraphTarget(self.model, self.backend, self.kv_caches, self.max_model_len, self.block_size, self.device)
+        self._graphs = DecodeGraphs.capture(target, sizes, capture)
+        seconds = time.perf_counter() - start
+        log.info("CUDA graphs: %d decode batch sizes (%s) captured in %.2f s", len(sizes), sizes, seconds)
+        return len(sizes)
+
+    def _no_graphs_reason(self, capture: Capture | None) -> str | None:
+        if capture is None:
+            return f"they need a CUDA device, not {self.device}"
+        if self.tp.size > 1:  # rank 0 alone would replay: its collectives would wait on followers forever
+            return "tensor parallel: the follower ranks do not capture graphs (yet)"
+        if self.backend.graph_decode_splits(1, self.max_model_len, self.device) is None:
+            return f"the {self.backend.name} attention backend cannot replay decodes (use --attention-backend triton)"
+        return None
 
     def shape_forward(self, shape: StepShape) -> Callable[[], None]:
         """A callable running one forward of shape (token 0 at every position, each sequence's last token
-        sampling) on this runner's KV cache, every sequence on blocks of its own: what `splitserve profile`
-        times. It overwrites KV blocks: only on a runner that serves nothing. ValueError if the shape's
-        blocks do not fit, or on a tensor-parallel runner (its followers step only with a real step)."""
+        sampling) on this runner's KV cache, every sequence on blocks of its own (replayed from a decode
+        graph where a served step would be): what `splitserve profile` times. It overwrites KV blocks:
+        only on a runner that serves nothing. ValueError if the shape's blocks do not fit, or on a
+        tensor-parallel runner (its followers step only with a real step)."""
         if self.followers is not None:
             raise ValueError("shapes are timed on one rank: profile with --tensor-parallel-size 1")
         block_ids = self._own_blocks(shape.seq_lens)
@@ -292,7 +325,7 @@ class ModelRunner:
         starts = np.array(shape.seq_lens, dtype=np.int64) - query_lens
         arrays = StepArrays(np.zeros(int(query_lens.sum()), dtype=np.int64), starts, query_lens, table, query_lens > 0)
         batch = self._inputs.pack(arrays, [])
-        hidden = self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        hidden = self._hidden(batch, kv_caches)
         self.model.compute_logits(hidden[batch.sample_rows])
 
     @torch.inference_mode()
@@ -314,10 +347,19 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._kv_written = True
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        hidden = self._hidden(batch, self.kv_caches)
         if batch.sample_rows.numel() == 0:  # the same test on every rank: compute_logits has collectives
             return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows])
+
+    def _hidden(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """The model's output [num_tokens, hidden]: from a decode graph when one fits the step (graphs
+        run on self.kv_caches only), else eagerly."""
+        if self._graphs is not None and kv_caches is self.kv_caches:
+            hidden = self._graphs.try_forward(batch)
+            if hidden is not None:
+                return hidden
+        return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
 
     def on_ranks_lost(self, callback) -> None:
         """callback(RanksLost), from another thread, when a follower rank exits (tensor parallel only)."""

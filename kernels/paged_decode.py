@@ -196,23 +196,19 @@ def paged_decode_attention(
     max_seq_len: int | None = None,  # host copy of max(seq_lens); picks num_splits without a sync
     num_splits: int | None = None,  # None: choose_num_splits (1 without max_seq_len); any value >= 1
     out: torch.Tensor | None = None,
+    check: bool = True,  # False: skip the argument checks (the model's per-step path, checked before)
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    num_heads, num_kv_heads, head_dim = check_paged_inputs(q, kv_cache, block_tables, seq_lens)
-    num_seqs = q.shape[0]
-    check_shape("seq_lens", seq_lens, (num_seqs,))
     out = torch.empty_like(q) if out is None else out
-    check_shape("out", out, tuple(q.shape))
-    if out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must have q's dtype and a unit stride on its last dimension")
-    check_device(q, kv_cache, block_tables, seq_lens, out)
+    if check:
+        _check_args(q, kv_cache, block_tables, seq_lens, out, num_splits)
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
     if num_seqs == 0:
         return out
     if num_splits is None:
         num_splits = (
             1 if max_seq_len is None else choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(q.device))
         )
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     group = num_heads // num_kv_heads
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     if num_splits > 1:  # partials in float32; from the caching allocator, so no sync here
@@ -262,6 +258,24 @@ def paged_decode_attention(
             BLOCK_D=block_d,
         )
     return out
+
+
+def _check_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    num_splits: int | None,
+) -> None:
+    check_paged_inputs(q, kv_cache, block_tables, seq_lens)
+    check_shape("seq_lens", seq_lens, (q.shape[0],))
+    check_shape("out", out, tuple(q.shape))
+    if out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must have q's dtype and a unit stride on its last dimension")
+    check_device(q, kv_cache, block_tables, seq_lens, out)
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
 
 def paged_decode_attention_ref(

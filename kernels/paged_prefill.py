@@ -156,16 +156,14 @@ def paged_prefill_attention(
     *,
     max_query_len: int,  # host copy of the longest query: sizes the grid without a sync
     out: torch.Tensor | None = None,
+    check: bool = True,  # False: skip the argument checks (the model's per-step path, checked before)
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    num_heads, num_kv_heads, head_dim = check_paged_inputs(q, kv_cache, block_tables, seq_lens)
-    num_seqs = seq_lens.shape[0]
-    check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
-    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
     out = torch.empty_like(q) if out is None else out
-    check_shape("out", out, tuple(q.shape))
-    if out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must have q's dtype and a unit stride on its last dimension")
-    check_device(q, kv_cache, block_tables, seq_lens, query_start_loc, out)
+    if check:
+        _check_args(q, kv_cache, block_tables, seq_lens, query_start_loc, out)
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len <= 0:
         return out
     group = num_heads // num_kv_heads
@@ -199,6 +197,23 @@ def paged_prefill_attention(
         DOT_DTYPE=dot_dtype(q.dtype),
     )
     return out
+
+
+def _check_args(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    check_paged_inputs(q, kv_cache, block_tables, seq_lens)
+    check_tensor("query_start_loc", query_start_loc, 1, INDEX_DTYPES)
+    check_shape("query_start_loc", query_start_loc, (seq_lens.shape[0] + 1,))
+    check_shape("out", out, tuple(q.shape))
+    if out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must have q's dtype and a unit stride on its last dimension")
+    check_device(q, kv_cache, block_tables, seq_lens, query_start_loc, out)
 
 
 def paged_prefill_attention_ref(

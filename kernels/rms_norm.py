@@ -42,19 +42,20 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + offs, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    check: bool = True,
+) -> torch.Tensor:
     """x: [num_tokens, hidden]; weight: [hidden]. With residual ([num_tokens, hidden]), first
-    residual += x in place, then normalise residual. Returns a new [num_tokens, hidden] tensor."""
-    check_tensor("x", x, 2, FLOAT_DTYPES)
-    check_tensor("weight", weight, 1, FLOAT_DTYPES)
+    residual += x in place, then normalise residual. Returns a new [num_tokens, hidden] tensor.
+    check=False skips the argument checks (the model's per-step path, checked before)."""
+    if check:
+        _check_args(x, weight, residual)
     num_tokens, hidden = x.shape
-    check_shape("weight", weight, (hidden,))
-    check_same_dtype(x.dtype, weight=weight)
-    if residual is not None:
-        check_tensor("residual", residual, 2, FLOAT_DTYPES)
-        check_shape("residual", residual, (num_tokens, hidden))
-        check_same_dtype(x.dtype, residual=residual)
-    check_device(x, weight, *([] if residual is None else [residual]))
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
@@ -72,6 +73,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         HAS_RESIDUAL=residual is not None,
     )
     return out
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    check_tensor("x", x, 2, FLOAT_DTYPES)
+    check_tensor("weight", weight, 1, FLOAT_DTYPES)
+    num_tokens, hidden = x.shape
+    check_shape("weight", weight, (hidden,))
+    check_same_dtype(x.dtype, weight=weight)
+    if residual is not None:
+        check_tensor("residual", residual, 2, FLOAT_DTYPES)
+        check_shape("residual", residual, (num_tokens, hidden))
+        check_same_dtype(x.dtype, residual=residual)
+    check_device(x, weight, *([] if residual is None else [residual]))
 
 
 def rms_norm_ref(

@@ -94,24 +94,16 @@ def rotary_embedding(
     cos: torch.Tensor,
     sin: torch.Tensor,
     interleaved: bool = False,
+    *,
+    check: bool = True,
 ) -> None:
     """In place. positions: [num_tokens] int; q: [num_tokens, num_heads, head_dim]; k: [num_tokens,
     num_kv_heads, head_dim]; cos, sin: [max_positions, head_dim // 2] (rows may be strided).
-    Positions must be < max_positions (not checked on the device: that would be a host sync)."""
-    check_tensor("positions", positions, 1, INDEX_DTYPES)
-    check_tensor("q", q, 3, FLOAT_DTYPES)
-    check_tensor("k", k, 3, FLOAT_DTYPES)
-    check_tensor("cos", cos, 2, FLOAT_DTYPES)
-    check_tensor("sin", sin, 2, FLOAT_DTYPES)
+    Positions must be < max_positions (not checked on the device: that would be a host sync).
+    check=False skips the argument checks (the model's per-step path, checked before)."""
+    if check:
+        _check_args(positions, q, k, cos, sin)
     num_tokens, num_heads, head_dim = q.shape
-    if head_dim % 2:
-        raise ValueError(f"head_dim must be even, got {head_dim}")
-    check_shape("positions", positions, (num_tokens,))
-    check_shape("k", k, (num_tokens, k.shape[1], head_dim))
-    check_shape("cos", cos, (cos.shape[0], head_dim // 2))
-    check_shape("sin", sin, tuple(cos.shape))
-    check_same_dtype(q.dtype, k=k)
-    check_device(positions, q, k, cos, sin)
     if num_tokens == 0:
         return
     half = head_dim // 2
@@ -135,6 +127,25 @@ def rotary_embedding(
         BLOCK_HALF=triton.next_power_of_2(half),
         INTERLEAVED=interleaved,
     )
+
+
+def _check_args(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    check_tensor("positions", positions, 1, INDEX_DTYPES)
+    check_tensor("q", q, 3, FLOAT_DTYPES)
+    check_tensor("k", k, 3, FLOAT_DTYPES)
+    check_tensor("cos", cos, 2, FLOAT_DTYPES)
+    check_tensor("sin", sin, 2, FLOAT_DTYPES)
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    check_shape("positions", positions, (num_tokens,))
+    check_shape("k", k, (num_tokens, k.shape[1], head_dim))
+    check_shape("cos", cos, (cos.shape[0], head_dim // 2))
+    check_shape("sin", sin, tuple(cos.shape))
+    check_same_dtype(q.dtype, k=k)
+    check_device(positions, q, k, cos, sin)
 
 
 def rotary_embedding_ref(

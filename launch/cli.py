@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from splitserve.common.roles import MODES, Role
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
 from splitserve.launch.security_args import (
     add_certs_args,
     add_client_args,
@@ -63,6 +63,19 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="replay decode steps from CUDA graphs captured at warm-up (CUDA, triton backend, one rank). "
+        "Off by default: untested on a GPU until `make gpu-check` passes there",
+    )
+    g.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=CudaGraphConfig().max_batch_size,
+        help="largest decode batch captured (sizes 1, 2, 4, ... up to min(this, --max-num-seqs))",
+    )
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -87,6 +100,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
             policy=a.policy,
             enable_chunked_prefill=not a.no_chunked_prefill,
         ),
+        cuda_graphs=CudaGraphConfig(enabled=a.cuda_graphs, max_batch_size=a.cuda_graph_max_batch),
     )
 
 
@@ -106,6 +120,8 @@ def _generate(a: argparse.Namespace) -> int:
     )
     engine = Engine(engine_config_from_args(a))
     try:
+        if a.cuda_graphs:  # graphs are captured by the warm-up a worker runs before serving
+            engine.warm_up()
         _generate_in_process(engine, a, params)
     finally:
         engine.close()  # its tensor-parallel ranks, if any

@@ -1,10 +1,11 @@
 """`make gpu-check`: the GPU path end to end on a CUDA host, in about 8 minutes on one H200 (the
-tensor-parallel checks add about 2 on a host with 2 or more GPUs).
+tensor-parallel checks add about 2 on a host with 2 or more GPUs; the CUDA-graph check, not yet timed
+on a GPU, perhaps 1 to 2).
 
 Checks, in this order (each pass / fail / skip with its key numbers; one table at the end, and JSON
 with --json):
-  kernel-tests   tests/test_kernels.py, test_kernels_engine.py and test_warm_up.py compiled on the device
-                 (three pytest processes at once: compiling is CPU-bound)
+  kernel-tests   tests/test_kernels.py, test_kernels_engine.py, test_warm_up.py and test_cuda_graphs.py
+                 compiled on the device (three pytest processes at once: compiling is CPU-bound)
   holdout-bf16   a tiny Llama made on the fly as tests/conftest.py does (no hub download), our engine in
                  bf16 on the Triton backend vs transformers on the same weights, teacher-forced on our
                  greedy tokens: log-probs within 2x transformers' own bf16 error, max and mean (both
@@ -15,6 +16,10 @@ with --json):
   1p1d           `splitserve up --prefill 1 --decode 1 --devices cuda`: requests through the gateway, KV
                  moved between the tiers
   2-per-gpu      `splitserve up --workers 2 --devices cuda:0,cuda:0 --gpu-memory-fraction 0.4`
+  cuda-graphs    the tiny Llama with decode steps replayed from CUDA graphs (--cuda-graphs) against eager
+                 steps: fp32 greedy tokens and log-probs (sampled token and top 5) on 13 prompts (decode
+                 batches padded 13 -> 16), and the bf16 decode-step time, eager and replayed, at batch
+                 sizes 1, 4, 16 and 64 (context 512; host packing and logits included, no sampling)
   bench-kernels  benchmarks/kernels.py on a reduced grid (--bench-full: all of it), with its end-to-end
                  decode-step table (SmolLM2, both backends)
   tp-logits      (2+ GPUs) the tiny Llama in bf16 with 2 tensor-parallel ranks (cuda:0, cuda:1) against 1
@@ -57,6 +62,7 @@ CHECKS = (
     "holdout-fp32",
     "1p1d",
     "2-per-gpu",
+    "cuda-graphs",
     "bench-kernels",
     "tp-logits",
     "tp-1p1d",
@@ -66,6 +72,10 @@ MAX_NEW = 24
 MAX_MODEL_LEN = 2048
 DEVICE, BACKEND = "cuda", "triton"  # what the holdout runs on (a CPU dry run of this script changes them)
 TP_SIZE = 2  # ranks of the tensor-parallel checks, each on its own GPU
+GRAPH_PROMPT_LENS = [1, 3, 9, 17, 40, 75, 120, 5, 33, 64, 250, 2, 600]  # 13 sequences decode at once
+GRAPH_BATCHES = (1, 4, 16, 64)  # decode-step timings, eager and replayed
+GRAPH_CONTEXT = 512
+GRAPH_LOGPROB_BOUND = 1e-3  # fp32: eager and replayed differ in summation order only
 
 
 @dataclass
@@ -125,7 +135,8 @@ def kernel_tests(timeout_s: float) -> Result:
     groups = [
         ["tests/test_kernels.py", "-k", "paged_decode_attention"],
         ["tests/test_kernels.py", "-k", "paged_prefill_attention"],
-        ["tests/test_kernels.py", "tests/test_kernels_engine.py", "tests/test_warm_up.py", "-k", f"not ({attention})"],
+        ["tests/test_kernels.py", "tests/test_kernels_engine.py", "tests/test_warm_up.py", "tests/test_cuda_graphs.py"]
+        + ["-k", f"not ({attention})"],
     ]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     procs = [
@@ -435,6 +446,86 @@ def cluster_two_per_gpu(model_dir: Path, timeout_s: float) -> Result:
     return result
 
 
+# -- CUDA graphs (in a child: --graphs DIR OUT) ---------------------------------------------------------
+def graphs_engine(model_dir: str, dtype: str, graphs: bool):
+    from splitserve.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
+    from splitserve.engine.llm import LLM
+
+    return LLM(
+        EngineConfig(
+            model=model_dir,
+            dtype=dtype,
+            device=DEVICE,
+            attention_backend=BACKEND,
+            max_model_len=MAX_MODEL_LEN,
+            cache=CacheConfig(block_size=16, kv_cache_bytes=512 * 1024**2),
+            scheduler=SchedulerConfig(max_num_seqs=max(GRAPH_BATCHES), max_num_batched_tokens=2048),
+            cuda_graphs=CudaGraphConfig(enabled=graphs),
+        )
+    )
+
+
+def decode_step_ms(runner, batch: int, iters: int = 50) -> float:
+    """Mean time of a step of batch decodes at GRAPH_CONTEXT tokens each (ModelRunner.shape_forward:
+    host packing, the forward, replayed when a graph fits, and the logits)."""
+    import torch
+
+    from splitserve.engine.model_runner import StepShape
+
+    run = runner.shape_forward(StepShape((GRAPH_CONTEXT,) * batch, (1,) * batch))
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        run()
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start) / iters
+
+
+def run_graphs(model_dir: str, out_path: str) -> None:
+    import torch
+
+    from splitserve.common.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=5)
+    outs, step_ms, warm = {}, {}, {}
+    for graphs in (False, True):
+        llm = graphs_engine(model_dir, "float32", graphs)
+        llm.engine.warm_up()
+        outs[graphs] = llm.generate(prompts(GRAPH_PROMPT_LENS, seed=3), params)
+        del llm
+        llm = graphs_engine(model_dir, "bfloat16", graphs)
+        report = llm.engine.warm_up()
+        warm[graphs] = {"num_graphs": report.num_graphs, "seconds": round(report.seconds, 2)}
+        step_ms[graphs] = {b: round(decode_step_ms(llm.engine.runner, b), 3) for b in GRAPH_BATCHES}
+        del llm
+        torch.cuda.empty_cache()
+    vs_eager = compare_ranks(outs[False], outs[True])  # eager as the "one rank" side: same comparison
+    Path(out_path).write_text(json.dumps({"vs_eager": vs_eager, "step_ms": step_ms, "warm_up": warm}))
+
+
+def graphs_verdict(data: dict) -> Result:
+    """Pass: graphs captured, log-probs within GRAPH_LOGPROB_BOUND of eager, any differing token a near-tie."""
+    vs, warm = data["vs_eager"], data["warm_up"]
+    tie = vs["worst_tie"]
+    ok = warm["true"]["num_graphs"] > 0 and vs["max_diff"] <= GRAPH_LOGPROB_BOUND
+    ok = ok and isinstance(tie, float | int) and tie <= GRAPH_LOGPROB_BOUND
+    numbers = {"graphs": warm["true"]["num_graphs"], **{f"fp32_{k}": v for k, v in vs.items()}}
+    numbers["warm_up_s"] = f"{warm['false']['seconds']} eager, {warm['true']['seconds']} with capture"
+    for batch, eager_ms in data["step_ms"]["false"].items():
+        numbers[f"step_ms_b{batch}"] = f"{eager_ms} eager, {data['step_ms']['true'][batch]} graphs"
+    return Result("cuda-graphs", "pass" if ok else "fail", numbers=numbers)
+
+
+def cuda_graphs(model_dir: Path, timeout_s: float) -> Result:
+    out = model_dir.parent / "graphs.json"
+    log = run_child("--graphs", model_dir, out, timeout_s)
+    if not out.exists():
+        return Result("cuda-graphs", "fail", detail=str(log)[-3000:])
+    return graphs_verdict(json.loads(out.read_text()))
+
+
 # -- tensor parallelism (2+ GPUs; the comparison runs in a child: --tp-holdout DIR OUT) -----------------
 def tp_skip_reason(num_gpus: int) -> str | None:
     """Why the tp-* checks cannot run here (None: they can)."""
@@ -594,12 +685,16 @@ def main() -> int:
     parser.add_argument("--bench-full", action="store_true", help="the kernel benchmark's whole grid")
     parser.add_argument("--holdout", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--tp-holdout", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--graphs", nargs=2, metavar=("MODEL_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.holdout:
         run_holdout(*args.holdout)
         return 0
     if args.tp_holdout:
         run_tp_holdout(*args.tp_holdout)
+        return 0
+    if args.graphs:
+        run_graphs(*args.graphs)
         return 0
     if "TRITON_INTERPRET" in os.environ:
         print("gpu_check: ignoring TRITON_INTERPRET for the checks (they compile the kernels)", file=sys.stderr)
@@ -617,6 +712,7 @@ def main() -> int:
         ("holdout-bf16", 30, 150, lambda t: holdout(model_dir, t)),
         ("1p1d", 40, 150, lambda t: [cluster_1p1d(model_dir, t)]),
         ("2-per-gpu", 40, 150, lambda t: [cluster_two_per_gpu(model_dir, t)]),
+        ("cuda-graphs", 40, 240, lambda t: [cuda_graphs(model_dir, t)]),
         ("bench-kernels", 60, 240, lambda t: [bench_kernels(work, args.bench_full, t)]),
         ("tp-logits", 40, 180, when_gpus("tp-logits", lambda t: tp_logits(model_dir, t))),
         ("tp-1p1d", 40, 150, when_gpus("tp-1p1d", lambda t: cluster_tp_1p1d(model_dir, t))),

@@ -83,6 +83,24 @@ def test_store_kv(dtype, block_size):
     assert torch.equal(kv_cache, expected)
 
 
+def test_store_kv_skips_padding_slots():
+    """PAD_SLOT_ID rows (a CUDA-graph decode step's padding) store nothing, wherever they sit."""
+    from splitserve.kernels.store_kv import PAD_SLOT_ID
+    from splitserve.model.attention.backend import PAD_SLOT_ID as MODEL_PAD_SLOT_ID
+
+    assert PAD_SLOT_ID == MODEL_PAD_SLOT_ID
+    torch.manual_seed(0)
+    # Layers in one tensor, as the engine's cache: a negative slot of layer 1 would land in layer 0's V.
+    caches = torch.randn(2, 2, 4, 8, NUM_KV_HEADS, 16)
+    k, v = torch.randn(5, NUM_KV_HEADS, 16), torch.randn(5, NUM_KV_HEADS, 16)
+    slots = torch.tensor([3, PAD_SLOT_ID, 17, PAD_SLOT_ID, PAD_SLOT_ID])
+    expected = caches.clone()
+    K.store_kv_ref(k, v, expected[1], slots)
+    K.store_kv(k, v, caches[1], slots)
+    assert torch.equal(caches, expected)
+    assert torch.equal(caches[1, 0].view(-1, NUM_KV_HEADS, 16)[[3, 17]], k[[0, 2]])  # the real rows did store
+
+
 # Length 1, one full block, partial last blocks, and more than one 64-token tile.
 DECODE_LENS = [1, 16, 37, 130, 9]
 

@@ -21,10 +21,15 @@ import torch.nn.functional as F
 
 log = logging.getLogger("splitserve.model")
 
+# slot_mapping's value for a token whose K/V must not be stored: a padding row of a decode step replayed
+# from a CUDA graph (engine/cuda_graphs.py). A device tensor cannot hold None, so this kernel-level
+# sentinel stays (vLLM's PAD_SLOT_ID too); kernels/store_kv.py skips it (the same value, pinned by a test).
+PAD_SLOT_ID = -1
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token (PAD_SLOT_ID: none)
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, rows padded with 0
     seq_lens: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32: offsets of each sequence's tokens
@@ -32,6 +37,9 @@ class AttentionMetadata:
     max_seq_len: int
     seq_lens_cpu: list[int]  # host copies, so the CPU path never syncs on device tensors
     query_lens_cpu: list[int]
+    # The decodes' split count, fixed (a captured decode step's: engine/cuda_graphs.py); None: the
+    # backend picks one from max(seq_lens_cpu), which a CUDA graph would freeze at its capture.
+    decode_num_splits: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -112,6 +120,13 @@ class AttentionBackend(ABC):
         compiled variant of this backend's decode path, e.g. each split count of a Triton kernel; an
         engine warm-up runs each once before serving. Plain torch compiles nothing: none."""
         return []
+
+    def graph_decode_splits(self, num_seqs: int, max_seq_len: int, device: torch.device) -> int | None:
+        """The fixed decode split count (AttentionMetadata.decode_num_splits) of a decode step of num_seqs
+        sequences captured in a CUDA graph: correct for any context up to max_seq_len, since a replay
+        cannot choose again. None: this backend cannot replay decodes from a graph (its decode path
+        reads per-step values on the host, e.g. to size gathers and masks)."""
+        return None
 
     @abstractmethod
     def forward(

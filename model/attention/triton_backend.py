@@ -8,9 +8,16 @@ module is: Triton fixes at import whether kernels are compiled or interpreted, a
 falls back to torch and logs why).
 
 No host syncs in forward: grid sizes and the split-K count come from the host copies in the metadata
-(seq_lens_cpu, query_lens_cpu). For CUDA-graph capture of decode steps the split count must stay fixed
-per captured batch size; today it follows max(seq_lens_cpu). Split counts are powers of two, and
+(seq_lens_cpu, query_lens_cpu). A decode step captured in a CUDA graph (engine/cuda_graphs.py) freezes
+what forward reads on the host: the number of sequences and of decodes (all of them), and the split
+count, which the metadata then fixes (decode_num_splits, from graph_decode_splits: the count for the
+longest context, correct for every shorter one). Split counts are powers of two, and
 warm_up_decode_lens names a decode step for each, so an engine warm-up compiles every variant.
+
+Argument checks: each kernel's wrapper checks its arguments (ranks, dtypes, shapes, devices, strides)
+on its first launch through a backend only. They are the model's tensors, built the same way every
+step; checking them again on each of the tens of launches per layer per step would cost more host
+time than the launches at small batch. The kernel tests call the wrappers with their checks on.
 """
 
 from __future__ import annotations
@@ -67,17 +74,33 @@ def _import_kernels(version: str) -> None:
         raise RuntimeError(f"splitserve.kernels do not import with triton {version} ({e})") from e
 
 
+class FirstLaunches:
+    """Which kernels a backend has launched: check(name) is True on a kernel's first launch only (its
+    wrapper checks its arguments then; see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def check(self, kernel: str) -> bool:
+        if kernel in self._seen:
+            return False
+        self._seen.add(kernel)
+        return True
+
+
 class TritonOps(ModelOps):
     """ModelOps on splitserve.kernels, rounding as the torch versions do (see the kernels' docstrings)."""
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, launches: FirstLaunches) -> None:
         self.kernels = kernels
+        self.launches = launches
 
     def rms_norm(self, x, weight, eps):
-        return self.kernels.rms_norm(x, weight, eps)
+        return self.kernels.rms_norm(x, weight, eps, check=self.launches.check("rms_norm"))
 
     def add_rms_norm(self, x, residual, weight, eps):
-        return self.kernels.rms_norm(x, weight, eps, residual=residual), residual  # residual += x in place
+        check = self.launches.check("add_rms_norm")
+        return self.kernels.rms_norm(x, weight, eps, residual=residual, check=check), residual  # residual += x
 
     def rope_lookup(self, cos, sin, positions, dtype):
         # The kernel reads float32 [max_len, head_dim // 2] rows (strided views) by position itself.
@@ -86,11 +109,11 @@ class TritonOps(ModelOps):
 
     def rotate(self, q, k, rope):
         positions, cos, sin = rope
-        self.kernels.rotary_embedding(positions, q, k, cos, sin)  # in place
+        self.kernels.rotary_embedding(positions, q, k, cos, sin, check=self.launches.check("rotary"))  # in place
         return q, k
 
     def silu_and_mul(self, gate_up):
-        return self.kernels.silu_and_mul(gate_up)
+        return self.kernels.silu_and_mul(gate_up, check=self.launches.check("silu_and_mul"))
 
 
 @register_backend
@@ -121,16 +144,24 @@ class TritonAttention(AttentionBackend):
         from splitserve import kernels
 
         self.kernels = kernels
-        self.ops = TritonOps(kernels)
+        self.launches = FirstLaunches()
+        self.ops = TritonOps(kernels, self.launches)
 
     def warm_up_decode_lens(self, max_seq_len: int, device: torch.device) -> list[int]:
         from splitserve.kernels.paged_decode import decode_warm_up_lens, sm_count
 
         return list(decode_warm_up_lens(self.num_kv_heads, max_seq_len, sm_count(device)).values())
 
+    def graph_decode_splits(self, num_seqs: int, max_seq_len: int, device: torch.device) -> int | None:
+        # What the wrapper would choose for num_seqs sequences of max_seq_len: a power of two that the
+        # warm-up compiled; for shorter contexts the trailing splits are empty, which the merge handles.
+        from splitserve.kernels.paged_decode import choose_num_splits, sm_count
+
+        return choose_num_splits(num_seqs, self.num_kv_heads, max_seq_len, sm_count(device))
+
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        kernels, nd = self.kernels, meta.num_decodes
-        kernels.store_kv(k, v, kv_cache, meta.slot_mapping)
+        kernels, nd, launches = self.kernels, meta.num_decodes, self.launches
+        kernels.store_kv(k, v, kv_cache, meta.slot_mapping, check=launches.check("store_kv"))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # q may be a strided view of qkv
         if nd:  # decodes come first, one token each
             kernels.paged_decode_attention(
@@ -139,8 +170,10 @@ class TritonAttention(AttentionBackend):
                 meta.block_tables[:nd],
                 meta.seq_lens[:nd],
                 self.scale,
-                max_seq_len=max(meta.seq_lens_cpu[:nd]),
+                max_seq_len=None if meta.decode_num_splits else max(meta.seq_lens_cpu[:nd]),
+                num_splits=meta.decode_num_splits,
                 out=out[:nd],
+                check=launches.check("paged_decode"),
             )
         if nd < meta.num_seqs:
             kernels.paged_prefill_attention(
@@ -152,5 +185,6 @@ class TritonAttention(AttentionBackend):
                 self.scale,
                 max_query_len=max(meta.query_lens_cpu[nd:]),
                 out=out[nd:],
+                check=launches.check("paged_prefill"),
             )
         return out
