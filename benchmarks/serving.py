@@ -133,16 +133,74 @@ def prefix_hit(args: argparse.Namespace) -> dict:
     return result
 
 
+SECOND_TOKEN_KV_BYTES = 512 * 1024**2  # a 4k-token prompt's KV is ~190 MB (SmolLM2 fp32)
+SECOND_TOKEN_DEPLOYMENTS = {  # start_cluster arguments: one pinned core per worker
+    "unified": {"num_workers": 1, "worker_cpus": ["0"]},
+    "1P1D": {"num_workers": 0, "num_prefill": 1, "num_decode": 1, "worker_cpus": ["0", "1"]},
+}
+
+
+def one_at_a_time(prompt_len: int, num_requests: int, seed: int) -> WorkloadConfig:
+    return WorkloadConfig(
+        num_requests=num_requests,
+        arrival="concurrency",
+        concurrency=1,
+        prompt_len=LengthDist("fixed", prompt_len),
+        output_len=LengthDist("fixed", 2),
+        seed=seed,
+        vocab_high=VOCAB_SIZE,
+    )
+
+
+def second_token(args: argparse.Namespace) -> dict:
+    lengths = [int(n) for n in args.lengths.split(",")]
+    result: dict = {"lengths": lengths, "repeats": args.repeats, "deployments": {}}
+    for name, layout in SECOND_TOKEN_DEPLOYMENTS.items():
+        children = start_cluster(engine_argv=["--kv-cache-bytes", str(SECOND_TOKEN_KV_BYTES)], **layout)
+        try:
+            send_workload(children[0].address, one_at_a_time(16, 1, seed=99))  # warm-up
+            figures = {}
+            for i, n in enumerate(lengths):  # the same seeds in both deployments: the same prompts
+                records, _ = send_workload(children[0].address, one_at_a_time(n, args.repeats, seed=i))
+                ttst = [r.token_times_s[1] for r in records]  # seconds from the send
+                figures[n] = {
+                    "ttft_s": statistics.median(r.ttft_s for r in records if r.ttft_s is not None),
+                    "second_token_s": statistics.median(ttst),
+                    "samples_second_token_s": ttst,
+                }
+        finally:
+            stop_cluster(children)
+        result["deployments"][name] = figures
+    print(f"\ntime to the second token, one request at a time, median of {args.repeats} (s)")
+    print(f"{'prompt':>7}{'unified TTFT':>14}{'unified 2nd':>13}{'1P1D TTFT':>11}{'1P1D 2nd':>10}{'ratio 2nd':>11}")
+    unified, disagg = result["deployments"]["unified"], result["deployments"]["1P1D"]
+    result["ratio_second_token"] = {}
+    for n in lengths:
+        ratio = disagg[n]["second_token_s"] / unified[n]["second_token_s"]
+        result["ratio_second_token"][n] = ratio
+        print(
+            f"{n:>7}{unified[n]['ttft_s']:>14.3f}{unified[n]['second_token_s']:>13.3f}"
+            f"{disagg[n]['ttft_s']:>11.3f}{disagg[n]['second_token_s']:>10.3f}{ratio:>10.3f}x"
+        )
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: all cores)")
     parser.add_argument("--prefix-hit", action="store_true", help="cold vs prefix-hit TTFT on 1P1D instead")
     parser.add_argument("--pairs", type=int, default=3, help="--prefix-hit: prefixes, each sent cold then hit")
+    parser.add_argument("--second-token", action="store_true", help="time to the 2nd token: 1P1D vs unified")
+    parser.add_argument("--lengths", default="256,1024,4096", help="--second-token: prompt lengths")
+    parser.add_argument("--repeats", type=int, default=3, help="--second-token: requests per length")
     parser.add_argument("--json", metavar="PATH", help="also write the figures there, as JSON")
     args = parser.parse_args()
     load_before = os.getloadavg()
-    result = prefix_hit(args) if args.prefix_hit else throughput(args)
+    if args.second_token:
+        result = second_token(args)
+    else:
+        result = prefix_hit(args) if args.prefix_hit else throughput(args)
     result["conditions"] = {"cpu_count": os.cpu_count(), "load_before": load_before, "load_after": os.getloadavg()}
     if args.json:
         with open(args.json, "w") as f:

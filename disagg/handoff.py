@@ -23,10 +23,13 @@ splitserve.v1 messages in prefill_client.py; unit tests pass them directly).
        (sampler state carried over)                   state, number of blocks)
                                                    6. send every piece from its rank (rank 0
     7. land     each receiving rank receives its       itself, a follower by SEND_KV), gathered
-       pieces into a staging buffer; every           and checksummed chunk by chunk on the wire,
-       checksum checked, then between steps each      release the blocks once every piece is
-       rank writes its pieces into the reserved   <-- sent or failed; TransferDone (bytes, one
-       blocks straight from those buffers            checksum per piece, time)
+       pieces into a staging buffer; every           and checksummed chunk by chunk on the wire;
+       checksum checked, then between steps each      once every piece is sent or failed:
+       rank writes its pieces into the reserved   <-- TransferDone (bytes, one checksum per
+       blocks straight from those buffers            piece, time) at once, and the blocks'
+                                                      release queued for between steps (never
+                                                      awaited first: the step thread may be in
+                                                      the next prompt's forward)
        (COMMIT_KV for a follower): the prompt
        counts as computed, the request joins the
        batch
