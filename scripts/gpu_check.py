@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -308,6 +309,15 @@ def run_child(flag: str, model_dir: Path, out: Path, timeout_s: float) -> str:
         return f"timed out after {timeout_s:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
 
 
+def child_result(name: str, flag: str, model_dir: Path, timeout_s: float, verdict: Callable[[dict], Result]) -> Result:
+    """One check run in a child (run_child) and judged by verdict on the JSON it wrote; fail with its log if none."""
+    out = model_dir.parent / f"{flag.lstrip('-')}.json"
+    log = run_child(flag, model_dir, out, timeout_s)
+    if not out.exists():
+        return Result(name, "fail", detail=str(log)[-3000:])
+    return verdict(json.loads(out.read_text()))
+
+
 def holdout(model_dir: Path, timeout_s: float) -> list[Result]:
     out = model_dir.parent / "holdout.json"
     log = run_child("--holdout", model_dir, out, timeout_s)
@@ -519,11 +529,7 @@ def graphs_verdict(data: dict) -> Result:
 
 
 def cuda_graphs(model_dir: Path, timeout_s: float) -> Result:
-    out = model_dir.parent / "graphs.json"
-    log = run_child("--graphs", model_dir, out, timeout_s)
-    if not out.exists():
-        return Result("cuda-graphs", "fail", detail=str(log)[-3000:])
-    return graphs_verdict(json.loads(out.read_text()))
+    return child_result("cuda-graphs", "--graphs", model_dir, timeout_s, graphs_verdict)
 
 
 # -- tensor parallelism (2+ GPUs; the comparison runs in a child: --tp-holdout DIR OUT) -----------------
@@ -591,11 +597,7 @@ def tp_logits_verdict(data: dict) -> Result:
 
 
 def tp_logits(model_dir: Path, timeout_s: float) -> Result:
-    out = model_dir.parent / "tp_holdout.json"
-    log = run_child("--tp-holdout", model_dir, out, timeout_s)
-    if not out.exists():
-        return Result("tp-logits", "fail", detail=str(log)[-3000:])
-    return tp_logits_verdict(json.loads(out.read_text()))
+    return child_result("tp-logits", "--tp-holdout", model_dir, timeout_s, tp_logits_verdict)
 
 
 def cluster_tp_1p1d(model_dir: Path, timeout_s: float) -> Result:
