@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import TypeVar
@@ -25,6 +26,7 @@ from splitserve.experiments.stats import attainment_samples
 
 T = TypeVar("T")
 ATTAINMENT = (0.0, 1.0)  # attainment intervals are clipped to what a share can be
+RATE = (0.0, math.inf)  # and intervals of rates (requests / s, workers) to what a rate can be
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +108,11 @@ def point(repeats: Sequence[dict], slos: Sequence[tuple[str, float]], method: st
     first, stats = repeats[0], [r["stats"] for r in repeats]
     budget = first["budget"]
 
-    def over(get: Callable[[dict], float], bounds: tuple[float, float] | None = None) -> Interval:
-        return interval([get(s) for s in stats], method, bounds)
+    def over(get: Callable[[dict], float]) -> Interval:
+        return interval([get(s) for s in stats], method, RATE)
 
     def over_runs(get: Callable[[dict], float]) -> Interval:
-        return interval([get(r) for r in repeats], method)
+        return interval([get(r) for r in repeats], method, RATE)
 
     def share(name: str, key: str) -> Interval:
         return interval(attainment_samples(stats, name, key), method, ATTAINMENT)

@@ -359,3 +359,19 @@ def test_a_run_that_counted_nobody_is_no_evidence():
     assert attainment_samples([run(3, 1.0), run(0, 0.0)], "s") == [1.0]
     assert attainment_samples([run(0, 0.0), run(0, 0.0)], "s") == [0.0]  # no evidence at all: not served
     assert attainment_samples([run(2, 0.5), run(4, 1.0)], "s", "tpot") == [0.5, 1.0]
+
+
+def test_intervals_of_rates_stay_non_negative():
+    """Realised rates and goodput are never negative; a t-interval over two far-apart repeats (t = 12.7)
+    reached below 0 in the reports, a value no rate can take."""
+    from splitserve.experiments.analysis import point
+
+    def repeat(realised: float, met: float) -> dict:
+        slo = {"both": 1.0, "ttft": 1.0, "tpot": 1.0, "met_rate": met}
+        stats = {"num_sent": 10, "num_counted": 8, "realised_rate": realised, "slos": {"s": slo}}
+        return {"deployment": "1P1D", "workload": "chat", "rate": 0.5, "budget": 2, "stats": stats}
+
+    p = point([repeat(0.2, 0.1), repeat(1.2, 1.0)], [("s", 0.9)], "t")
+    intervals = [p.realised_rate, p.mean_workers, p.slos["s"].goodput_per_worker, p.slos["s"].goodput_per_worker_second]
+    assert all(i.lo is not None and i.lo >= 0.0 for i in intervals)
+    assert p.realised_rate.hi is not None and p.realised_rate.hi > 1.2  # only the impossible side is cut
