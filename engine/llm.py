@@ -28,6 +28,9 @@ class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         self.engine = Engine(config or EngineConfig(**overrides))
         self.tokenizer = self.engine.tokenizer
+        # Decode graphs are captured by the warm-up, as a worker runs it before serving; without it
+        # --cuda-graphs would silently run every step eagerly here.
+        self.warm_up_report = self.engine.warm_up() if self.engine.config.cuda_graphs.enabled else None
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel ranks (if any); this LLM generates nothing more."""

@@ -171,6 +171,14 @@ def test_graphs_off_with_a_reason(tiny_llama_dir, caplog):
     assert "tensor parallel" in ModelRunner._no_graphs_reason(tensor_parallel, EagerCapture())  # type: ignore[arg-type]
 
 
+def test_llm_warms_up_when_graphs_are_on(tiny_llama_dir):
+    """LLM(...) with graphs on runs the warm-up that captures them (a worker runs it before serving);
+    without it every step would run eagerly, silently. Off, it leaves the engine as built."""
+    assert _llm(tiny_llama_dir, graphs=False, backend="torch", device="cpu").warm_up_report is None
+    report = _llm(tiny_llama_dir, graphs=True, backend="torch", device="cpu").warm_up_report
+    assert report is not None and report.num_steps >= 1 and report.num_graphs == 0  # CPU: nothing captured
+
+
 # -- argument checks out of the per-step path ------------------------------------------------------------
 @needs_triton
 def test_the_triton_backend_checks_each_kernels_arguments_on_its_first_launch_only(monkeypatch):
