@@ -83,7 +83,7 @@ class AsyncEngine:
     async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Add a validated request and stream its outputs."""
         self.open_stream(request.request_id, request.label)
-        self._command(self._add, request)
+        self.post(self._add, request)
         async for out in self.stream(request.request_id):
             yield out
 
@@ -128,14 +128,9 @@ class AsyncEngine:
         self._start()
         return await future
 
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run fn(*args) on the step thread between steps, without waiting for it (fn must not raise:
-        an error there ends the step loop)."""
-        self._command(fn, *args)
-
     def abort(self, request_id: str) -> None:
         if self._step_thread is not None:  # otherwise the engine never saw it
-            self._command(self.engine.abort_request, request_id)
+            self.post(self.engine.abort_request, request_id)
 
     def abort_label(self, label: str) -> int:
         """Abort every request carrying the client's id label; returns how many."""
@@ -165,7 +160,9 @@ class AsyncEngine:
         self._start()
 
     # -- the event loop's side ----------------------------------------------------------------------
-    def _command(self, fn: Callable, *args: Any) -> None:
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run fn(*args) on the step thread between steps, without waiting for it (fn must not raise:
+        an error there ends the step loop)."""
         self._commands.append((fn, args, None))
         self._start()
 

@@ -188,22 +188,22 @@ def compiled_variants() -> int | None:
     return total
 
 
-def holdout_engine(model_dir: str, dtype: str, tensor_parallel_size: int = 1):
+def holdout_engine(model_dir: str, dtype: str, tensor_parallel_size: int = 1, **overrides):
+    """The checks' engine on the device under test; overrides replace EngineConfig fields."""
     from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
     from splitserve.engine.llm import LLM
 
-    return LLM(
-        EngineConfig(
-            model=model_dir,
-            dtype=dtype,
-            device=DEVICE,
-            attention_backend=BACKEND,
-            max_model_len=MAX_MODEL_LEN,
-            tensor_parallel_size=tensor_parallel_size,
-            cache=CacheConfig(block_size=16, kv_cache_bytes=512 * 1024**2),
-            scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
-        )
-    )
+    fields = {
+        "model": model_dir,
+        "dtype": dtype,
+        "device": DEVICE,
+        "attention_backend": BACKEND,
+        "max_model_len": MAX_MODEL_LEN,
+        "tensor_parallel_size": tensor_parallel_size,
+        "cache": CacheConfig(block_size=16, kv_cache_bytes=512 * 1024**2),
+        "scheduler": SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512),
+    }
+    return LLM(EngineConfig(**(fields | overrides)))
 
 
 def run_holdout(model_dir: str, out_path: str) -> None:
@@ -458,21 +458,10 @@ def cluster_two_per_gpu(model_dir: Path, timeout_s: float) -> Result:
 
 # -- CUDA graphs (in a child: --graphs DIR OUT) ---------------------------------------------------------
 def graphs_engine(model_dir: str, dtype: str, graphs: bool):
-    from splitserve.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
-    from splitserve.engine.llm import LLM
+    from splitserve.engine.config import CudaGraphConfig, SchedulerConfig
 
-    return LLM(
-        EngineConfig(
-            model=model_dir,
-            dtype=dtype,
-            device=DEVICE,
-            attention_backend=BACKEND,
-            max_model_len=MAX_MODEL_LEN,
-            cache=CacheConfig(block_size=16, kv_cache_bytes=512 * 1024**2),
-            scheduler=SchedulerConfig(max_num_seqs=max(GRAPH_BATCHES), max_num_batched_tokens=2048),
-            cuda_graphs=CudaGraphConfig(enabled=graphs),
-        )
-    )
+    scheduler = SchedulerConfig(max_num_seqs=max(GRAPH_BATCHES), max_num_batched_tokens=2048)
+    return holdout_engine(model_dir, dtype, scheduler=scheduler, cuda_graphs=CudaGraphConfig(enabled=graphs))
 
 
 def decode_step_ms(runner, batch: int, iters: int = 50) -> float:
