@@ -16,6 +16,7 @@ from test_gateway_limits import write_chat_model
 
 from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
+from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -196,16 +197,30 @@ def test_errors_have_openai_shape_and_status(cluster, client, model):
 
 
 def test_overload_is_429_on_both_apis(cluster, client, model):
-    """MAX_PENDING generations in flight (one HTTP stream with n = MAX_PENDING): the next is refused."""
-    with client.completions.with_streaming_response.create(
-        model=model, prompt=[7] * 10, n=MAX_PENDING, max_tokens=200, temperature=0, stream=True
-    ):
+    """MAX_PENDING generations in flight (one HTTP stream with n = MAX_PENDING): the next is refused.
+
+    The hold lasts under a second on an idle machine, so both checks go out on warm connections once the
+    gateway counts all of the hold's generations in flight (on a loaded CI machine the hold once ended
+    before the checks did).
+    """
+    grpc_channel = grpc.insecure_channel(cluster[0].address)
+    grpc.channel_ready_future(grpc_channel).result(timeout=30)
+    grpc_stub = pb_grpc.GenerationStub(grpc_channel)
+    hold = {"prompt": [7] * 10, "n": MAX_PENDING, "max_tokens": 240, "extra_body": {"ignore_eos": True}}
+    with client.completions.with_streaming_response.create(model=model, temperature=0, stream=True, **hold) as held:
+        events = held.iter_lines()  # kept: a dropped iterator closes the response, and the gateway cancels the hold
+        assert next(events)
+        deadline = time.monotonic() + 10
+        while metric(cluster[0].metrics, "splitserve_gateway_requests_in_flight") < MAX_PENDING:
+            assert time.monotonic() < deadline, "the hold's generations never were all in flight"
+            time.sleep(0.005)
+        with pytest.raises(grpc.RpcError) as rpc_err:
+            list(grpc_stub.Generate(greedy_request([1, 2], 2), timeout=30))
+        assert rpc_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         with pytest.raises(openai.RateLimitError) as err:
             client.completions.create(model=model, prompt="hi", max_tokens=2)
         assert "--max-pending" in err.value.message
-        with pytest.raises(grpc.RpcError) as rpc_err:
-            list(stub(cluster[0].address).Generate(greedy_request([1, 2], 2), timeout=30))
-        assert rpc_err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    grpc_channel.close()
     assert wait_all_free([w.address for w in cluster[1:]])
 
 
