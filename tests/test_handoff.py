@@ -5,7 +5,8 @@ back without leaking blocks on either side."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -23,6 +24,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import Request
+from splitserve.worker.server import _moving_kv
 
 pytestmark = pytest.mark.unit
 
@@ -40,10 +42,13 @@ class DirectClient(PrefillClient):
         self.prefills, self.sender, self.send_delay_s = prefills, InProcessSender(hub), send_delay_s
         self.jobs: list[HandoffJob] = []
         self.fail_before_first = False
+        self.before_failing: Callable[[], Awaitable[None]] | None = None  # awaited before failing
 
     async def prefill(self, peer: str, request: Request, wire, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
         self.jobs.append(job)
         if self.fail_before_first:
+            if self.before_failing is not None:
+                await self.before_failing()
             raise ConnectionError("prefill worker is gone")
         engine = self.prefills[peer]
         copy = HandoffPort(engine).make_prefill_request(
@@ -192,6 +197,42 @@ def test_failure_before_first_token_is_unavailable_and_frees_the_reservation(eng
     error, decode = asyncio.run(main())
     assert error.code == grpc.StatusCode.UNAVAILABLE and error.failed_peer == "p0"
     assert _all_free(decode.engine)
+
+
+def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
+    """A drain waits for KV in flight. A failed ask leaves the landings at once, but its reservation is
+    freed by an abort that runs between decode steps: until then the reservation still counts, or a
+    drained worker exits with blocks reserved (seen in a scale-down under load)."""
+    import threading
+
+    async def main() -> None:
+        prefill, decode, client, handoff = _setup(engines)
+        worker = SimpleNamespace(handoff=handoff, port=handoff.port, engine=decode)
+        busy, release = threading.Event(), threading.Event()
+
+        def long_step() -> None:  # the decode step thread, in a step as the ask fails
+            busy.set()
+            release.wait(30)
+
+        async def block_decode_steps() -> None:
+            nonlocal stuck
+            stuck = asyncio.ensure_future(decode.call(long_step))
+            await asyncio.to_thread(busy.wait, 10)
+
+        stuck: asyncio.Future | None = None
+        client.fail_before_first, client.before_failing = True, block_decode_steps
+        try:
+            with pytest.raises(HandoffError):
+                await _run(handoff, PROMPTS[2], SamplingParams(max_tokens=4), "f")
+            assert not handoff.landings and decode.num_requests() == 0
+            assert _moving_kv(worker), "a drain would stop with the failed ask's blocks still reserved"
+        finally:
+            release.set()
+        await stuck
+        await _settle(prefill, decode)
+        assert _all_free(decode.engine) and not _moving_kv(worker)
+
+    asyncio.run(main())
 
 
 def test_cancel_during_transfer_frees_both_sides(engines):

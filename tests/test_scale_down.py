@@ -75,14 +75,15 @@ def test_the_supervisor_waits_longer_than_a_worker_can_drain(argv, lease_s, tran
 
 
 class FakeServicer:
-    """What _drain reads of a WorkerServicer: open streams, landings (decode), held prompts (prefill)."""
+    """What _drain reads of a WorkerServicer: open streams, landings and reservations (decode), held
+    prompts (prefill)."""
 
     def __init__(self) -> None:
         self.draining = False
         self.num_streams = self.num_held = 0
         self.handoff = SimpleNamespace(landings=set())
         self.engine = SimpleNamespace(num_requests=lambda: self.num_streams)
-        self.port = SimpleNamespace(load=lambda: SimpleNamespace(num_held_requests=self.num_held))
+        self.port = SimpleNamespace(load=lambda: SimpleNamespace(num_held_requests=self.num_held, num_awaiting_kv=0))
 
 
 class FakeHealth:

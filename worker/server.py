@@ -265,6 +265,8 @@ def _pool_report(port: HandoffPort) -> str:
 
 
 def _moving_kv(servicer: WorkerServicer) -> bool:
-    """KV still to send (prefill: held blocks) or still landing (decode: asks and transfers in flight)."""
+    """KV still to send (prefill: held blocks) or still landing (decode: asks and transfers in flight,
+    and reservations: a failed ask leaves the landings before the abort that frees its blocks runs)."""
     landing = servicer.handoff is not None and bool(servicer.handoff.landings)
-    return landing or bool(servicer.port.load().num_held_requests)
+    load = servicer.port.load()
+    return landing or bool(load.num_held_requests or load.num_awaiting_kv)
