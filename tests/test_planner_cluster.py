@@ -3,8 +3,8 @@ the reactive planner add a prefill worker within 30 s and the TTFT p90 recover; 
 drains back to one prefill worker, and no request fails on the way.
 
 The system is 1P1D on a model wide enough that a 400-token prefill costs ~0.3 s on one core. The burst
-is open loop at 1.2x what one prefill worker was measured to sustain, so with one worker its queue (and
-TTFT) grows without end; with two it drains. The planner runs as `splitserve planner` does: it scrapes
+is open loop at 1.2x what one prefill worker was measured to sustain at best, so with one worker its
+queue (and TTFT) grows without end; with two it drains. The planner runs as `splitserve planner` does: it scrapes
 the gateway's registry and /metrics and the workers', and calls the Launcher's Scale over gRPC.
 """
 
@@ -109,16 +109,18 @@ class OpenLoad:
 
 
 def _measure_prefill(address: str, prefill) -> float:
-    """Long prompts one at a time (the first few compile and warm caches, so they are not counted)."""
+    """The fastest of 8 long prompts sent one at a time (the first few compile and warm caches, so they
+    are not counted). A mean is slow when anything else runs meanwhile: on one CI run the burst at 1.2x
+    of it did not overload the worker (its TTFT p90 hovered around the target) and the planner rightly held."""
     client, rng = stub(address), random.Random(1)
     for _ in range(3):
         list(client.Generate(greedy_request([rng.randrange(3, 300) for _ in range(LONG)], 2), timeout=60))
-    before_sum = metric(prefill.metrics, "splitserve_request_prefill_time_seconds_sum")
-    before_count = metric(prefill.metrics, "splitserve_request_prefill_time_seconds_count")
+    times = []
     for _ in range(8):
+        before = metric(prefill.metrics, "splitserve_request_prefill_time_seconds_sum")
         list(client.Generate(greedy_request([rng.randrange(3, 300) for _ in range(LONG)], 2), timeout=60))
-    total = metric(prefill.metrics, "splitserve_request_prefill_time_seconds_sum") - before_sum
-    return total / (metric(prefill.metrics, "splitserve_request_prefill_time_seconds_count") - before_count)
+        times.append(metric(prefill.metrics, "splitserve_request_prefill_time_seconds_sum") - before)
+    return min(times)
 
 
 def _planner_config(ttft_target_s: float) -> PlannerConfig:
