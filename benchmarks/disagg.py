@@ -9,8 +9,11 @@ transfer: KV transfer bandwidth for 1, 16 and 256 blocks of SmolLM2 (fp32, block
                      XXH3 checksum each side computes while the chunks move);
       handoff path   what a request pays: the sender gathers the blocks from its paged cache into a
                      reused staging buffer chunk by chunk as they are sent, the receiver gets them
-                     into a reused buffer, checks its checksum against the sender's and scatters them
-                     into the destination blocks (time from the start to the scatter's end).
+                     into a reused buffer and scatters each chunk into the destination blocks as it
+                     lands (RankReceivers.recv's drain), then checks its checksum against the
+                     sender's (time from the start to the check);
+      scatter after  the same, but the scatter of all blocks follows the receive (the handoff path
+                     before the scatter overlapped the wire): the difference is what overlapping buys.
     Target: handoff path >= 0.8x raw gloo at 16 and 256 blocks.
 latency: TTFT, time to the second token and inter-token latency at low load (one request at a time)
     through the gateway: 1 unified worker vs 1P1D, SmolLM2 (bundled), distinct random prompts.
@@ -44,7 +47,9 @@ from splitserve.experiments.workload import LengthDist, WorkloadConfig
 
 SMOLLM2_KV = (30, 2, 600, 16, 3, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 SIZES = (1, 16, 256)
-KINDS = ("raw", "transport", "handoff path")
+KINDS = ("raw", "transport", "handoff path", "scatter after")
+HANDOFFS = KINDS[2:]  # the kinds that gather on the sender and scatter on the receiver
+KEYS = ("raw", "transport", "handoff_path", "scatter_after")  # their names in the JSON
 BLOCK_BYTES = 4 * SMOLLM2_KV[0] * SMOLLM2_KV[1] * SMOLLM2_KV[3] * SMOLLM2_KV[4] * SMOLLM2_KV[5]
 TIMEOUT = timedelta(seconds=120)
 
@@ -107,7 +112,7 @@ async def _receive_all(conn, repeats: int, backend: str) -> None:
     side = _Side(backend, 1, receiver.store)
     cache = _cache(side.device, fill=False)
     times: dict[tuple[int, str], list[float]] = {}
-    scatters: dict[int, list[float]] = {}
+    scatters: dict[tuple[int, str], list[float]] = {}
     for n in SIZES:
         buffer = torch.empty(SMOLLM2_KV[:2] + (n,) + SMOLLM2_KV[3:], device=side.device)
         for r in range(repeats + 1):  # the first round warms up
@@ -120,28 +125,37 @@ async def _receive_all(conn, repeats: int, backend: str) -> None:
                 elif kind == "transport":
                     await receiver.recv(channel, tag, buffer)
                 else:
-                    scatter_s = await _land(receiver, channel, tag, side, n, cache, _ids(n, r), conn)
-                    scatters.setdefault(n, []).append(scatter_s)
+                    overlap = kind == "handoff path"
+                    scatter_s = await _land(receiver, channel, tag, side, n, cache, _ids(n, r), conn, overlap)
+                    scatters.setdefault((n, kind), []).append(scatter_s)
                 if r:
                     times.setdefault((n, kind), []).append(time.perf_counter() - start)
     conn.send(
-        ({k: statistics.median(v) for k, v in times.items()}, {n: statistics.median(v) for n, v in scatters.items()})
+        ({k: statistics.median(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in scatters.items()})
     )
     receiver.close()
 
 
-async def _land(receiver, channel, tag, side: _Side, n, cache, ids, conn) -> float:
-    """The decode side of a handoff: receive into a buffer, check, scatter; the scatter's seconds."""
+async def _land(receiver, channel, tag, side: _Side, n, cache, ids, conn, overlap: bool) -> float:
+    """The decode side of a handoff: receive into a buffer, scatter (each chunk as it lands, or all
+    after), check; the seconds spent scattering (on the receiving thread when overlapped)."""
     staging = side.buffer(n)  # as RankReceivers.recv does
-    moved = await receiver.recv(channel, tag, staging.tensor)
+    scattering = [0.0]
+
+    def drain(rows: slice | None) -> None:  # what ModelRunner.row_writer does for a whole rank
+        start = time.perf_counter()
+        scatter_blocks(cache, ids, staging.tensor, rows)
+        if side.device.type == "cuda":
+            torch.cuda.synchronize(side.device)
+        scattering[0] += time.perf_counter() - start
+
+    moved = await receiver.recv(channel, tag, staging.tensor, drain if overlap else None)
+    if not overlap:
+        drain(None)
     if moved.checksum != conn.recv():  # the sender's, as TransferDone carries it
         raise SystemExit("checksum mismatch")
-    start = time.perf_counter()
-    scatter_blocks(cache, ids, staging.tensor)  # straight from the receive buffer
-    if side.device.type == "cuda":
-        torch.cuda.synchronize(side.device)
     side.release(staging)
-    return time.perf_counter() - start
+    return scattering[0]
 
 
 async def _send_all(conn, repeats: int, backend: str) -> None:
@@ -155,7 +169,7 @@ async def _send_all(conn, repeats: int, backend: str) -> None:
         for r in range(repeats + 1):
             for kind in KINDS:
                 tag += 1  # the receiver's next_tag, in step
-                prepared = gather_blocks(cache, _ids(n, r)) if kind != "handoff path" else None
+                prepared = gather_blocks(cache, _ids(n, r)) if kind not in HANDOFFS else None
                 side.barrier.barrier().wait()
                 if kind == "raw":
                     side.raw_move(prepared, tag)
@@ -187,7 +201,7 @@ def transfer(repeats: int, json_path: str | None) -> None:
             report[backend] = {"skipped": skipped}
             continue
         results, scatters = _run_pair(repeats, backend)
-        rows = [_row(n, results, scatters[n]) for n in SIZES]
+        rows = [_row(n, results, scatters) for n in SIZES]
         report[backend] = {"sizes": rows}
         _print_transfer(backend, rows, report["conditions"])
     conditions = report["conditions"]
@@ -230,22 +244,17 @@ def _conditions(repeats: int) -> dict:
     }
 
 
-def _row(n: int, results: dict, scatter_s: float) -> dict:
+def _row(n: int, results: dict, scatters: dict) -> dict:
     num_bytes = n * BLOCK_BYTES
-    raw, transport, handoff = (results[(n, kind)] for kind in KINDS)
-    return {
-        "blocks": n,
-        "mib": num_bytes / 2**20,
-        "raw_ms": raw * 1e3,
-        "transport_ms": transport * 1e3,
-        "handoff_path_ms": handoff * 1e3,
-        "handoff_scatter_ms": scatter_s * 1e3,
-        "raw_gbps": num_bytes / raw / 1e9,
-        "transport_gbps": num_bytes / transport / 1e9,
-        "handoff_path_gbps": num_bytes / handoff / 1e9,
-        "transport_vs_raw": raw / transport,
-        "handoff_path_vs_raw": raw / handoff,
-    }
+    row: dict = {"blocks": n, "mib": num_bytes / 2**20}
+    for kind, key in zip(KINDS, KEYS):
+        seconds = results[(n, kind)]
+        row[f"{key}_ms"], row[f"{key}_gbps"] = seconds * 1e3, num_bytes / seconds / 1e9
+        if kind != "raw":
+            row[f"{key}_vs_raw"] = results[(n, "raw")] / seconds
+        if kind in HANDOFFS:
+            row[f"{key}_scatter_ms"] = scatters[(n, kind)] * 1e3
+    return row
 
 
 def _print_transfer(backend: str, rows: list[dict], conditions: dict) -> None:
@@ -253,13 +262,14 @@ def _print_transfer(backend: str, rows: list[dict], conditions: dict) -> None:
         f"\nKV transfer over {backend}, SmolLM2 fp32 blocks ({BLOCK_BYTES / 1024:.0f} KiB each), median of "
         f"{conditions['repeats']}, two processes on {conditions['torch_threads']} threads each"
     )
-    print(f"{'blocks':>6} {'MiB':>8} {'path':<14}{'ms':>9}{'GB/s':>8}{'vs raw':>8}")
+    print(f"{'blocks':>6} {'MiB':>8} {'path':<14}{'ms':>9}{'GB/s':>8}{'vs raw':>8}  of which scattering")
     for row in rows:
-        for kind, key in zip(KINDS, ("raw", "transport", "handoff_path")):
+        for kind, key in zip(KINDS, KEYS):
             ms, gbps = row[f"{key}_ms"], row[f"{key}_gbps"]
             name = f"raw {backend}" if kind == "raw" else kind
-            print(f"{row['blocks']:>6} {row['mib']:>8.2f} {name:<14}{ms:>9.2f}{gbps:>8.2f}{row['raw_ms'] / ms:>7.2f}x")
-        print(f"{'':>16}(handoff path: of which scatter {row['handoff_scatter_ms']:.2f} ms)")
+            scatter = f"  {row[f'{key}_scatter_ms']:.2f} ms" if kind in HANDOFFS else ""
+            line = f"{row['blocks']:>6} {row['mib']:>8.2f} {name:<14}{ms:>9.2f}{gbps:>8.2f}{row['raw_ms'] / ms:>7.2f}x"
+            print(line + scatter)
 
 
 def latency(num_requests: int, prompt_len: int, output_len: int, json_path: str | None) -> None:

@@ -214,7 +214,7 @@ class DecodeHandoff:
                     f"the prefill worker announced {first.num_blocks} blocks, "
                     f"{reservation.num_blocks_to_land} were reserved"
                 )
-            done, received = await self._receive(job, first.num_blocks, events)
+            done, received = await self._receive(reservation, job, first.num_blocks, events)
             admitted = await self._admit(reservation, job, done, received)
             num_bytes, seconds = self._observe_received(done, received)
             log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)
@@ -258,13 +258,20 @@ class DecodeHandoff:
                 self.metrics.observe_rank_bytes("received", r.piece.rank, r.report.num_bytes)
         return num_bytes, seconds
 
-    async def _receive(self, job: HandoffJob, num_blocks: int, events) -> tuple[TransferDone, list[Received]]:
+    async def _receive(
+        self, reservation: Reservation, job: HandoffJob, num_blocks: int, events
+    ) -> tuple[TransferDone, list[Received]]:
         """Post every piece's receive and read the sender's report together; the first failure wins
-        (pieces that land anyway are discarded)."""
+        (pieces that land anyway are discarded). Rank 0's piece is written into the reserved blocks
+        chunk by chunk as it lands (pinned until every receive has ended, whatever ends first)."""
         if num_blocks == 0:
             self._skip(job)
             return await anext(events), []
-        recvs = [asyncio.ensure_future(self.ranks.recv(piece, num_blocks)) for piece in job.pieces]
+        pinned = self.port.pin(reservation)  # None: the request is gone; its pieces land to be discarded
+        recvs = [asyncio.ensure_future(self.ranks.recv(piece, num_blocks, pinned)) for piece in job.pieces]
+        if pinned is not None:
+            ended = asyncio.gather(*recvs, return_exceptions=True)
+            ended.add_done_callback(lambda _: self.port.unpin_soon(reservation))
         report = asyncio.ensure_future(asyncio.wait_for(anext(events), self.transfer_timeout_s * 2))
         try:
             await asyncio.wait({*recvs, report}, return_when=asyncio.FIRST_EXCEPTION)

@@ -203,7 +203,9 @@ class RankReceivers:
             cached = self._channels[(piece.dst_rank, key)] = channel_from_wire(*wire)
         return PieceJob(piece, cached, next(self._tags.setdefault(cached.key, itertools.count(1))))
 
-    async def recv(self, job: PieceJob, num_blocks: int) -> Received:
+    async def recv(self, job: PieceJob, num_blocks: int, pinned: Sequence[int] | None = None) -> Received:
+        """A piece on its rank. Rank 0's goes chunk by chunk into pinned (the reservation's pinned
+        blocks, HandoffPort.pin) as it lands, when given; else it stays in its buffer until land()."""
         heads, rank = job.piece.heads, job.piece.dst_rank
         if rank != 0:
             landing = next(self._landings)
@@ -211,8 +213,10 @@ class RankReceivers:
             report = report_from_wire(await _ask(self.port, rank, Op.RECV_KV, *channel_to_wire(job.channel), numbers))
             return Received(LandedPiece(rank, heads, None, landing), report, None)
         staging = self.port.acquire_staging(num_blocks, len(heads))
-        moved = await self.receiver.recv(job.channel, job.tag, staging.tensor)  # a failed one is never released
-        return Received(LandedPiece(0, heads, staging.tensor, job.tag), _report(staging.tensor, moved), staging)
+        buffer = staging.tensor
+        drain = None if pinned is None else self.port.row_writer(pinned, heads, buffer)
+        moved = await self.receiver.recv(job.channel, job.tag, buffer, drain)  # a failed one is never released
+        return Received(LandedPiece(0, heads, None if drain else buffer, job.tag), _report(buffer, moved), staging)
 
     def release(self, received: Received, committed: bool) -> None:
         """After land(): rank 0's buffer back to the pool; a follower's piece, unless committed, dropped."""

@@ -37,6 +37,7 @@ from typing import Any, cast
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.config import EngineConfig, RuntimeInfo
+from splitserve.engine.kv_cache.block_pool import BlockId
 from splitserve.engine.kv_cache.manager import KVCacheManager
 from splitserve.engine.leases import HeldLeases
 from splitserve.engine.model_runner import ModelRunner, WarmUpReport
@@ -201,8 +202,8 @@ class Engine:
         return request.request_id
 
     def _check_unused(self, request_id: str) -> None:
-        """An id is in use while its request is unfinished or owns blocks (held or reserved included)."""
-        if request_id in self.scheduler.requests or self.kv.holds(request_id):
+        """An id is in use while its request is unfinished or owns blocks (held, reserved or parked)."""
+        if request_id in self.scheduler.requests or self.kv.holds(request_id) or self.kv.is_parked(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def abort_request(self, request_id: str) -> bool:
@@ -294,6 +295,18 @@ class Engine:
         write(self.kv.block_ids(request_id)[num_held:])
         self.scheduler.admit_transferred(request_id)
         return True
+
+    def pin_reserved(self, request_id: str, num_held: int) -> list[BlockId] | None:
+        """Thread-safe: the reserved blocks after the num_held already here, which a transfer may now
+        write as its bytes arrive (Scheduler.pin_reserved: they are not reused before unpin); None
+        if the reservation is gone."""
+        if not self.scheduler.pin_reserved(request_id):
+            return None
+        return self.kv.block_ids(request_id)[num_held:]
+
+    def unpin(self, request_id: str) -> None:
+        """Every write of a pinned reservation's transfer has ended (between steps)."""
+        self.scheduler.unpin(request_id)
 
     def recompute_locally(self, request_id: str) -> bool:
         if request_id not in self.scheduler.awaiting_kv:

@@ -39,6 +39,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.kv_cache.block_io import gather_blocks
+from splitserve.engine.kv_cache.block_pool import BlockId
 from splitserve.engine.kv_cache.staging import Staging
 from splitserve.engine.ranks import Followers, Message, Op, commit_to_wire
 from splitserve.engine.request import Request
@@ -72,7 +73,9 @@ class LandedPiece:
 
     rank: int
     heads: range  # global KV heads
-    blocks: torch.Tensor | None  # rank 0's: [layers, 2, n, block_size, len(heads), head_dim]
+    # rank 0's, [layers, 2, n, block_size, len(heads), head_dim]; None: a follower's, or rank 0's
+    # already written into the pinned blocks as it arrived
+    blocks: torch.Tensor | None
     tag: int  # a follower's name for its piece (it keeps the tensor): COMMIT_KV / DISCARD_KV
 
 
@@ -85,7 +88,7 @@ class EngineLoad:
     num_free_blocks: int
     num_total_blocks: int
     block_size: int
-    num_awaiting_kv: int
+    num_awaiting_kv: int  # reservations KV may still land in (parked ones too: Scheduler.pin_reserved)
     num_held_blocks: int
     num_held_requests: int
     kv_usage: float
@@ -197,15 +200,32 @@ class HandoffPort:
         return landed
 
     def _write_pieces(self, block_ids: Sequence[int], pieces: Sequence[LandedPiece]) -> None:
-        """On the engine loop, between steps: a follower's COMMIT_KV reaches it before the next STEP."""
+        """On the engine loop, between steps: a follower's COMMIT_KV reaches it before the next STEP.
+        Rank 0's piece is already in the cache when it was written as it arrived (blocks None)."""
         runner = self._engine.runner
         for piece in pieces:
-            if piece.blocks is not None:
+            if piece.rank != 0:
+                self._followers.tell(piece.rank, Op.COMMIT_KV, *commit_to_wire(piece.tag, block_ids, piece.heads))
+            elif piece.blocks is not None:
                 if piece.blocks.shape[2] != len(block_ids):
                     raise ValueError(f"a piece carried {piece.blocks.shape[2]} blocks for {len(block_ids)} reserved")
                 runner.write_heads(block_ids, piece.heads, piece.blocks)
-            else:
-                self._followers.tell(piece.rank, Op.COMMIT_KV, *commit_to_wire(piece.tag, block_ids, piece.heads))
+
+    def pin(self, reservation: Reservation) -> list[BlockId] | None:
+        """Directly (thread-safe): the blocks the transfer lands in, pinned so that whatever ends the
+        reservation meanwhile parks them instead of freeing them (Engine.pin_reserved); None if it
+        is gone. Once every receive into them has ended, unpin_soon."""
+        return self._engine.pin_reserved(reservation.request.request_id, reservation.num_held_blocks)
+
+    def unpin_soon(self, reservation: Reservation) -> None:
+        """Between steps, without waiting: parked blocks go back to the pool (they count as KV in
+        flight, load().num_awaiting_kv, until then)."""
+        self._async.post(self._engine.unpin, reservation.request.request_id)
+
+    def row_writer(self, block_ids: Sequence[int], heads: range, piece: torch.Tensor) -> Callable[[slice], None]:
+        """drain(rows) for a receive (disagg/transfer/base.py): rows [start, stop) of piece's
+        [num_layers * 2, -1] view into these KV heads of these pinned blocks, beside a step."""
+        return self._engine.runner.row_writer(block_ids, heads, piece)
 
     async def recompute(self, reservation: Reservation) -> bool:
         """The transfer failed: free the reservation and prefill here. False if the request is gone."""
@@ -282,7 +302,7 @@ class HandoffPort:
             num_free_blocks=e.kv.num_free_blocks,
             num_total_blocks=e.runner.num_blocks,
             block_size=e.runtime.block_size,
-            num_awaiting_kv=len(s.awaiting_kv),
+            num_awaiting_kv=len(s.awaiting_kv) + e.kv.num_parked,
             num_held_blocks=e.num_held_blocks(),
             num_held_requests=len(s.held),
             kv_usage=e.kv_usage(),

@@ -179,6 +179,23 @@ class ModelRunner:
         index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
         self.kv_cache[:, :, index, :, local] = piece.to(self.device, self.dtype)
 
+    def row_writer(self, block_ids: Sequence[int], heads: range, piece: torch.Tensor) -> Callable[[slice], None]:
+        """write_heads a range of rows at a time: write(rows) puts rows [start, stop) of piece's
+        [num_layers * 2, -1] view (layer and K/V) into these KV heads of these blocks, so a receive
+        can write each chunk as it lands. Beside a step only into blocks no step reads (pinned)."""
+        self._kv_written = True
+        local = self.local_heads(heads)
+        if local == slice(0, self.num_local_kv_heads):
+            return lambda rows: scatter_blocks(self.kv_cache, block_ids, piece, rows)
+        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        cache = self.kv_cache.flatten(0, 1)  # a view: [num_layers * 2, num_blocks, block_size, heads, head_dim]
+        source = piece.flatten(0, 1)
+
+        def write(rows: slice) -> None:
+            cache[rows, index, :, local] = source[rows].to(self.device, self.dtype)
+
+        return write
+
     def read_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """Every KV head this rank holds of these blocks (a single rank's whole blocks), on the host."""
         return self.read_heads(block_ids, self.tp.kv_head_range(self.arch.num_kv_heads), out)

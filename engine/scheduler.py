@@ -17,6 +17,7 @@ blocks, which only running them gives back (see `_schedule_waiting`).
 from __future__ import annotations
 
 import bisect
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ class Scheduler:
         self.held: dict[str, Request] = {}  # prefill tier: finished, blocks kept until sent
         self.requests: dict[str, Request] = {}  # every unfinished request (awaiting_kv included)
         self.stats = SchedulerStats()
+        self._pinned: set[str] = set()  # awaiting_kv requests whose blocks a transfer writes (pin_reserved)
+        self._pin_lock = threading.Lock()  # pin_reserved runs beside the step thread
 
     # -- queue changes ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,7 +112,12 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.AWAITING_KV:
-            del self.awaiting_kv[request_id]
+            with self._pin_lock:
+                del self.awaiting_kv[request_id]
+                if request_id in self._pinned:  # a transfer may be writing its blocks: park them
+                    self.kv.park(request)
+                    request.status = status
+                    return request
         else:
             self.waiting.remove(request)
         request.status = status
@@ -155,18 +163,44 @@ class Scheduler:
         return len(hit.blocks)
 
     def admit_transferred(self, request_id: str) -> None:
-        """The prompt's KV landed in the reserved blocks: the prompt counts as computed."""
-        request = self.awaiting_kv.pop(request_id)
+        """The prompt's KV landed in the reserved blocks (every write to them has ended): the prompt
+        counts as computed."""
+        with self._pin_lock:
+            request = self.awaiting_kv.pop(request_id)
+            self._pinned.discard(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_blocks(request)
         self._requeue(request)
 
     def recompute_locally(self, request_id: str) -> None:
-        """The transfer failed after the first token went out: drop the reservation, prefill here."""
-        request = self.awaiting_kv.pop(request_id)
-        self.kv.free(request)
+        """The transfer failed after the first token went out: drop the reservation (parked while a
+        transfer may still write it), prefill here."""
+        with self._pin_lock:
+            request = self.awaiting_kv.pop(request_id)
+            if request_id in self._pinned:
+                self.kv.park(request)
+            else:
+                self.kv.free(request)
         request.num_computed_tokens = 0
         self._requeue(request)
+
+    # Pins: a transfer that writes a reservation's blocks as they arrive (not between steps) pins them
+    # first; whatever ends the reservation meanwhile (an abort, a stop at the first token, a failed
+    # transfer's recompute) parks its blocks instead of freeing them, until unpin: no other request
+    # gets them while bytes may still land there.
+    def pin_reserved(self, request_id: str) -> bool:
+        """Thread-safe (the transfer's side, not the step thread): False if the reservation is gone."""
+        with self._pin_lock:
+            if request_id not in self.awaiting_kv:
+                return False
+            self._pinned.add(request_id)
+            return True
+
+    def unpin(self, request_id: str) -> None:
+        """Every write to the reservation's blocks has ended: parked blocks go back to the pool."""
+        with self._pin_lock:
+            self._pinned.discard(request_id)
+            self.kv.free_parked(request_id)
 
     def _num_holding_blocks(self) -> int:
         """Unfinished requests holding blocks: running, awaiting KV, or landed and waiting."""

@@ -235,6 +235,30 @@ def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
     asyncio.run(main())
 
 
+def test_a_cancelled_request_keeps_its_blocks_out_of_the_pool_until_its_kv_stops_landing(engines):
+    """Rank 0 writes each chunk into the reserved blocks as it lands (not between steps), so the
+    blocks of a request cancelled mid-transfer are parked, not freed, until the receive ends:
+    freed at once, another request could get them and have its KV overwritten."""
+
+    async def main():
+        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.5)
+        free_before = decode.engine.kv.num_free_blocks
+        request = decode.engine.make_request(PROMPTS[4], SamplingParams(max_tokens=50), "k")
+        stream = handoff.generate(request, "p0")
+        await anext(stream)  # the first token is out; the blocks are still on their way
+        await stream.aclose()
+        await decode.call(lambda: None)  # the abort has run
+        assert not decode.engine.scheduler.requests and decode.engine.kv.is_parked("k")
+        assert decode.engine.kv.num_free_blocks < free_before
+        assert handoff.port.load().num_awaiting_kv == 1  # a drain still waits for it
+        await asyncio.sleep(1.0)
+        await _settle(prefill, decode)
+        return prefill, decode
+
+    prefill, decode = asyncio.run(main())
+    assert _all_free(prefill.engine) and _all_free(decode.engine) and not decode.engine.kv.is_parked("k")
+
+
 def test_cancel_during_transfer_frees_both_sides(engines):
     async def main():
         prefill, decode, _, handoff = _setup(engines, send_delay_s=0.3)

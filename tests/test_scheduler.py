@@ -523,6 +523,45 @@ def test_landed_requests_passing_the_head_respect_max_num_seqs():
     assert head.num_output_tokens == 4 and all_blocks_free(sched)
 
 
+def test_an_aborted_pinned_reservation_parks_its_blocks_until_unpinned():
+    """A transfer writes a pinned reservation's blocks as its bytes land: an abort meanwhile must not
+    hand those blocks to another request before the writes end (unpin)."""
+    sched = make_scheduler(num_blocks=8)
+    t = make_request("t", list(range(200, 216)))  # 4 blocks
+    assert sched.reserve_for_transfer(t) == 0 and sched.pin_reserved("t")
+    sched.finish_request("t", RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.num_free_blocks == 4 and sched.kv.is_parked("t") and not sched.awaiting_kv
+    other = make_request("other", list(range(300, 316)))
+    assert sched.reserve_for_transfer(other) is None  # 4 free blocks, one kept free: the parked 4 are not reused
+    sched.unpin("t")
+    assert all_blocks_free(sched) and not sched.kv.is_parked("t")
+    assert not sched.pin_reserved("t")  # gone: nothing to pin
+
+
+def test_a_pinned_reservation_recomputed_parks_the_old_blocks_and_takes_new_ones():
+    sched = make_scheduler(num_blocks=12)
+    t = make_request("t", list(range(200, 216)))
+    assert sched.reserve_for_transfer(t) == 0 and sched.pin_reserved("t")
+    t.append_output_token(NEXT_TOKEN)
+    sched.recompute_locally("t")
+    assert sched.kv.is_parked("t") and sched.kv.num_free_blocks == 8
+    step(sched)  # the prompt is prefilled here, into 5 other blocks
+    assert sched.kv.num_free_blocks == 3 and t.status == RequestStatus.RUNNING
+    sched.unpin("t")
+    assert sched.kv.num_free_blocks == 7 and not sched.kv.is_parked("t")
+    run_until_done(sched)
+    assert all_blocks_free(sched)
+
+
+def test_a_landed_pinned_reservation_frees_its_blocks_when_it_finishes():
+    sched = make_scheduler(num_blocks=8)
+    t = make_request("t", list(range(200, 216)))
+    assert sched.reserve_for_transfer(t) == 0 and sched.pin_reserved("t")
+    land(sched, t)  # every write had ended: admitting it drops the pin
+    run_until_done(sched)
+    assert all_blocks_free(sched) and not sched.kv.is_parked("t")
+
+
 def test_reservation_leaves_a_free_block_per_request_holding_blocks():
     sched = make_scheduler(num_blocks=8)
     running = make_request("running", list(range(100, 107)), max_tokens=20)  # 2 blocks

@@ -90,6 +90,12 @@ def test_a_rank_reads_and_writes_slices_of_its_kv_heads(tiny_llama_dir):
     assert runner.read_blocks([9]).shape == (2, 2, 1, 8, 2, 16)
     with pytest.raises(ValueError, match="holds KV heads"):
         runner.read_heads([5], range(1, 3))
+    # As a receive writes it, a range of rows (layer and K/V) at a time: head 0 of other blocks.
+    write = runner.row_writer([1, 4, 7], range(0, 1), piece)
+    for rows in (slice(0, 1), slice(1, 3), slice(3, 4)):
+        write(rows)
+    assert torch.equal(runner.read_heads([1, 4, 7], range(0, 1)), piece)
+    assert not runner.read_heads([1, 4, 7], range(1, 2)).any()  # head 1 untouched
 
 
 @pytest.mark.integration

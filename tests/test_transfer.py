@@ -43,31 +43,39 @@ def test_concurrent_tagged_transfers_arrive_bit_identical(dtype):
         assert got.checksum == put.checksum == checksum(sent[tag])
 
 
-def test_a_transfer_moves_in_chunks_gathered_as_they_go(monkeypatch):
-    """Several chunks (small ones here): the sender fills each from the cache just before sending it,
-    and both sides' checksums, computed chunk by chunk, equal the one-shot checksum of the blocks."""
+def test_a_transfer_moves_in_chunks_gathered_and_scattered_as_they_go(monkeypatch):
+    """Several chunks (small ones here): the sender fills each from its cache just before sending it,
+    the receiver writes each into its own cache's blocks as it lands (drain), and both sides'
+    checksums, computed chunk by chunk, equal the one-shot checksum of the blocks."""
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 3 * 1024)
     cache, ids = torch.randn(6, 2, 9, 8, 2, 16), [8, 0, 3, 5]
     want = gather_blocks(cache, ids)
+    dest, dest_ids = torch.zeros(6, 2, 7, 8, 2, 16), [6, 1, 4, 2]
     filled: list[slice] = []
+    drained: list[slice] = []
 
     def fill(rows: slice) -> None:
         filled.append(rows)
         gather_blocks(cache, ids, staging, rows)
 
+    def drain(rows: slice) -> None:
+        drained.append(rows)
+        scatter_blocks(dest, dest_ids, buffer, rows)
+
     async def main():
         receiver, sender = TorchDistReceiver(timeout_s=20), TorchDistSender(timeout_s=20)
         channel = receiver.channel_for("prefill-c")
         tag = receiver.next_tag(channel)
-        moved = await asyncio.gather(receiver.recv(channel, tag, buffer), sender.send(channel, tag, staging, fill))
+        recv = receiver.recv(channel, tag, buffer, drain)
+        moved = await asyncio.gather(recv, sender.send(channel, tag, staging, fill))
         receiver.close(), sender.close()
         return moved
 
     staging, buffer = torch.full_like(want, float("nan")), torch.empty_like(want)
     got, put = asyncio.run(main())
-    assert len(filled) == len(chunks.plan(want)) > 3
-    assert [r.start for r in filled] == sorted(r.start for r in filled) and filled[-1].stop == 12
-    assert torch.equal(buffer, want)
+    assert filled == drained == chunks.plan(want) and len(filled) > 3 and filled[-1].stop == 12
+    assert torch.equal(buffer, want) and torch.equal(gather_blocks(dest, dest_ids), want)
+    assert dest[:, :, [0, 3, 5]].abs().sum() == 0
     assert got.checksum == put.checksum == checksum(want)
 
 

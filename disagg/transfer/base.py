@@ -61,6 +61,11 @@ class Moved:
 # disagg/transfer/chunks.py) just before the transport sends them: reading the cache overlaps the wire.
 Fill = Callable[[slice], None]
 
+# drain(rows), given to recv, takes rows [start, stop) of the buffer's row view once they have landed
+# (and been hashed), in order, every row once, before recv returns: the receiver writes each chunk
+# into its KV cache while the next one moves. A recv that fails stops calling it.
+Drain = Callable[[slice], None]
+
 
 class Backend(enum.Enum):
     """What moves a channel's bytes (torch_dist.py): the receiver picks it for the device its KV is
@@ -106,9 +111,9 @@ class KVReceiver(ABC):
         (a transport with one kind of channel ignores this)."""
 
     @abstractmethod
-    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> Moved:
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor, drain: Drain | None = None) -> Moved:
         """Fill buffer (contiguous) with the transfer sent under tag; returns the seconds it took and
-        the checksum of what arrived."""
+        the checksum of what arrived. With drain, each range of rows goes to it as it lands."""
 
     @abstractmethod
     def drop(self, channel: ChannelSpec) -> None:

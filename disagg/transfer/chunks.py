@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from splitserve.disagg.transfer.base import Fill
+from splitserve.disagg.transfer.base import Drain, Fill
 from splitserve.disagg.transfer.checksum import RunningChecksum
 
 CHUNK_BYTES = 4 << 20  # big enough that a gloo op's fixed cost is noise, small enough to pipeline
@@ -86,17 +86,19 @@ def _prepare(rows: torch.Tensor, chunks: list[slice], fill: Fill | None, ready: 
     return running.value
 
 
-def recv_chunks(group: dist.ProcessGroup, peer: int, tag: int, buffer: torch.Tensor) -> int:
-    """Blocking (a worker thread): post every chunk's receive, hash each as it lands; returns the
-    checksum of what arrived."""
+def recv_chunks(group: dist.ProcessGroup, peer: int, tag: int, buffer: torch.Tensor, drain: Drain | None) -> int:
+    """Blocking (a worker thread): post every chunk's receive, hash each as it lands and hand it to
+    drain (when given) while the next arrives; returns the checksum of what arrived."""
     if buffer.is_cuda:
-        return _recv_to_device(group, peer, tag, buffer)
+        return _recv_to_device(group, peer, tag, buffer, drain)
     rows, running = row_view(buffer), RunningChecksum()
     chunks = plan(buffer)
     works = [group.recv([rows[chunk]], peer, wire_tag(tag, i)) for i, chunk in enumerate(chunks)]
     for work, chunk in zip(works, chunks):
         work.wait()
         running.update(rows[chunk])
+        if drain is not None:
+            drain(chunk)
     return running.value
 
 
@@ -123,9 +125,9 @@ def _send_from_device(group: dist.ProcessGroup, peer: int, tag: int, blocks: tor
     return running.value
 
 
-def _recv_to_device(group: dist.ProcessGroup, peer: int, tag: int, buffer: torch.Tensor) -> int:
+def _recv_to_device(group: dist.ProcessGroup, peer: int, tag: int, buffer: torch.Tensor, drain: Drain | None) -> int:
     """A CUDA buffer over gloo: receive into pinned host memory; each chunk, once landed and hashed,
-    goes up on a side stream while the next arrives; returns once all are on the device."""
+    goes up (and to drain) on a side stream while the next arrives; returns once all are done."""
     host = torch.empty(buffer.shape, dtype=buffer.dtype, pin_memory=True)
     rows, host_rows, side = row_view(buffer), row_view(host), torch.cuda.Stream(buffer.device)
     chunks, running = plan(buffer), RunningChecksum()
@@ -135,5 +137,7 @@ def _recv_to_device(group: dist.ProcessGroup, peer: int, tag: int, buffer: torch
             work.wait()
             running.update(host_rows[chunk])
             rows[chunk].copy_(host_rows[chunk], non_blocking=True)
+            if drain is not None:
+                drain(chunk)
     side.synchronize()
     return running.value

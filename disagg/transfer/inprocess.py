@@ -17,6 +17,7 @@ import torch
 
 from splitserve.disagg.transfer.base import (
     ChannelSpec,
+    Drain,
     Fill,
     KVReceiver,
     KVSender,
@@ -73,7 +74,7 @@ class InProcessReceiver(KVReceiver):
     def next_tag(self, channel: ChannelSpec) -> int:
         return next(self._tags.setdefault(channel.key, itertools.count(1)))
 
-    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> Moved:
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor, drain: Drain | None = None) -> Moved:
         start = time.monotonic()
         slot = self.hub.slot(channel.key, tag)
         try:
@@ -85,7 +86,10 @@ class InProcessReceiver(KVReceiver):
         finally:
             self.hub.slots.pop((channel.key, tag), None)
         buffer.copy_(data)
-        return Moved(time.monotonic() - start, checksum(buffer))
+        crc = checksum(buffer)
+        if drain is not None:
+            drain(slice(0, row_view(buffer).shape[0]))
+        return Moved(time.monotonic() - start, crc)
 
     def drop(self, channel: ChannelSpec) -> None:
         for peer, spec in list(self._channels.items()):

@@ -28,7 +28,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 
-from splitserve.disagg.transfer.base import Backend, Fill, TransferError, TransferFailure
+from splitserve.disagg.transfer.base import Backend, Drain, Fill, TransferError, TransferFailure
 from splitserve.disagg.transfer.checksum import device_checksum
 from splitserve.disagg.transfer.chunks import row_view
 from splitserve.disagg.transfer.order import IssueOrder, OrderTimeout
@@ -86,9 +86,11 @@ def recv(
     buffer: torch.Tensor,
     device: torch.device,
     timeout_s: float,
+    drain: Drain | None = None,
 ) -> int:
     """Blocking (a worker thread): receive into buffer (a host buffer lands in a device copy first)
-    in the channel's order; the device checksum of what arrived."""
+    in the channel's order; the device checksum of what arrived. One piece moves in one op, so
+    drain gets every row at once, at the end."""
     landing = buffer if buffer.is_cuda else torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
     side = _side_stream(landing.device)
     with torch.cuda.stream(side):
@@ -98,6 +100,10 @@ def recv(
         crc = device_checksum(landing)
     if landing is not buffer:
         buffer.copy_(landing)
+    if drain is not None:
+        with torch.cuda.stream(side):
+            drain(slice(0, row_view(buffer).shape[0]))
+        side.synchronize()
     return crc
 
 

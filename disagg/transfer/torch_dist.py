@@ -71,6 +71,7 @@ from splitserve.disagg.transfer import nccl
 from splitserve.disagg.transfer.base import (
     Backend,
     ChannelSpec,
+    Drain,
     Fill,
     KVReceiver,
     KVSender,
@@ -238,13 +239,13 @@ def _reason(error: Exception) -> TransferFailure:
     return TransferFailure.TIMEOUT if timed_out else TransferFailure.PEER_LOST
 
 
-def _recv_gloo(link: _Link, tag: int, buffer: torch.Tensor, timeout_s: float) -> int:
-    return recv_chunks(link.gloo, SENDER_RANK, tag, buffer)
+def _recv_gloo(link: _Link, tag: int, buffer: torch.Tensor, drain: Drain | None, timeout_s: float) -> int:
+    return recv_chunks(link.gloo, SENDER_RANK, tag, buffer, drain)
 
 
-def _recv_nccl(link: _Link, tag: int, buffer: torch.Tensor, timeout_s: float) -> int:
+def _recv_nccl(link: _Link, tag: int, buffer: torch.Tensor, drain: Drain | None, timeout_s: float) -> int:
     assert link.nccl is not None and link.cuda is not None
-    return nccl.recv(link.nccl, link.order, SENDER_RANK, tag, buffer, link.cuda, timeout_s)
+    return nccl.recv(link.nccl, link.order, SENDER_RANK, tag, buffer, link.cuda, timeout_s, drain)
 
 
 def _send_gloo(link: _Link, tag: int, blocks: torch.Tensor, fill: Fill | None, timeout_s: float) -> int:
@@ -257,7 +258,7 @@ def _send_nccl(link: _Link, tag: int, blocks: torch.Tensor, fill: Fill | None, t
 
 
 # How each backend moves a whole transfer (every chunk, its checksum), on one worker thread.
-_RECEIVE: dict[Backend, Callable[[_Link, int, torch.Tensor, float], int]] = {
+_RECEIVE: dict[Backend, Callable[[_Link, int, torch.Tensor, Drain | None, float], int]] = {
     Backend.GLOO: _recv_gloo,
     Backend.NCCL: _recv_nccl,
 }
@@ -313,7 +314,7 @@ class TorchDistReceiver(KVReceiver):
                 return future
         raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was dropped after a failure")
 
-    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor) -> Moved:
+    async def recv(self, channel: ChannelSpec, tag: int, buffer: torch.Tensor, drain: Drain | None = None) -> Moved:
         _check_tag(tag)
         start = time.monotonic()
         try:
@@ -324,7 +325,7 @@ class TorchDistReceiver(KVReceiver):
             message = f"the prefill worker never joined channel {channel.key}: {e}"
             raise TransferError(TransferFailure.CONNECT, message) from None
         try:
-            crc = await _run(_RECEIVE[channel.backend], link, tag, buffer, self.timeout_s)
+            crc = await _run(_RECEIVE[channel.backend], link, tag, buffer, drain, self.timeout_s)
         except RuntimeError as e:
             raise TransferError(_reason(e), f"receiving KV on channel {channel.key} failed: {e}") from None
         return Moved(time.monotonic() - start, crc)

@@ -30,8 +30,13 @@ def gather_blocks(
     return _rows(kv_cache).index_select(1, index).view(shape)
 
 
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
+def scatter_blocks(
+    kv_cache: torch.Tensor, block_ids: Sequence[int], blocks: torch.Tensor, rows: slice | None = None
+) -> None:
     """Inverse of gather_blocks: blocks[:, :, i] lands in block block_ids[i], straight from blocks
-    (a received buffer) when it is already on the cache's device and dtype."""
+    (a received buffer) when it is already on the cache's device and dtype. rows: only these of the
+    [num_layers * 2] leading rows, so a receiver can write a chunk while the next one arrives."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=kv_cache.device)
-    _rows(kv_cache).index_copy_(1, index, _rows(blocks.to(kv_cache.device, kv_cache.dtype).contiguous()))
+    part = slice(None) if rows is None else rows
+    source = _rows(blocks.to(kv_cache.device, kv_cache.dtype).contiguous())[part]
+    _rows(kv_cache)[part].index_copy_(1, index, source)

@@ -51,6 +51,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}  # leading blocks already registered
+        self._parked: dict[str, list[KVBlock]] = {}  # park(): out of their request's hands, not free
         self._table = BlockTable(min(max_blocks_per_request or num_blocks, num_blocks))
 
     @property
@@ -123,10 +124,33 @@ class KVCacheManager:
 
     def free(self, request: KVRequest) -> None:
         """Release every block of the request, tail first so chain tails are evicted first."""
-        blocks = self._blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
-        self._table.remove(request.request_id)
-        self.pool.free(reversed(blocks))
+        self.pool.free(reversed(self._take(request.request_id)))
+
+    def park(self, request: KVRequest) -> None:
+        """Take every block of the request out of its hands but not back to the pool: a transfer may
+        still be writing them (the request may allocate new ones meanwhile). free_parked ends it."""
+        self._parked[request.request_id] = self._take(request.request_id)
+
+    def free_parked(self, request_id: str) -> bool:
+        """Back to the pool, tail first: the blocks park() took. False if none were parked."""
+        blocks = self._parked.pop(request_id, None)
+        if blocks is not None:
+            self.pool.free(reversed(blocks))
+        return blocks is not None
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self._parked
+
+    @property
+    def num_parked(self) -> int:
+        """Requests whose blocks are parked."""
+        return len(self._parked)
+
+    def _take(self, request_id: str) -> list[KVBlock]:
+        blocks = self._blocks.pop(request_id, [])
+        self._num_cached_blocks.pop(request_id, None)
+        self._table.remove(request_id)
+        return blocks
 
     def block_ids(self, request_id: str) -> list[BlockId]:
         return [block.block_id for block in self._blocks.get(request_id, ())]
