@@ -171,13 +171,7 @@ class ModelRunner:
 
     def write_heads(self, block_ids: Sequence[int], heads: range, piece: torch.Tensor) -> None:
         """Inverse of read_heads: piece[:, :, i] goes to these KV heads of block block_ids[i]."""
-        self._kv_written = True
-        local = self.local_heads(heads)
-        if local == slice(0, self.num_local_kv_heads):
-            scatter_blocks(self.kv_cache, block_ids, piece)
-            return
-        index = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
-        self.kv_cache[:, :, index, :, local] = piece.to(self.device, self.dtype)
+        self.row_writer(block_ids, heads, piece)(slice(None))
 
     def row_writer(self, block_ids: Sequence[int], heads: range, piece: torch.Tensor) -> Callable[[slice], None]:
         """write_heads a range of rows at a time: write(rows) puts rows [start, stop) of piece's

@@ -112,12 +112,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.AWAITING_KV:
-            with self._pin_lock:
-                del self.awaiting_kv[request_id]
-                if request_id in self._pinned:  # a transfer may be writing its blocks: park them
-                    self.kv.park(request)
-                    request.status = status
-                    return request
+            self._drop_reservation(request)
+            request.status = status
+            return request
         else:
             self.waiting.remove(request)
         request.status = status
@@ -175,12 +172,8 @@ class Scheduler:
     def recompute_locally(self, request_id: str) -> None:
         """The transfer failed after the first token went out: drop the reservation (parked while a
         transfer may still write it), prefill here."""
-        with self._pin_lock:
-            request = self.awaiting_kv.pop(request_id)
-            if request_id in self._pinned:
-                self.kv.park(request)
-            else:
-                self.kv.free(request)
+        request = self.awaiting_kv[request_id]
+        self._drop_reservation(request)
         request.num_computed_tokens = 0
         self._requeue(request)
 
@@ -195,6 +188,15 @@ class Scheduler:
                 return False
             self._pinned.add(request_id)
             return True
+
+    def _drop_reservation(self, request: Request) -> None:
+        """Out of awaiting_kv, its blocks freed, or parked while a transfer may still write them."""
+        with self._pin_lock:
+            del self.awaiting_kv[request.request_id]
+            if request.request_id in self._pinned:
+                self.kv.park(request)
+            else:
+                self.kv.free(request)
 
     def unpin(self, request_id: str) -> None:
         """Every write to the reservation's blocks has ended: parked blocks go back to the pool."""

@@ -131,12 +131,9 @@ class KVCacheManager:
         still be writing them (the request may allocate new ones meanwhile). free_parked ends it."""
         self._parked[request.request_id] = self._take(request.request_id)
 
-    def free_parked(self, request_id: str) -> bool:
-        """Back to the pool, tail first: the blocks park() took. False if none were parked."""
-        blocks = self._parked.pop(request_id, None)
-        if blocks is not None:
-            self.pool.free(reversed(blocks))
-        return blocks is not None
+    def free_parked(self, request_id: str) -> None:
+        """Back to the pool, tail first: the blocks park() took (none: nothing to do)."""
+        self.pool.free(reversed(self._parked.pop(request_id, [])))
 
     def is_parked(self, request_id: str) -> bool:
         return request_id in self._parked
