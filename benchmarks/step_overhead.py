@@ -68,7 +68,7 @@ class StubForward:
         self.banks = [torch.randn(max_batch, vocab, generator=gen).mul_(4.0) for _ in range(NUM_LOGIT_BANKS)]
         self.calls = 0
 
-    def __call__(self, batch) -> torch.Tensor:
+    def __call__(self, batch, layers=None) -> torch.Tensor:
         self.calls += 1
         return self.banks[self.calls % NUM_LOGIT_BANKS][: len(batch.sample_rows)]
 

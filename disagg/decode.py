@@ -10,7 +10,8 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -21,6 +22,7 @@ from splitserve.disagg.handoff import (
     HandoffEvent,
     HandoffJob,
     HandoffProtocolError,
+    SendStarted,
     TransferDone,
 )
 from splitserve.disagg.rank_transfers import RankReceivers, Received
@@ -100,7 +102,7 @@ class DecodeHandoff:
             ask = asyncio.create_task(self._ask(reservation, peer, wire))
             self.landings.add(ask)  # its reservation is in flight too: a drain waits for it
             try:
-                first, job, events = await asyncio.shield(ask)
+                first, job, events, receiving = await asyncio.shield(ask)
                 stages = StageClock(first)
             except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
                 ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
@@ -108,7 +110,7 @@ class DecodeHandoff:
             finally:
                 if ask.done():  # else _land_if_asked lets go of it, once its landing (if any) is tracked
                     self.landings.discard(ask)
-            landing = self._start_landing(reservation, first, job, events)
+            landing = self._start_landing(reservation, first, job, events, receiving)
             out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
             if out is None:  # aborted meanwhile
                 return
@@ -137,8 +139,10 @@ class DecodeHandoff:
             self._start_landing(reservation, *ask.result())
         self.landings.discard(ask)
 
-    def _start_landing(self, reservation: Reservation, first: FirstToken, job: HandoffJob, events) -> asyncio.Task:
-        landing = asyncio.create_task(self._land(reservation, job, first, events))
+    def _start_landing(
+        self, reservation: Reservation, first: FirstToken, job: HandoffJob, events, receiving: Receiving | None
+    ) -> asyncio.Task:
+        landing = asyncio.create_task(self._land(reservation, job, first, events, receiving))
         self.landings.add(landing)
         landing.add_done_callback(self.landings.discard)
         return landing
@@ -166,9 +170,7 @@ class DecodeHandoff:
         try:
             job = await self._job(reservation, peer)
             events = aiter(self.client.prefill(peer, reservation.request, wire, job))
-            first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
-            if not isinstance(first, FirstToken):
-                raise HandoffProtocolError(f"expected the first token, got {type(first).__name__}")
+            first, receiving = await self._first_token(reservation, job, events)
         except HandoffError:
             self._forget(peer, job)
             raise
@@ -181,7 +183,29 @@ class DecodeHandoff:
                 f"prefill worker {peer} failed before the first token ({_describe(e)}); retry the request",
                 failed_peer=peer,
             ) from None
-        return first, job, events
+        return first, job, events, receiving
+
+    async def _first_token(
+        self, reservation: Reservation, job: HandoffJob, events
+    ) -> tuple[FirstToken, Receiving | None]:
+        """The prefill worker's first token; if it streams the KV (SendStarted first), with the
+        receives posted on SendStarted, so the KV lands while its last layers still compute."""
+        first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
+        receiving = None
+        if isinstance(first, SendStarted):
+            _check_num_blocks(first.num_blocks, reservation)
+            if first.num_blocks:
+                receiving = self._post_receives(reservation, job, first.num_blocks)
+        try:
+            if isinstance(first, SendStarted):
+                first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
+            if not isinstance(first, FirstToken):
+                raise HandoffProtocolError(f"expected the first token, got {type(first).__name__}")
+        except BaseException:
+            if receiving is not None:  # they end with the failed send (or time out), then are discarded
+                receiving.discard(self._discard_landed)
+            raise
+        return first, receiving
 
     async def _job(self, reservation: Reservation, peer: str) -> HandoffJob:
         size = self._peer_sizes.get(peer)
@@ -196,25 +220,35 @@ class DecodeHandoff:
         for piece in job.pieces if job is not None else ():
             self.ranks.drop(piece)
 
-    async def _land(self, reservation: Reservation, job: HandoffJob, first: FirstToken, events) -> float:
+    async def _land(
+        self, reservation: Reservation, job: HandoffJob, first: FirstToken, events, receiving: Receiving | None
+    ) -> float:
         """The landing under its span (a child of the request's: this task inherits its context); returns
         when it ended (time.monotonic())."""
         with stage("decode.kv_transfer", {"splitserve.num_blocks": first.num_blocks}) as span:
-            await self._land_or_recompute(reservation, job, first, events, span)
+            await self._land_or_recompute(reservation, job, first, events, receiving, span)
         return time.monotonic()
 
     async def _land_or_recompute(
-        self, reservation: Reservation, job: HandoffJob, first: FirstToken, events, span: Span
+        self,
+        reservation: Reservation,
+        job: HandoffJob,
+        first: FirstToken,
+        events,
+        receiving: Receiving | None,
+        span: Span,
     ) -> None:
-        """Receive every piece and admit the request, or fall back to recomputing the prompt here."""
+        """Receive every piece (posted already when streamed) and admit the request, or fall back to
+        recomputing the prompt here."""
         rid = reservation.request.request_id
         try:
-            if first.num_blocks != reservation.num_blocks_to_land:
-                raise HandoffProtocolError(
-                    f"the prefill worker announced {first.num_blocks} blocks, "
-                    f"{reservation.num_blocks_to_land} were reserved"
-                )
-            done, received = await self._receive(reservation, job, first.num_blocks, events)
+            _check_num_blocks(first.num_blocks, reservation)
+            if receiving is None:
+                receiving = self._post_receives(reservation, job, first.num_blocks) if first.num_blocks else None
+            elif receiving.num_blocks != first.num_blocks:
+                receiving.discard(self._discard_landed)
+                raise HandoffProtocolError(f"{receiving.num_blocks} blocks were streamed, {first.num_blocks} announced")
+            done, received = await self._receive(job, events, receiving)
             admitted = await self._admit(reservation, job, done, received)
             num_bytes, seconds = self._observe_received(done, received)
             log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)
@@ -258,20 +292,25 @@ class DecodeHandoff:
                 self.metrics.observe_rank_bytes("received", r.piece.rank, r.report.num_bytes)
         return num_bytes, seconds
 
-    async def _receive(
-        self, reservation: Reservation, job: HandoffJob, num_blocks: int, events
-    ) -> tuple[TransferDone, list[Received]]:
-        """Post every piece's receive and read the sender's report together; the first failure wins
-        (pieces that land anyway are discarded). Rank 0's piece is written into the reserved blocks
-        chunk by chunk as it lands (pinned until every receive has ended, whatever ends first)."""
-        if num_blocks == 0:
-            self._skip(job)
-            return await anext(events), []
+    def _post_receives(self, reservation: Reservation, job: HandoffJob, num_blocks: int) -> Receiving:
+        """Every piece's receive, posted. Rank 0's piece is written into the reserved blocks chunk by
+        chunk as it lands (pinned until every receive has ended, whatever ends the reservation first)."""
         pinned = self.port.pin(reservation)  # None: the request is gone; its pieces land to be discarded
         recvs = [asyncio.ensure_future(self.ranks.recv(piece, num_blocks, pinned)) for piece in job.pieces]
         if pinned is not None:
             ended = asyncio.gather(*recvs, return_exceptions=True)
             ended.add_done_callback(lambda _: self.port.unpin_soon(reservation))
+        return Receiving(num_blocks, recvs)
+
+    async def _receive(
+        self, job: HandoffJob, events, receiving: Receiving | None
+    ) -> tuple[TransferDone, list[Received]]:
+        """Await the posted receives and read the sender's report together; the first failure wins
+        (pieces that land anyway are discarded). None posted: nothing moves."""
+        if receiving is None:
+            self._skip(job)
+            return await anext(events), []
+        recvs = receiving.recvs
         report = asyncio.ensure_future(asyncio.wait_for(anext(events), self.transfer_timeout_s * 2))
         try:
             await asyncio.wait({*recvs, report}, return_when=asyncio.FIRST_EXCEPTION)
@@ -284,8 +323,7 @@ class DecodeHandoff:
                 raise HandoffProtocolError(f"expected the transfer report, got {type(done).__name__}")
             return done, [recv.result() for recv in recvs]
         except BaseException:
-            for recv in recvs:
-                recv.add_done_callback(self._discard_landed)
+            receiving.discard(self._discard_landed)
             raise
         finally:
             if not report.done():
@@ -302,6 +340,26 @@ class DecodeHandoff:
     def _discard_landed(self, recv: asyncio.Future) -> None:
         if not recv.cancelled() and recv.exception() is None:
             self.ranks.release(recv.result(), committed=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Receiving:
+    """A handoff's receives, posted (rank 0's piece first pinned its blocks)."""
+
+    num_blocks: int
+    recvs: Sequence[asyncio.Future[Received]]
+
+    def discard(self, discard_landed: Callable[[asyncio.Future], None]) -> None:
+        """The handoff failed: whatever lands is released uncommitted."""
+        for recv in self.recvs:
+            recv.add_done_callback(discard_landed)
+
+
+def _check_num_blocks(num_blocks: int, reservation: Reservation) -> None:
+    if num_blocks != reservation.num_blocks_to_land:
+        raise HandoffProtocolError(
+            f"the prefill worker announced {num_blocks} blocks, {reservation.num_blocks_to_land} were reserved"
+        )
 
 
 def _check_pieces(job: HandoffJob, done: TransferDone, received: list[Received]) -> None:

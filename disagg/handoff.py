@@ -35,6 +35,15 @@ splitserve.v1 messages in prefill_client.py; unit tests pass them directly).
        batch
     8. decode   in the continuous batch
 
+Streaming (a single-rank prefill worker started with --kv-streaming, the default): steps 6 and 7
+start before step 5. When the step that computes the prompt's last chunk is scheduled, the prefill
+worker claims the prompt's blocks (no lease), starts the send and tells the decode worker
+(SendStarted, the number of blocks); the sender gathers each chunk of layers as soon as that step
+has written them (engine/layer_progress.py), and the decode worker, which posted its receives on
+SendStarted, writes each chunk into the pinned reserved blocks as it lands. So the wire overlaps
+the last chunk's forward, and only the last layers' bytes remain after the first token. If that
+step fails, the send fails (the decode worker recomputes) and the sender still releases the blocks.
+
 Two tiers of size 1 make one piece, rank 0 to rank 0 with every head: whole blocks on one channel
 (the Prefill RPC's channel and tag, no pieces on the wire). Ranks move their own heads: nothing is
 gathered through rank 0 (disagg/rank_transfers.py has the followers' side).
@@ -90,6 +99,14 @@ class HandoffJob:
 
 
 @dataclass(frozen=True, slots=True)
+class SendStarted:
+    """Prefill -> decode, first, when the KV is streamed: the step computing the prompt's last chunk
+    is scheduled and its layers go out as they are written; post the receives now."""
+
+    num_blocks: int  # blocks the transfer will carry
+
+
+@dataclass(frozen=True, slots=True)
 class FirstToken:
     """Prefill -> decode, as soon as the prompt's first token is sampled."""
 
@@ -111,7 +128,7 @@ class TransferDone:
     seconds: float
 
 
-HandoffEvent = FirstToken | TransferDone
+HandoffEvent = SendStarted | FirstToken | TransferDone
 
 
 class HandoffError(Exception):

@@ -10,15 +10,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from splitserve.common.tracing import stage, tracer
-from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, TransferDone
+from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, SendStarted, TransferDone
 from splitserve.disagg.plan import check_fits
 from splitserve.disagg.rank_transfers import PieceReport, connect_piece, send_piece
 from splitserve.disagg.transfer.base import KVSender, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import HandoffPort
+from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.request import Request
 from splitserve.worker.metrics import WorkerMetrics
 
@@ -30,8 +32,11 @@ async def prefill_and_send(
     job: HandoffJob,
     metrics: WorkerMetrics | None = None,
     send_delay_s: float = 0.0,
+    stream: bool = False,
 ) -> AsyncIterator[HandoffEvent]:
     """Yield FirstToken, then TransferDone. request comes from HandoffPort.make_prefill_request.
+    stream: send the KV layer by layer while the step computing the prompt's last chunk runs (a
+    single-rank worker only); SendStarted comes first then, as soon as that step is scheduled.
     Raises ValueError for a bad job, TransferError if the send fails. send_delay_s is a
     fault-injection hook for tests (a slow or stuck sender)."""
     port = HandoffPort(engine)
@@ -39,21 +44,39 @@ async def prefill_and_send(
     sender.use_device(port.device)  # an NCCL channel's group is built on it
     for piece in job.pieces:
         connect_piece(port, sender, piece)  # build the pairs' groups while the prompt computes
+    rid = request.request_id
+
+    def send(block_ids: Sequence[int], layers: LayerProgress | None) -> asyncio.Task:
+        task = asyncio.create_task(
+            _send(port, sender, job, rid, block_ids[job.num_skip_blocks :], metrics, send_delay_s, layers)
+        )
+        task.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
+        return task
+
+    streamed: asyncio.Future[asyncio.Task] = asyncio.get_running_loop().create_future()
+    if stream and port.tensor_parallel_size == 1:
+        # Runs on the event loop even if this generator is gone by then: the sender releases the blocks.
+        port.stream_as_computed(request, lambda block_ids, layers: streamed.set_result(send(block_ids, layers)))
     started_ns = time.time_ns()
-    final = await _run_prompt(engine, request)
+    run = asyncio.ensure_future(_run_prompt(engine, request))
+    try:
+        first_done: list[asyncio.Future[Any]] = [run, streamed]
+        await asyncio.wait(first_done, return_when=asyncio.FIRST_COMPLETED)
+        if streamed.done():
+            yield SendStarted(max(port.num_prompt_blocks(request) - job.num_skip_blocks, 0))
+        final = await run
+    finally:
+        run.cancel()  # a no-op once done; else the caller left: the prompt is aborted
     _trace_compute(started_ns, final)
     if final.handoff is None:
-        raise RuntimeError(f"request {request.request_id} ended without its KV ({final.finish_reason})")
-    block_ids = final.handoff.block_ids[job.num_skip_blocks :]
-    send = asyncio.create_task(_send(port, sender, job, request.request_id, block_ids, metrics, send_delay_s))
-    send.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
+        raise RuntimeError(f"request {rid} ended without its KV ({final.finish_reason})")
+    sending = streamed.result() if streamed.done() else send(final.handoff.block_ids, None)
     logprobs = final.new_logprobs[0] if final.new_logprobs else None
     queue_ms, ttft_ms = final.timings.queue_ms, final.timings.ttft_ms
     compute_ms = 0.0 if ttft_ms is None else ttft_ms - queue_ms
-    yield FirstToken(
-        final.new_token_ids[0], logprobs, final.handoff.sampler_state, len(block_ids), queue_ms, compute_ms
-    )
-    yield await asyncio.shield(send)
+    num_blocks = len(final.handoff.block_ids[job.num_skip_blocks :])
+    yield FirstToken(final.new_token_ids[0], logprobs, final.handoff.sampler_state, num_blocks, queue_ms, compute_ms)
+    yield await asyncio.shield(sending)
 
 
 def _check_job(port: HandoffPort, job: HandoffJob) -> None:
@@ -99,10 +122,12 @@ async def _send(
     block_ids: Sequence[int],
     metrics: WorkerMetrics | None,
     send_delay_s: float,
+    layers: LayerProgress | None,
 ) -> TransferDone:
     """The send under its span (a child of the Prefill call's: this task inherits its context)."""
-    with stage("prefill.kv_send", {"splitserve.num_blocks": len(block_ids)}) as span:
-        done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s)
+    attributes = {"splitserve.num_blocks": len(block_ids), "splitserve.streamed": layers is not None}
+    with stage("prefill.kv_send", attributes) as span:
+        done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s, layers)
         span.set_attributes({"splitserve.num_bytes": done.num_bytes, "splitserve.transfer_ms": done.seconds * 1e3})
     return done
 
@@ -115,8 +140,10 @@ async def _send_held(
     block_ids: Sequence[int],
     metrics: WorkerMetrics | None,
     send_delay_s: float,
+    layers: LayerProgress | None,
 ) -> TransferDone:
-    if not await port.claim_held(request_id):
+    """Sends the held blocks (a streamed send's were claimed when its step was scheduled)."""
+    if layers is None and not await port.claim_held(request_id):
         raise TransferError(
             TransferFailure.CLOSED,
             f"the KV of request {request_id} was released before its "
@@ -125,7 +152,7 @@ async def _send_held(
     try:
         if send_delay_s:
             await asyncio.sleep(send_delay_s)
-        sends = (send_piece(port, sender, piece, block_ids) for piece in job.pieces)
+        sends = (send_piece(port, sender, piece, block_ids, layers) for piece in job.pieces)
         results = await asyncio.gather(*sends, return_exceptions=True)
     finally:  # every piece sent or failed; the decode worker gets TransferDone before the release is done
         port.release_held_soon(request_id)

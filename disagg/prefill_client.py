@@ -17,7 +17,7 @@ from splitserve.common.wire import (
     logprobs_to_proto,
 )
 from splitserve.disagg.decode import PrefillClient
-from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, PieceJob, TransferDone
+from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, PieceJob, SendStarted, TransferDone
 from splitserve.disagg.plan import Piece
 from splitserve.disagg.transfer.base import Backend, ChannelSpec
 from splitserve.engine.request import Request
@@ -79,6 +79,8 @@ def job_from_proto(msg: pb.PrefillRequest, num_kv_heads: int) -> HandoffJob:
 
 
 def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
+    if isinstance(event, SendStarted):
+        return pb.PrefillResponse(send_started=pb.SendStarted(num_blocks=event.num_blocks))
     if isinstance(event, FirstToken):
         logprobs = logprobs_to_proto([event.logprobs] if event.logprobs is not None else None)
         return pb.PrefillResponse(
@@ -102,7 +104,10 @@ def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
 
 
 def event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
-    if msg.WhichOneof("event") == "first_token":
+    kind = msg.WhichOneof("event")
+    if kind == "send_started":
+        return SendStarted(msg.send_started.num_blocks)
+    if kind == "first_token":
         f = msg.first_token
         logprobs = logprobs_from_proto(f.logprobs)
         first_logprobs = logprobs[0] if logprobs else None
@@ -140,7 +145,7 @@ class GrpcPrefillClient(PrefillClient):
                     if isinstance(event, TransferDone):
                         span.end()
                     else:
-                        span.add_event("first token")
+                        span.add_event("first token" if isinstance(event, FirstToken) else "send started")
                     yield event
             finally:
                 call.cancel()  # no-op once finished

@@ -59,6 +59,7 @@ from splitserve.disagg.transfer.base import (
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.handoff_port import HandoffPort, LandedPiece, held_reader, piece_buffer, release_piece_buffer
 from splitserve.engine.kv_cache.staging import Staging
+from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.ranks import Message, Op, RanksLost, Status, bytes_array, encode
 
 if TYPE_CHECKING:
@@ -151,16 +152,21 @@ def connect_piece(port: HandoffPort, sender: KVSender, job: PieceJob) -> None:
         pass
 
 
-async def send_piece(port: HandoffPort, sender: KVSender, job: PieceJob, block_ids: Sequence[int]) -> PieceReport:
-    """Prefill side: the piece's rank reads its heads of these held blocks and sends them."""
+async def send_piece(
+    port: HandoffPort, sender: KVSender, job: PieceJob, block_ids: Sequence[int], layers: LayerProgress | None = None
+) -> PieceReport:
+    """Prefill side: the piece's rank reads its heads of these held blocks and sends them (layer by
+    layer as the step still computing them writes them, given its progress: rank 0's pieces only)."""
     heads, rank = job.piece.heads, job.piece.src_rank
     if not block_ids:
         return PieceReport(0, 0, 0.0)
     if rank != 0:
+        if layers is not None:
+            raise ValueError("a follower rank's piece is sent after its step, not streamed")
         wire = (*channel_to_wire(job.channel), np.array([job.tag, heads.start, heads.stop]), np.array(block_ids))
         return report_from_wire(await _ask(port, rank, Op.SEND_KV, *wire))
     staging = port.acquire_staging(len(block_ids), len(heads))
-    fill = port.held_reader(block_ids, heads, staging.tensor)  # gathered chunk by chunk as it is sent
+    fill = port.held_reader(block_ids, heads, staging.tensor, layers)  # gathered chunk by chunk as it is sent
     moved = await sender.send(job.channel, job.tag, staging.tensor, fill)
     port.release_staging(staging)  # after a failure gloo may still be reading it: never released
     return _report(staging.tensor, moved)

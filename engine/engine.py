@@ -39,6 +39,7 @@ from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.config import EngineConfig, RuntimeInfo
 from splitserve.engine.kv_cache.block_pool import BlockId
 from splitserve.engine.kv_cache.manager import KVCacheManager
+from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.leases import HeldLeases
 from splitserve.engine.model_runner import ModelRunner, WarmUpReport
 from splitserve.engine.output_processor import OutputProcessor, OutputThread, ProcessedStep
@@ -54,6 +55,7 @@ from splitserve.engine.ranks import RanksLost
 from splitserve.engine.request import Request, RequestId, RequestStatus
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.scheduler_output import SchedulerOutput
 from splitserve.engine.step_stats import StepStats
 from splitserve.model.loader import open_model
 
@@ -102,6 +104,10 @@ class Engine:
         self._to_finish: deque[tuple[str, RequestStatus]] = deque()
         self._recent_tickets: deque[int] = deque(maxlen=2)  # the output thread's tickets of the last two steps
         self._stop_string_ids: set[str] = set()  # unfinished requests with stop strings
+        # Prefill tier, during a step: requests whose KV a sender reads as this step computes it; their
+        # blocks were claimed at schedule (no lease: only the sender's release_held frees them).
+        self._streaming: set[str] = set()
+        self._to_stream: dict[str, Request] = {}  # unfinished requests whose kv_stream is not called yet
         # Held by a thread that runs a step loop (AsyncEngine), so that one ending still (its event
         # loop closed) and a new one never step this engine at once.
         self.loop_lock = threading.Lock()
@@ -199,6 +205,8 @@ class Engine:
         self._check_unused(request.request_id)
         self.scheduler.add_request(request)
         self._track(request)
+        if request.kv_stream is not None:
+            self._to_stream[request.request_id] = request
         return request.request_id
 
     def _check_unused(self, request_id: str) -> None:
@@ -213,10 +221,13 @@ class Engine:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
         self._to_outputs(lambda p: p.forget(request_id))
-        if request is None and self.leases.claim(request_id):  # finished and held, nobody sending yet
-            self.scheduler.release_held(request_id)
+        if request is None and self._release_unclaimed(request_id):  # finished and held, nobody sending yet
             return True
         return request is not None
+
+    def _release_unclaimed(self, request_id: str) -> bool:
+        """Free a held request's blocks unless a sender claimed them (then its release frees them)."""
+        return self.leases.claim(request_id) and self.scheduler.release_held(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -346,15 +357,21 @@ class Engine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
+        layers = self._start_streams(out)
         try:
             batch = self.runner.prepare(out)
-            logits = self.runner.forward(batch)
-        except RanksLost:  # not this batch's fault: the worker's ranks are out of step for good
-            raise
-        except Exception as e:  # isolation boundary: a failed forward fails its batch, not the engine
+            logits = self.runner.forward(batch, layers)
+        except BaseException as e:
+            if layers is not None:
+                layers.fail(e)  # the senders waiting for this step's layers give up
+            if isinstance(e, RanksLost) or not isinstance(e, Exception):  # the worker's ranks are out of step for good
+                raise
+            # isolation boundary: a failed forward fails its batch, not the engine
             scheduled = out.decodes + [s.request for s in out.chunks]
             log.exception("the forward failed; failing the %d requests of this batch", len(scheduled))
-            return StepTokens([], [], {}, time.monotonic(), failed=[self._fail(r, e) for r in scheduled])
+            failed = [self._fail(r, e) for r in scheduled]
+            self._streaming.clear()
+            return StepTokens([], [], {}, time.monotonic(), failed=failed)
         result = self.sampler.sample(logits, batch.sampling_requests)
         failed = [self._fail(r, e) for r, e in result.errors]  # before the update skips them
         update = self.scheduler.update(out, result.token_ids)
@@ -362,25 +379,49 @@ class Engine:
         arrays = batch.arrays  # always there from prepare (None only for the runner's own shapes)
         if arrays is not None:
             self.step_stats.record(arrays.starts, arrays.query_lens, len(arrays.input_ids), now - started)
+        finished: dict[str, Finish] = {r.request_id: self._finished(r) for r in update.finished}
+        self._streaming.clear()  # each finished (held) or failed (held for its sender) above
         advanced = update.advanced
         # Every sampled request advanced (nothing failed or was aborted): the sampled ids line up.
         aligned = len(advanced) == len(result.token_ids)
         return StepTokens(
             requests=advanced,
             token_ids=cast(list[int], result.token_ids) if aligned else [r.all_token_ids[-1] for r in advanced],
-            finished={r.request_id: self._finished(r) for r in update.finished},
+            finished=finished,
             time=now,
             logprobs=result.rows,
             failed=failed,
         )
 
+    def _start_streams(self, out: SchedulerOutput) -> LayerProgress | None:
+        """Prefill tier: requests streaming their KV (Request.kv_stream) whose last prompt chunk runs
+        in this step get their blocks and the step's progress before its forward; from now on only
+        their sender frees the blocks. None when no such request runs."""
+        if not self._to_stream:
+            return None
+        scheduled = out.decodes + [s.request for s in out.chunks if s.samples]  # a last chunk may be one token
+        streamed = [r for r in scheduled if r.request_id in self._to_stream]
+        if not streamed:
+            return None
+        layers = LayerProgress(self.runner.arch.num_layers, self.runner.device)
+        for request in streamed:
+            stream, request.kv_stream = request.kv_stream, None
+            del self._to_stream[request.request_id]
+            assert stream is not None
+            self._streaming.add(request.request_id)
+            num_blocks = -(-request.num_prompt_tokens // self.runtime.block_size)
+            stream(self.kv.block_ids(request.request_id)[:num_blocks], layers)
+        return layers
+
     def _finished(self, request: Request) -> Finish:
-        """Wrap up a request that finished at this step (the prefill tier's held blocks start their lease)."""
+        """Wrap up a request that finished at this step (the prefill tier's held blocks start their
+        lease, unless a sender streaming them claimed them already)."""
         rid = request.request_id
         handoff = None
         if request.stop_after_prefill and rid in self.scheduler.held:
             handoff = PrefillHandoff(self.kv.block_ids(rid), self.sampler.get_state(rid))
-            self.leases.start(rid)
+            if rid not in self._streaming:
+                self.leases.start(rid)
         self._forget(rid)
         reason = request.finish_reason
         assert reason is not None
@@ -389,8 +430,9 @@ class Engine:
     def _fail(self, request: Request, error: Exception) -> tuple[Request, str]:
         """Finish a request the step failed for and free its blocks; returns the error for its stream."""
         rid = request.request_id
-        self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-        self.release_held(rid)  # finished at this step and already held: nobody will send
+        # A sender streaming its KV may be reading the blocks: they stay held until it releases them.
+        self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED, keep_blocks=rid in self._streaming)
+        self._release_unclaimed(rid)  # finished at this step and already held: nobody will send
         self._forget(rid)
         self.stats.num_failed_requests += 1
         return request, f"{type(error).__name__}: {error}"
@@ -403,7 +445,7 @@ class Engine:
         """Output processing ended a request: a stop string matched, or processing it failed."""
         self.scheduler.finish_request(request_id, status)  # no-op if it finished meanwhile
         if status is RequestStatus.FINISHED_ABORTED:
-            self.release_held(request_id)
+            self._release_unclaimed(request_id)
             self.stats.num_failed_requests += 1
         self._forget(request_id)
 
@@ -416,6 +458,7 @@ class Engine:
     def _forget(self, request_id: str) -> None:
         """Engine-side state of a request that finished here (its outputs may still be in processing)."""
         self._stop_string_ids.discard(request_id)
+        self._to_stream.pop(request_id, None)
         self.sampler.release(request_id)
 
     def _to_outputs(self, fn: Callable[[OutputProcessor], Any]) -> None:

@@ -17,6 +17,8 @@ Prefill side:
     make_prefill_request(...)   a request that finishes at its first token and keeps its blocks
                                 (the prefill policy, here and nowhere else)
     claim_held / held_reader / release_held(_soon)   the held blocks, under their lease (engine/leases.py)
+    stream_as_computed(request, start)  or the blocks claimed when the step computing the prompt's
+                                last chunk is scheduled, read layer by layer as it computes them
 
 Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
 their KV transfers, disagg/rank_transfers.py), load(), and the KV-event snapshot for the prefix
@@ -41,6 +43,7 @@ from splitserve.engine.engine import RequestOutput
 from splitserve.engine.kv_cache.block_io import gather_blocks
 from splitserve.engine.kv_cache.block_pool import BlockId
 from splitserve.engine.kv_cache.staging import Staging
+from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.ranks import Followers, Message, Op, commit_to_wire
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import TokenLogprobs
@@ -124,15 +127,22 @@ def release_piece_buffer(runner: ModelRunner, staging: Staging) -> None:
 
 
 def held_reader(
-    runner: ModelRunner, block_ids: Sequence[int], heads: range, out: torch.Tensor
+    runner: ModelRunner,
+    block_ids: Sequence[int],
+    heads: range,
+    out: torch.Tensor,
+    layers: LayerProgress | None = None,
 ) -> Callable[[slice], None]:
     """fill(rows) that copies rows [start, stop) of out's [num_layers * 2, -1] view from these heads of
     these blocks, as the transport sends them (disagg/transfer/chunks.py). Every head, into a buffer
     on the cache's device, is gathered a chunk at a time (overlapping the wire); anything else (some
-    heads) is read whole at the first call."""
+    heads) is read whole at the first call. layers: the progress of the step still computing these
+    blocks (streaming): each read first waits for the layers it reads (all of them, read whole)."""
     if runner.local_heads(heads) == slice(0, runner.num_local_kv_heads) and out.device == runner.kv_cache.device:
 
         def gather(rows: slice) -> None:
+            if layers is not None:
+                layers.wait_rows(rows)
             gather_blocks(runner.kv_cache, block_ids, out, rows)
 
         return gather
@@ -140,6 +150,8 @@ def held_reader(
 
     def read_whole(rows: slice) -> None:
         if not read:
+            if layers is not None:
+                layers.wait(layers.num_layers)
             runner.read_heads(block_ids, heads, out)
             read.append(True)
 
@@ -160,6 +172,9 @@ class HandoffPort:
     def block_size(self) -> int:
         return self._engine.runtime.block_size
 
+    def num_prompt_blocks(self, request: Request) -> int:
+        return -(-request.num_prompt_tokens // self.block_size)
+
     @property
     def max_model_len(self) -> int:
         return self._engine.runtime.max_model_len
@@ -173,8 +188,7 @@ class HandoffPort:
         num_held = await self._async.call(self._engine.reserve_for_transfer, request)
         if num_held is None:
             return None
-        num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
-        return Reservation(request, num_held, num_prompt_blocks - num_held)
+        return Reservation(request, num_held, self.num_prompt_blocks(request) - num_held)
 
     async def accept_first_token(
         self, reservation: Reservation, token_id: int, logprobs: TokenLogprobs | None, sampler_state: bytes | None
@@ -240,15 +254,33 @@ class HandoffPort:
         """Validated; finishes at its first token and keeps its blocks for the decode worker."""
         return self._engine.make_request(prompt, params, priority=priority, stop_after_prefill=True, label=label)
 
+    def stream_as_computed(self, request: Request, start: Callable[[list[BlockId], LayerProgress], None]) -> None:
+        """Before request is added: once the step that computes the last chunk of its prompt is
+        scheduled, start(block_ids, layers) runs on this event loop, with the prompt's blocks (already
+        claimed for the sender: no lease; release_held after the send frees them, even if that step
+        fails) and the step's progress, which held_reader waits on layer by layer."""
+        loop = asyncio.get_running_loop()
+
+        def from_step(block_ids: list[BlockId], layers: LayerProgress) -> None:  # on the step thread
+            try:
+                loop.call_soon_threadsafe(start, block_ids, layers)
+            except RuntimeError:  # the event loop is closed: the worker is going down
+                pass
+
+        request.kv_stream = from_step
+
     async def claim_held(self, request_id: str) -> bool:
         """Directly, not between steps: the lease is thread-safe, and the step thread may be in the next
         prompt's forward (waiting for it delayed every handoff by up to a prefill step)."""
         return self._engine.claim_held(request_id)
 
-    def held_reader(self, block_ids: Sequence[int], heads: range, out: torch.Tensor) -> Callable[[slice], None]:
+    def held_reader(
+        self, block_ids: Sequence[int], heads: range, out: torch.Tensor, layers: LayerProgress | None = None
+    ) -> Callable[[slice], None]:
         """fill(rows) for a send of rank 0's slice of held blocks (these global KV heads) into out
-        (held_reader below; claimed blocks are written by nobody: safe beside a step)."""
-        return held_reader(self._engine.runner, block_ids, heads, out)
+        (held_reader above; claimed blocks are written by nobody but the step computing them, whose
+        layers it then waits for: safe beside a step)."""
+        return held_reader(self._engine.runner, block_ids, heads, out, layers)
 
     async def release_held(self, request_id: str) -> bool:
         return await self._async.call(self._engine.release_held, request_id)

@@ -16,6 +16,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.cuda_graphs import Capture, DecodeGraphs, GraphTarget, capture_sizes, default_capture
 from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 from splitserve.engine.kv_cache.staging import Staging, StagingPool
+from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.memory import MemorySnapshot, profile_memory
 from splitserve.engine.ranks import Followers, RankGroups, RanksLost, rank_device
 from splitserve.engine.scheduler import SchedulerOutput
@@ -340,14 +341,15 @@ class ModelRunner:
         self.model.compute_logits(hidden[batch.sample_rows])
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the step (on every rank); returns float32 logits [num_sampling_seqs, vocab]."""
+    def forward(self, batch: ForwardBatch, layers: LayerProgress | None = None) -> torch.Tensor:
+        """Run the step (on every rank); returns float32 logits [num_sampling_seqs, vocab]. layers: marked
+        as each layer's KV is written (a prefill worker streams a prompt's KV as it is computed)."""
         if self.followers is None:
-            return self._forward(batch)
+            return self._forward(batch, layers)
         assert batch.arrays is not None  # prepare() packs from arrays
         self.followers.step(batch.arrays)
         try:
-            return self._forward(batch)
+            return self._forward(batch, layers)
         except Exception as e:  # the followers may be inside a collective of this step: out of step for good
             raise RanksLost(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})") from e
 
@@ -356,21 +358,24 @@ class ModelRunner:
         """A follower rank's side of rank 0's step (its logits are rank 0's to sample)."""
         self._forward(self._inputs.pack(arrays, []))
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def _forward(self, batch: ForwardBatch, layers: LayerProgress | None = None) -> torch.Tensor:
         self._kv_written = True
-        hidden = self._hidden(batch, self.kv_caches)
+        hidden = self._hidden(batch, self.kv_caches, layers)
         if batch.sample_rows.numel() == 0:  # the same test on every rank: compute_logits has collectives
             return hidden.new_empty((0, self.arch.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[batch.sample_rows])
 
-    def _hidden(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _hidden(
+        self, batch: ForwardBatch, kv_caches: list[torch.Tensor], layers: LayerProgress | None = None
+    ) -> torch.Tensor:
         """The model's output [num_tokens, hidden]: from a decode graph when one fits the step (graphs
-        run on self.kv_caches only), else eagerly."""
-        if self._graphs is not None and kv_caches is self.kv_caches:
+        run on self.kv_caches only, and mark no layers), else eagerly."""
+        if self._graphs is not None and kv_caches is self.kv_caches and layers is None:
             hidden = self._graphs.try_forward(batch)
             if hidden is not None:
                 return hidden
-        return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta)
+        on_layer = None if layers is None else layers.layer_done
+        return self.model(batch.input_ids, batch.positions, kv_caches, batch.meta, on_layer)
 
     def on_ranks_lost(self, callback) -> None:
         """callback(RanksLost), from another thread, when a follower rank exits (tensor parallel only)."""

@@ -15,10 +15,15 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import NewType
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NewType
 
 from splitserve.common.block_hash import BlockHash, extend_block_hashes
 from splitserve.common.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from splitserve.engine.kv_cache.block_pool import BlockId
+    from splitserve.engine.layer_progress import LayerProgress
 
 RequestId = NewType("RequestId", str)
 
@@ -88,6 +93,9 @@ class Request:
         self.priority = priority
         # Prefill tier: finish once the first token is sampled; the KV stays as prefix cache.
         self.stop_after_prefill = stop_after_prefill
+        # Prefill tier, streaming its KV as computed: told (on the step thread) the prompt's blocks and
+        # the progress of the step computing its last prompt chunk, before that step's forward.
+        self.kv_stream: Callable[[list[BlockId], LayerProgress], None] | None = None
         self.arrival_time = time.monotonic()
         self.arrival_seq = next(_arrival_counter)
         self.num_prompt_tokens = len(prompt_token_ids)

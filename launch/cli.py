@@ -206,6 +206,7 @@ def _worker(a: argparse.Namespace) -> int:
         mode=a.mode,
         advertise_host=a.advertise_host,
         kv_transfer_timeout_s=a.kv_transfer_timeout,
+        kv_streaming=a.kv_streaming,
         cluster=cluster_from_args(a),
     )
     try:
@@ -435,6 +436,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="seconds any KV transfer step may take before it counts as failed",
+    )
+    worker.add_argument(
+        "--kv-streaming",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill: send a prompt's KV layer by layer while its last chunk computes (single-rank "
+        "workers; --no-kv-streaming: send it after the first token)",
     )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")

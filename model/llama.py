@@ -14,6 +14,8 @@ added to it, so every norm after the first can fuse the add: layer(h, residual) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -156,11 +158,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, kvh, d]
         meta: AttentionMetadata,
+        on_layer: Callable[[int], None] | None = None,  # on_layer(i) once layer i's KV is in kv_caches[i]
     ) -> torch.Tensor:  # [num_tokens, hidden] before the final norm
         h, residual = self.embed_tokens(input_ids), None
         rope = self.ops.rope_lookup(self.rotary.cos, self.rotary.sin, positions, h.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             h, residual = layer(h, residual, rope, kv_cache, meta)
+            if on_layer is not None:
+                on_layer(index)
         return residual + h  # only the sampled rows go through the final norm (compute_logits)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

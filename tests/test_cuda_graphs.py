@@ -93,8 +93,8 @@ def _record_logits(llm: LLM, monkeypatch) -> list[torch.Tensor]:
     runner, logits = llm.engine.runner, []
     forward = runner.forward
 
-    def spy(batch):
-        out = forward(batch)
+    def spy(batch, layers=None):
+        out = forward(batch, layers)
         logits.append(out.clone())
         return out
 

@@ -14,7 +14,7 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.disagg.decode import DecodeHandoff, PrefillClient
-from splitserve.disagg.handoff import HandoffError, HandoffEvent, HandoffJob
+from splitserve.disagg.handoff import HandoffError, HandoffEvent, HandoffJob, SendStarted
 from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.transfer.checksum import checksum
 from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
@@ -38,9 +38,13 @@ def _config(folder) -> EngineConfig:
 class DirectClient(PrefillClient):
     """Calls prefill_and_send on in-process prefill engines; records every job it forwards."""
 
-    def __init__(self, prefills: dict[str, AsyncEngine], hub: Hub, send_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, prefills: dict[str, AsyncEngine], hub: Hub, send_delay_s: float = 0.0, stream: bool = False
+    ) -> None:
         self.prefills, self.sender, self.send_delay_s = prefills, InProcessSender(hub), send_delay_s
+        self.stream = stream  # the KV sent layer by layer while the last prompt chunk computes
         self.jobs: list[HandoffJob] = []
+        self.events: list[type] = []  # the kinds of event each handoff yielded, in order
         self.fail_before_first = False
         self.before_failing: Callable[[], Awaitable[None]] | None = None  # awaited before failing
 
@@ -54,7 +58,9 @@ class DirectClient(PrefillClient):
         copy = HandoffPort(engine).make_prefill_request(
             request.all_token_ids, request.sampling_params, label=request.request_id
         )
-        async for event in prefill_and_send(engine, copy, self.sender, job, send_delay_s=self.send_delay_s):
+        events = prefill_and_send(engine, copy, self.sender, job, send_delay_s=self.send_delay_s, stream=self.stream)
+        async for event in events:
+            self.events.append(type(event))
             yield event
 
 
@@ -63,11 +69,11 @@ def engines(tiny_llama_dir):
     return Engine(_config(tiny_llama_dir)), Engine(_config(tiny_llama_dir))
 
 
-def _setup(engines, hub_timeout_s=5.0, send_delay_s=0.0):
+def _setup(engines, hub_timeout_s=5.0, send_delay_s=0.0, stream=False):
     prefill_engine, decode_engine = engines
     prefill, decode = AsyncEngine(prefill_engine), AsyncEngine(decode_engine)
     hub = Hub(hub_timeout_s)
-    client = DirectClient({"p0": prefill}, hub, send_delay_s)
+    client = DirectClient({"p0": prefill}, hub, send_delay_s, stream)
     handoff = DecodeHandoff(decode, InProcessReceiver(hub), client, transfer_timeout_s=hub_timeout_s)
     return prefill, decode, client, handoff
 
@@ -107,28 +113,31 @@ PROMPTS = [[(5 * i + j) % 300 + 1 for j in range(3 + 11 * i)] for i in range(5)]
     ],
     ids=["greedy", "seeded", "penalties"],
 )
-def test_disaggregated_output_equals_unified(engines, tiny_llama_dir, params):
+@pytest.mark.parametrize("stream", [False, True], ids=["after", "streamed"])
+def test_disaggregated_output_equals_unified(engines, tiny_llama_dir, params, stream):
     want = [o.token_ids for o in LLM(_config(tiny_llama_dir)).generate(PROMPTS, params)]
 
     async def main():
-        prefill, decode, _, handoff = _setup(engines)
+        prefill, decode, client, handoff = _setup(engines, stream=stream)
         got = await asyncio.gather(*(_run(handoff, p, params, f"r{i}") for i, p in enumerate(PROMPTS)))
         await _settle(prefill, decode)
-        return got, prefill, decode
+        return got, prefill, decode, client.events
 
-    got, prefill, decode = asyncio.run(main())
+    got, prefill, decode, events = asyncio.run(main())
     assert got == want
     assert _all_free(prefill.engine) and _all_free(decode.engine)
+    assert events.count(SendStarted) == (len(PROMPTS) if stream else 0)
 
 
-def test_shared_prefix_sends_fewer_blocks(engines):
+@pytest.mark.parametrize("stream", [False, True], ids=["after", "streamed"])
+def test_shared_prefix_sends_fewer_blocks(engines, stream):
     params = SamplingParams(temperature=0.0, max_tokens=4)
-    prefix = list(range(1, 41))  # 5 full blocks of 8
+    prefix = list(range(1 + 100 * stream, 41 + 100 * stream))  # 5 full blocks of 8, new to these engines
 
     async def main():
-        prefill, decode, client, handoff = _setup(engines)
-        await _run(handoff, prefix + [50, 51], params, "a")
-        await _run(handoff, prefix + [60, 61, 62], params, "b")
+        prefill, decode, client, handoff = _setup(engines, stream=stream)
+        await _run(handoff, prefix + [250, 251], params, "a")
+        await _run(handoff, prefix + [260, 261, 262], params, "b")
         await _settle(prefill, decode)
         return client.jobs
 
@@ -137,12 +146,13 @@ def test_shared_prefix_sends_fewer_blocks(engines):
     assert second.num_skip_blocks == 5  # the decode worker already held the shared prefix
 
 
-def test_transfer_timeout_falls_back_to_recompute(engines, tiny_llama_dir):
+@pytest.mark.parametrize("stream", [False, True], ids=["after", "streamed"])
+def test_transfer_timeout_falls_back_to_recompute(engines, tiny_llama_dir, stream):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     want = LLM(_config(tiny_llama_dir)).generate([PROMPTS[3]], params)[0].token_ids
 
     async def main():
-        prefill, decode, _, handoff = _setup(engines, hub_timeout_s=0.3, send_delay_s=0.6)
+        prefill, decode, _, handoff = _setup(engines, hub_timeout_s=0.3, send_delay_s=0.6, stream=stream)
         got = await _run(handoff, PROMPTS[3], params, "slow")
         await asyncio.sleep(0.7)  # the late send finds nobody and gives its blocks back
         await _settle(prefill, decode)
@@ -162,17 +172,19 @@ def _swap_two_blocks(wire: torch.Tensor) -> None:  # the right bytes in the wron
 
 
 @pytest.mark.parametrize(
-    ("tamper", "seed"), [(_flip_one_bit, 1), (_swap_two_blocks, 2)], ids=["bit-flipped", "blocks-swapped"]
+    ("tamper", "seed", "stream"),
+    [(_flip_one_bit, 1, False), (_swap_two_blocks, 2, False), (_flip_one_bit, 3, True)],
+    ids=["bit-flipped", "blocks-swapped", "bit-flipped-streamed"],
 )
 def test_a_corrupted_transfer_fails_its_checksum_and_the_prompt_is_recomputed(
-    engines, tiny_llama_dir, tamper, seed, caplog
+    engines, tiny_llama_dir, tamper, seed, stream, caplog
 ):
     params = SamplingParams(temperature=0.0, max_tokens=8)
     prompt = [(13 * j + 7 * seed) % 290 + 1 for j in range(36)]  # 5 blocks, none cached by earlier tests
     want = LLM(_config(tiny_llama_dir)).generate([prompt], params)[0].token_ids
 
     async def main():
-        prefill, decode, client, handoff = _setup(engines)
+        prefill, decode, client, handoff = _setup(engines, stream=stream)
         client.sender.hub.tamper = tamper  # on the wire, after the sender's checksum
         got = await _run(handoff, prompt, params, "tampered")
         await _settle(prefill, decode)
@@ -259,13 +271,14 @@ def test_a_cancelled_request_keeps_its_blocks_out_of_the_pool_until_its_kv_stops
     assert _all_free(prefill.engine) and _all_free(decode.engine) and not decode.engine.kv.is_parked("k")
 
 
-def test_cancel_during_transfer_frees_both_sides(engines):
+@pytest.mark.parametrize("stream", [False, True], ids=["after", "streamed"])
+def test_cancel_during_transfer_frees_both_sides(engines, stream):
     async def main():
-        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.3)
+        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.3, stream=stream)
         request = decode.engine.make_request(PROMPTS[4], SamplingParams(max_tokens=50), "c")
-        stream = handoff.generate(request, "p0")
-        await anext(stream)  # the first token is out; the blocks are still on their way
-        await stream.aclose()
+        outputs = handoff.generate(request, "p0")
+        await anext(outputs)  # the first token is out; the blocks are still on their way
+        await outputs.aclose()
         await asyncio.sleep(0.5)
         await _settle(prefill, decode)
         return prefill, decode

@@ -155,9 +155,9 @@ def test_profile_forward_runs_at_the_token_budget(runner):
     calls = []
     real = runner.model.forward
 
-    def forward(input_ids, positions, kv_caches, meta):
+    def forward(input_ids, positions, kv_caches, meta, on_layer=None):
         calls.append((input_ids.shape[0], meta.query_lens_cpu))
-        return real(input_ids, positions, kv_caches, meta)
+        return real(input_ids, positions, kv_caches, meta, on_layer)
 
     runner.model.forward = forward
     try:

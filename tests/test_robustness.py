@@ -121,7 +121,7 @@ def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_llama_dir, m
     want = _run(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=6))
     real_forward = engine.runner.forward
 
-    def broken(batch):
+    def broken(batch, layers=None):
         monkeypatch.setattr(engine.runner, "forward", real_forward)  # once
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 

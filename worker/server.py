@@ -56,6 +56,7 @@ class WorkerConfig:
     drain_timeout_s: float = DRAIN_TIMEOUT_S  # running requests, once draining (KV in flight: drain_bound_s)
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
+    kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
 
     def __post_init__(self) -> None:
@@ -87,7 +88,9 @@ def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMet
     if role is Role.PREFILL:
         sender = TorchDistSender(config.public_host, config.kv_transfer_timeout_s)
         delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
-        return WorkerServicer(engine, metrics, role, sender=sender, send_delay_s=delay)
+        return WorkerServicer(
+            engine, metrics, role, sender=sender, send_delay_s=delay, kv_streaming=config.kv_streaming
+        )
     if role is Role.DECODE:
         receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
         log.info("KV channels meet at TCPStore %s", receiver.address)

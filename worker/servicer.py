@@ -104,11 +104,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         sender: KVSender | None = None,
         handoff: DecodeHandoff | None = None,
         send_delay_s: float = 0.0,
+        kv_streaming: bool = False,
     ) -> None:
         self.engine, self.metrics, self.role = engine, metrics, role
         self.port = HandoffPort(engine)
         self.sender, self.handoff = sender, handoff
         self.send_delay_s = send_delay_s  # fault injection for tests: a slow prefill-side send
+        self.kv_streaming = kv_streaming  # prefill: KV sent layer by layer as computed (disagg/handoff.py)
         self.draining = False
         self.request_drain: Callable[[], None] | None = None  # set by the server: starts the drain
 
@@ -208,7 +210,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
         engine_request = self.port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
         async for event in prefill_and_send(
-            self.engine, engine_request, self.sender, job, self.metrics, self.send_delay_s
+            self.engine, engine_request, self.sender, job, self.metrics, self.send_delay_s, self.kv_streaming
         ):
             if isinstance(event, FirstToken):
                 timing.first_token = timing.finished = time.monotonic()

@@ -108,8 +108,8 @@ class InProcessSender(KVSender):
     async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill: Fill | None = None) -> Moved:
         start = time.monotonic()
         self.hub.check_secret(channel)
-        if fill is not None:
-            fill(slice(0, row_view(blocks).shape[0]))
+        if fill is not None:  # off the event loop: a streamed fill waits for the layers it reads
+            await asyncio.to_thread(fill, slice(0, row_view(blocks).shape[0]))
         crc = checksum(blocks)
         slot = self.hub.slot(channel.key, tag)
         if not slot.done():

@@ -93,12 +93,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., channel: _Optional[_Union[KVChannel, _Mapping]] = ..., transfer_tag: _Optional[int] = ..., num_skip_blocks: _Optional[int] = ..., kv_layout: _Optional[str] = ..., decode_tensor_parallel_size: _Optional[int] = ..., pieces: _Optional[_Iterable[_Union[KVPiece, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "transfer_done")
+    __slots__ = ("first_token", "transfer_done", "send_started")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
+    SEND_STARTED_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     transfer_done: TransferDone
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
+    send_started: SendStarted
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., send_started: _Optional[_Union[SendStarted, _Mapping]] = ...) -> None: ...
+
+class SendStarted(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprobs", "sampler_state", "num_blocks", "queue_ms", "compute_ms")
