@@ -1,4 +1,4 @@
-"""Through the gateway (SmolLM2 fp32, CPU), two measurements:
+"""Through the gateway (SmolLM2 fp32, CPU), three measurements:
 
 throughput (default): the offline workload of benchmarks/offline.py as concurrent gRPC streams to
     gateway + 1 unified worker, against the in-process engine on the same requests. Target: >= 0.9x.
@@ -8,7 +8,12 @@ throughput (default): the offline workload of benchmarks/offline.py as concurren
     hit on the prefill worker (the gateway routes it there; the prefix's KV is handed to the decode
     worker again). Two warm-up requests first. Target: cold / hit >= 8x, as in process (offline.py).
 
+--second-token: time to the second token, one request at a time, of unified (one worker) against
+    1P1D with the KV streamed layer by layer (the default) and 1P1D sending it after the first token
+    (--no-kv-streaming), one pinned core per worker. Target: 1P1D within 1.1x of unified at 4k tokens.
+
 Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--json PATH]
+       python benchmarks/serving.py --second-token [--lengths 256,1024,4096] [--repeats 3] [--json PATH]
        python benchmarks/serving.py --prefix-hit [--pairs 3] [--json PATH]
 """
 
@@ -136,7 +141,16 @@ def prefix_hit(args: argparse.Namespace) -> dict:
 SECOND_TOKEN_KV_BYTES = 512 * 1024**2  # a 4k-token prompt's KV is ~190 MB (SmolLM2 fp32)
 SECOND_TOKEN_DEPLOYMENTS = {  # start_cluster arguments: one pinned core per worker
     "unified": {"num_workers": 1, "worker_cpus": ["0"]},
+    # the KV streamed layer by layer while the last prompt chunk computes (the default)
     "1P1D": {"num_workers": 0, "num_prefill": 1, "num_decode": 1, "worker_cpus": ["0", "1"]},
+    # the KV sent after the first token
+    "1P1D after": {
+        "num_workers": 0,
+        "num_prefill": 1,
+        "num_decode": 1,
+        "worker_cpus": ["0", "1"],
+        "worker_argv": ["--no-kv-streaming"],
+    },
 }
 
 
@@ -172,16 +186,14 @@ def second_token(args: argparse.Namespace) -> dict:
             stop_cluster(children)
         result["deployments"][name] = figures
     print(f"\ntime to the second token, one request at a time, median of {args.repeats} (s)")
-    print(f"{'prompt':>7}{'unified TTFT':>14}{'unified 2nd':>13}{'1P1D TTFT':>11}{'1P1D 2nd':>10}{'ratio 2nd':>11}")
-    unified, disagg = result["deployments"]["unified"], result["deployments"]["1P1D"]
+    print(f"{'prompt':>7}{'deployment':>12}{'TTFT':>9}{'2nd token':>11}{'2nd / unified':>15}")
+    unified = result["deployments"]["unified"]
     result["ratio_second_token"] = {}
     for n in lengths:
-        ratio = disagg[n]["second_token_s"] / unified[n]["second_token_s"]
-        result["ratio_second_token"][n] = ratio
-        print(
-            f"{n:>7}{unified[n]['ttft_s']:>14.3f}{unified[n]['second_token_s']:>13.3f}"
-            f"{disagg[n]['ttft_s']:>11.3f}{disagg[n]['second_token_s']:>10.3f}{ratio:>10.3f}x"
-        )
+        for name, figures in result["deployments"].items():
+            ratio = figures[n]["second_token_s"] / unified[n]["second_token_s"]
+            result["ratio_second_token"].setdefault(name, {})[n] = ratio
+            print(f"{n:>7}{name:>12}{figures[n]['ttft_s']:>9.3f}{figures[n]['second_token_s']:>11.3f}{ratio:>14.3f}x")
     return result
 
 

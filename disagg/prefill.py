@@ -165,6 +165,8 @@ async def _send_held(
     )
     if metrics is not None:
         metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, done.seconds)
+        if layers is not None:
+            metrics.observe_streamed_send()
         for piece, report in zip(job.pieces, reports):
             metrics.observe_rank_bytes("sent", piece.piece.src_rank, report.num_bytes)
     return done

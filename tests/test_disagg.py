@@ -86,6 +86,8 @@ def test_1p1d_equals_unified_worker_and_in_process_engine(one_p_one_d, tiny_llam
     assert metric(prefill.metrics, "splitserve_kv_transfer_bytes_total", direction="sent") == metric(
         decode.metrics, "splitserve_kv_transfer_bytes_total", direction="received"
     )
+    # Each went out layer by layer while its prompt's last step computed (--kv-streaming, the default).
+    assert metric(prefill.metrics, "splitserve_kv_transfers_streamed_total") == len(PROMPTS) + len(seeded)
     # Every transfer's CRC matched (a mismatch would count as a failure and recompute).
     assert metric(decode.metrics, "splitserve_kv_transfer_failures_total") == 0
     assert metric(decode.metrics, "splitserve_kv_transfer_recompute_fallbacks_total") == 0

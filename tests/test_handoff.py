@@ -18,7 +18,7 @@ from splitserve.disagg.handoff import HandoffError, HandoffEvent, HandoffJob, Se
 from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.transfer.checksum import checksum
 from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
-from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.async_engine import AsyncEngine, RequestFailed
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
@@ -59,9 +59,12 @@ class DirectClient(PrefillClient):
             request.all_token_ids, request.sampling_params, label=request.request_id
         )
         events = prefill_and_send(engine, copy, self.sender, job, send_delay_s=self.send_delay_s, stream=self.stream)
-        async for event in events:
-            self.events.append(type(event))
-            yield event
+        try:
+            async for event in events:
+                self.events.append(type(event))
+                yield event
+        except RequestFailed as e:  # what the decode worker sees over gRPC: the Prefill RPC failed
+            raise ConnectionError(f"the Prefill RPC failed: {e}") from e
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +197,31 @@ def test_a_corrupted_transfer_fails_its_checksum_and_the_prompt_is_recomputed(
         got, prefill, decode = asyncio.run(main())
     assert "KV checksum mismatch" in caplog.text  # rejected for its checksum, not for another reason
     assert got == want  # recomputed here: the corrupted blocks never reached the batch
+    assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+
+def test_a_failed_streamed_step_is_unavailable_and_frees_both_sides(engines, monkeypatch):
+    """The prefill step computing a streamed prompt fails after SendStarted: the receives already
+    posted fail with the send, the client gets UNAVAILABLE (retried elsewhere), nothing leaks."""
+    layer = engines[0].runner.model.layers[-1]
+    real = layer.forward
+
+    def broken(*args, **kwargs):
+        monkeypatch.setattr(layer, "forward", real)  # once
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(layer, "forward", broken)
+
+    async def main():
+        prefill, decode, client, handoff = _setup(engines, stream=True)
+        with pytest.raises(HandoffError) as info:
+            await _run(handoff, PROMPTS[3], SamplingParams(max_tokens=4), "sf")
+        await _settle(prefill, decode)
+        return info.value, prefill, decode, client.events
+
+    error, prefill, decode, events = asyncio.run(main())
+    assert error.code == grpc.StatusCode.UNAVAILABLE and error.failed_peer == "p0"
+    assert events == [SendStarted]
     assert _all_free(prefill.engine) and _all_free(decode.engine)
 
 

@@ -194,6 +194,10 @@ class WorkerMetrics:
             "kv_transfer_recompute_fallbacks",
             "Requests whose prompt was recomputed on the decode worker after a failed transfer.",
         )
+        self.kv_streamed = counter(
+            "kv_transfers_streamed",
+            "KV sends that went out layer by layer while the prompt's last step computed (prefill).",
+        )
         self.registry.register(_EngineCollector(snapshot, self.labels))
         self._start_at_zero(_SENDS.get(role), failure_reasons)
 
@@ -203,7 +207,7 @@ class WorkerMetrics:
         lab = self.labels
         for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode):
             h.labels(**lab)
-        for c in (self.prompt_tokens, self.generation_tokens, self.kv_skipped, self.kv_recomputes):
+        for c in (self.prompt_tokens, self.generation_tokens, self.kv_skipped, self.kv_recomputes, self.kv_streamed):
             c.labels(**lab)
         if direction is not None:
             self.kv_seconds.labels(**lab, direction=direction)
@@ -225,6 +229,9 @@ class WorkerMetrics:
 
     def observe_blocks_skipped(self, num_blocks: int) -> None:
         self.kv_skipped.labels(**self.labels).inc(num_blocks)
+
+    def observe_streamed_send(self) -> None:
+        self.kv_streamed.labels(**self.labels).inc()
 
     def observe_recompute_fallback(self) -> None:
         self.kv_recomputes.labels(**self.labels).inc()

@@ -108,10 +108,17 @@ class InProcessSender(KVSender):
     async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill: Fill | None = None) -> Moved:
         start = time.monotonic()
         self.hub.check_secret(channel)
-        if fill is not None:  # off the event loop: a streamed fill waits for the layers it reads
-            await asyncio.to_thread(fill, slice(0, row_view(blocks).shape[0]))
-        crc = checksum(blocks)
         slot = self.hub.slot(channel.key, tag)
+        if fill is not None:  # off the event loop: a streamed fill waits for the layers it reads
+            try:
+                await asyncio.to_thread(fill, slice(0, row_view(blocks).shape[0]))
+            except RuntimeError as e:  # as torch_dist: the sender drops the channel, the receiver fails
+                error = TransferError(TransferFailure.PEER_LOST, f"the sender failed on {channel.key}: {e}")
+                self.hub.dead.add(channel.key)
+                if not slot.done():
+                    slot.set_exception(error)
+                raise error from None
+        crc = checksum(blocks)
         if not slot.done():
             wire = blocks.clone()
             if self.hub.tamper is not None:
