@@ -23,6 +23,7 @@ class StepFailed(RuntimeError):
 class LayerProgress:
     def __init__(self, num_layers: int, device: torch.device) -> None:
         self.num_layers = num_layers
+        self._device = device
         self._cuda = device.type == "cuda"
         self._events: list[torch.cuda.Event] = []  # CUDA: one per written layer, in order
         self._num_done = 0
@@ -34,7 +35,7 @@ class LayerProgress:
         event = None
         if self._cuda:
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self._device))
         with self._changed:
             if event is not None:
                 self._events.append(event)
@@ -60,7 +61,7 @@ class LayerProgress:
                 raise StepFailed(f"the prefill step failed before layer {num_layers - 1} was written ({self._error})")
             event = self._events[num_layers - 1] if self._cuda and num_layers else None
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(self._device).wait_event(event)
 
     def wait_rows(self, rows: slice) -> None:
         """wait() for the layers behind rows [start, stop) of a KV piece's [num_layers * 2, -1] view."""

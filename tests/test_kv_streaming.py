@@ -170,3 +170,20 @@ def test_layer_progress_wakes_each_waiter_at_its_layer():
     failed.wait(1)  # written before the failure: still readable
     with pytest.raises(StepFailed, match="boom"):
         failed.wait(2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_reader_on_a_side_stream_waits_for_the_layer_on_cuda():
+    """On CUDA a layer counts as written once queued: the reader's stream must wait for its kernels."""
+    device = torch.device("cuda")
+    kv = torch.zeros(1 << 20, device=device)
+    layers = LayerProgress(1, device)
+    torch.cuda._sleep(100_000_000)  # keeps the compute stream busy well past the reader's start
+    kv.fill_(1.0)
+    layers.layer_done(0)
+    side = torch.cuda.Stream(device)
+    with torch.cuda.stream(side):
+        layers.wait(1)
+        read = kv.clone()
+    side.synchronize()
+    assert bool((read == 1).all())
