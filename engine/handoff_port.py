@@ -28,6 +28,7 @@ index. Every mutation runs on the engine loop between steps (AsyncEngine.call).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -259,11 +260,11 @@ class HandoffPort:
         scheduled, start(block_ids, layers) runs on this event loop, with the prompt's blocks (already
         claimed for the sender: no lease; release_held after the send frees them, even if that step
         fails) and the step's progress, which held_reader waits on layer by layer."""
-        loop = asyncio.get_running_loop()
+        loop, context = asyncio.get_running_loop(), contextvars.copy_context()  # the caller's (its trace)
 
         def from_step(block_ids: list[BlockId], layers: LayerProgress) -> None:  # on the step thread
             try:
-                loop.call_soon_threadsafe(start, block_ids, layers)
+                loop.call_soon_threadsafe(start, block_ids, layers, context=context)
             except RuntimeError:  # the event loop is closed: the worker is going down
                 pass
 
