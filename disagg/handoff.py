@@ -35,11 +35,12 @@ splitserve.v1 messages in prefill_client.py; unit tests pass them directly).
        batch
     8. decode   in the continuous batch
 
-Streaming (a single-rank prefill worker started with --kv-streaming, the default): steps 6 and 7
-start before step 5. When the step that computes the prompt's last chunk is scheduled, the prefill
-worker claims the prompt's blocks (no lease), starts the send and tells the decode worker
-(SendStarted, the number of blocks); the sender gathers each chunk of layers as soon as that step
-has written them (engine/layer_progress.py), and the decode worker, which posted its receives on
+Streaming (--kv-streaming, the default): steps 6 and 7 start before step 5. When the step that
+computes the prompt's last chunk is scheduled, the prefill worker claims the prompt's blocks (no
+lease), orders each follower rank's pieces (STREAM_KV, before that step reaches it), starts rank
+0's and tells the decode worker (SendStarted, the number of blocks); every rank gathers each chunk
+of layers as soon as its part of that step has written them (engine/layer_progress.py), and the
+decode worker, which posted its receives on
 SendStarted, writes each chunk into the pinned reserved blocks as it lands. So the wire overlaps
 the last chunk's forward, and only the last layers' bytes remain after the first token. If that
 step fails, the send fails (the decode worker recomputes) and the sender still releases the blocks.

@@ -10,17 +10,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from splitserve.common.tracing import stage, tracer
 from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, SendStarted, TransferDone
 from splitserve.disagg.plan import check_fits
-from splitserve.disagg.rank_transfers import PieceReport, connect_piece, send_piece
+from splitserve.disagg.rank_transfers import PieceReport, connect_piece, send_order, send_piece
 from splitserve.disagg.transfer.base import KVSender, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.layer_progress import LayerProgress
+from splitserve.engine.ranks import Message
 from splitserve.engine.request import Request
 from splitserve.worker.metrics import WorkerMetrics
 
@@ -35,8 +40,8 @@ async def prefill_and_send(
     stream: bool = False,
 ) -> AsyncIterator[HandoffEvent]:
     """Yield FirstToken, then TransferDone. request comes from HandoffPort.make_prefill_request.
-    stream: send the KV layer by layer while the step computing the prompt's last chunk runs (a
-    single-rank worker only); SendStarted comes first then, as soon as that step is scheduled.
+    stream: send the KV layer by layer while the step computing the prompt's last chunk runs (every
+    rank its own pieces); SendStarted comes first then, as soon as that step is scheduled.
     Raises ValueError for a bad job, TransferError if the send fails. send_delay_s is a
     fault-injection hook for tests (a slow or stuck sender)."""
     port = HandoffPort(engine)
@@ -46,17 +51,28 @@ async def prefill_and_send(
         connect_piece(port, sender, piece)  # build the pairs' groups while the prompt computes
     rid = request.request_id
 
-    def send(block_ids: Sequence[int], layers: LayerProgress | None) -> asyncio.Task:
+    def send(block_ids: Sequence[int], step: StreamedStep | None) -> asyncio.Task:
         task = asyncio.create_task(
-            _send(port, sender, job, rid, block_ids[job.num_skip_blocks :], metrics, send_delay_s, layers)
+            _send(port, sender, job, rid, block_ids[job.num_skip_blocks :], metrics, send_delay_s, step)
         )
         task.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
         return task
 
+    followers = [i for i, piece in enumerate(job.pieces) if piece.piece.src_rank != 0]
+
+    def follower_orders(block_ids: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, ...]]]:
+        """On the step thread: STREAM_KV for each follower's piece, before the step reaches them."""
+        sent = block_ids[job.num_skip_blocks :]
+        return [(job.pieces[i].piece.src_rank, send_order(job.pieces[i], sent)) for i in followers] if sent else []
+
+    def start(block_ids: Sequence[int], layers: LayerProgress, streaming: list[Future[Message]]) -> None:
+        step = StreamedStep(layers, dict(zip(followers, streaming)))
+        streamed.set_result(send(block_ids, step))
+
     streamed: asyncio.Future[asyncio.Task] = asyncio.get_running_loop().create_future()
-    if stream and port.tensor_parallel_size == 1:
+    if stream:
         # Runs on the event loop even if this generator is gone by then: the sender releases the blocks.
-        port.stream_as_computed(request, lambda block_ids, layers: streamed.set_result(send(block_ids, layers)))
+        port.stream_as_computed(request, start, follower_orders)
     started_ns = time.time_ns()
     run = asyncio.ensure_future(_run_prompt(engine, request))
     try:
@@ -77,6 +93,16 @@ async def prefill_and_send(
     num_blocks = len(final.handoff.block_ids[job.num_skip_blocks :])
     yield FirstToken(final.new_token_ids[0], logprobs, final.handoff.sampler_state, num_blocks, queue_ms, compute_ms)
     yield await asyncio.shield(sending)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedStep:
+    """A send streamed from the step computing the prompt's last chunk: rank 0 reads its pieces as
+    layers marks them written; each follower piece (by its index in the job) was ordered before that
+    step (STREAM_KV), and its reply comes in followers."""
+
+    layers: LayerProgress
+    followers: dict[int, Future[Message]]
 
 
 def _check_job(port: HandoffPort, job: HandoffJob) -> None:
@@ -122,12 +148,12 @@ async def _send(
     block_ids: Sequence[int],
     metrics: WorkerMetrics | None,
     send_delay_s: float,
-    layers: LayerProgress | None,
+    step: StreamedStep | None,
 ) -> TransferDone:
     """The send under its span (a child of the Prefill call's: this task inherits its context)."""
-    attributes = {"splitserve.num_blocks": len(block_ids), "splitserve.streamed": layers is not None}
+    attributes = {"splitserve.num_blocks": len(block_ids), "splitserve.streamed": step is not None}
     with stage("prefill.kv_send", attributes) as span:
-        done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s, layers)
+        done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s, step)
         span.set_attributes({"splitserve.num_bytes": done.num_bytes, "splitserve.transfer_ms": done.seconds * 1e3})
     return done
 
@@ -140,10 +166,10 @@ async def _send_held(
     block_ids: Sequence[int],
     metrics: WorkerMetrics | None,
     send_delay_s: float,
-    layers: LayerProgress | None,
+    step: StreamedStep | None,
 ) -> TransferDone:
     """Sends the held blocks (a streamed send's were claimed when its step was scheduled)."""
-    if layers is None and not await port.claim_held(request_id):
+    if step is None and not await port.claim_held(request_id):
         raise TransferError(
             TransferFailure.CLOSED,
             f"the KV of request {request_id} was released before its "
@@ -152,7 +178,10 @@ async def _send_held(
     try:
         if send_delay_s:
             await asyncio.sleep(send_delay_s)
-        sends = (send_piece(port, sender, piece, block_ids, layers) for piece in job.pieces)
+        layers, streaming = (None, {}) if step is None else (step.layers, step.followers)
+        sends = (
+            send_piece(port, sender, piece, block_ids, layers, streaming.get(i)) for i, piece in enumerate(job.pieces)
+        )
         results = await asyncio.gather(*sends, return_exceptions=True)
     finally:  # every piece sent or failed; the decode worker gets TransferDone before the release is done
         port.release_held_soon(request_id)
@@ -165,7 +194,7 @@ async def _send_held(
     )
     if metrics is not None:
         metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, done.seconds)
-        if layers is not None:
+        if step is not None:
             metrics.observe_streamed_send()
         for piece, report in zip(job.pieces, reports):
             metrics.observe_rank_bytes("sent", piece.piece.src_rank, report.num_bytes)

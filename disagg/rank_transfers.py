@@ -8,8 +8,9 @@ Lifecycle of a piece on a follower (RankAgent, its transfer thread):
              buffer; reply: bytes, checksum) -> landed -> COMMIT_KV (on the step loop, between steps:
              written into the cache) or DISCARD_KV (the handoff failed or the request is gone)
     prefill: CONNECT_KV (join the channel while the prompt computes) -> SEND_KV (read its heads of
-             the held blocks as they are sent; reply: bytes, checksum); rank 0 releases the held
-             blocks once every piece has been sent or has failed
+             the held blocks as they are sent; reply: bytes, checksum), or STREAM_KV before the
+             step that computes them (each layer read once that step on this rank has written it);
+             rank 0 releases the held blocks once every piece has been sent or has failed
 A follower makes its endpoint at OPEN_KV (the worker's advertised host, its role), when the worker
 starts. The channel secret rides the pipe as bytes (rank 0 and its followers only) and is never
 logged. A transfer that fails replies with its TransferFailure; a follower that is gone fails its
@@ -21,6 +22,7 @@ Wire of the orders' payloads (int64 arrays, strings as uint8 bytes):
     KV_CHANNEL  peer                                    -> channel
     RECV_KV     channel, [tag, num_blocks, first head, end head, landing]  -> [bytes, checksum, us]
     SEND_KV     channel, [tag, first head, end head], block_ids  -> [bytes, checksum, us]
+    STREAM_KV   as SEND_KV, for blocks the STEP right after it computes (streamed layer by layer)
     DISCARD_KV  [landing]
     DROP_KV     channel
     CONNECT_KV  channel
@@ -39,6 +41,7 @@ import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -126,11 +129,14 @@ def _result(reply: Message) -> list[np.ndarray]:
 
 
 async def _ask(port: HandoffPort, rank: int, op: Op, *arrays: np.ndarray) -> list[np.ndarray]:
+    return await _reply(rank, port.ask_rank(rank, op, *arrays))
+
+
+async def _reply(rank: int, reply: Awaitable[Message]) -> list[np.ndarray]:
     try:
-        reply = await port.ask_rank(rank, op, *arrays)
+        return _result(await reply)
     except RanksLost as e:
         raise TransferError(TransferFailure.PEER_LOST, f"rank {rank} of this worker is gone ({e})") from None
-    return _result(reply)
 
 
 # -- rank 0 ---------------------------------------------------------------------------------------------
@@ -152,19 +158,30 @@ def connect_piece(port: HandoffPort, sender: KVSender, job: PieceJob) -> None:
         pass
 
 
+def send_order(job: PieceJob, block_ids: Sequence[int]) -> tuple[np.ndarray, ...]:
+    """SEND_KV's (and STREAM_KV's) payload: the piece's channel, tag and heads, the blocks."""
+    heads = job.piece.heads
+    return (*channel_to_wire(job.channel), np.array([job.tag, heads.start, heads.stop]), np.array(block_ids))
+
+
 async def send_piece(
-    port: HandoffPort, sender: KVSender, job: PieceJob, block_ids: Sequence[int], layers: LayerProgress | None = None
+    port: HandoffPort,
+    sender: KVSender,
+    job: PieceJob,
+    block_ids: Sequence[int],
+    layers: LayerProgress | None = None,
+    streaming: Future[Message] | None = None,
 ) -> PieceReport:
-    """Prefill side: the piece's rank reads its heads of these held blocks and sends them (layer by
-    layer as the step still computing them writes them, given its progress: rank 0's pieces only)."""
+    """Prefill side: the piece's rank reads its heads of these held blocks and sends them. Streamed,
+    as the step still computing them writes them: rank 0's with that step's progress (layers), a
+    follower's by the STREAM_KV order given before that step (streaming: its reply)."""
     heads, rank = job.piece.heads, job.piece.src_rank
     if not block_ids:
         return PieceReport(0, 0, 0.0)
     if rank != 0:
-        if layers is not None:
-            raise ValueError("a follower rank's piece is sent after its step, not streamed")
-        wire = (*channel_to_wire(job.channel), np.array([job.tag, heads.start, heads.stop]), np.array(block_ids))
-        return report_from_wire(await _ask(port, rank, Op.SEND_KV, *wire))
+        if streaming is not None:
+            return report_from_wire(await _reply(rank, asyncio.wrap_future(streaming)))
+        return report_from_wire(await _ask(port, rank, Op.SEND_KV, *send_order(job, block_ids)))
     staging = port.acquire_staging(len(block_ids), len(heads))
     fill = port.held_reader(block_ids, heads, staging.tensor, layers)  # gathered chunk by chunk as it is sent
     moved = await sender.send(job.channel, job.tag, staging.tensor, fill)
@@ -273,18 +290,22 @@ class RankAgent:
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
-    def submit(self, order: Message) -> None:
-        self._loop.call_soon_threadsafe(self._start, order)
+    def submit(self, order: Message, layers: LayerProgress | None = None) -> None:
+        self._loop.call_soon_threadsafe(self._start, order, layers)
 
-    def _start(self, order: Message) -> None:
-        task = self._loop.create_task(self._carry_out(order))
+    def _start(self, order: Message, layers: LayerProgress | None) -> None:
+        task = self._loop.create_task(self._carry_out(order, layers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _carry_out(self, order: Message) -> None:
+    async def _carry_out(self, order: Message, layers: LayerProgress | None) -> None:
         op = Op(order.kind)
         try:
-            payload, status = await self._HANDLERS[op](self, *order.arrays), Status.OK
+            if op is Op.STREAM_KV:
+                payload = await self._send(*order.arrays, layers=layers)
+            else:
+                payload = await self._HANDLERS[op](self, *order.arrays)
+            status = Status.OK
         except TransferError as e:
             payload, status = failure_to_wire(e), Status.FAILED
         except Exception:  # a bug: this rank is out of step with rank 0 for good; take the worker down
@@ -324,11 +345,11 @@ class RankAgent:
             self._landed[landing] = staging
         return report_to_wire(_report(staging.tensor, moved))
 
-    async def _send(self, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+    async def _send(self, *arrays: np.ndarray, layers: LayerProgress | None = None) -> tuple[np.ndarray, ...]:
         (tag, first, stop), block_ids = (int(x) for x in arrays[CHANNEL_ARRAYS]), arrays[CHANNEL_ARRAYS + 1].tolist()
         channel, sender = channel_from_wire(*arrays[:CHANNEL_ARRAYS]), self._sending()
         staging = piece_buffer(self._runner, len(block_ids), stop - first)
-        fill = held_reader(self._runner, block_ids, range(first, stop), staging.tensor)
+        fill = held_reader(self._runner, block_ids, range(first, stop), staging.tensor, layers)
         moved = await sender.send(channel, tag, staging.tensor, fill)
         release_piece_buffer(self._runner, staging)  # a failed send's buffer is never released (gloo may still read it)
         return report_to_wire(_report(staging.tensor, moved))

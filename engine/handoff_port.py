@@ -31,6 +31,7 @@ import asyncio
 import contextvars
 import enum
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,7 +46,7 @@ from splitserve.engine.kv_cache.block_io import gather_blocks
 from splitserve.engine.kv_cache.block_pool import BlockId
 from splitserve.engine.kv_cache.staging import Staging
 from splitserve.engine.layer_progress import LayerProgress
-from splitserve.engine.ranks import Followers, Message, Op, commit_to_wire
+from splitserve.engine.ranks import Followers, Message, Op, RanksLost, commit_to_wire
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.step_stats import StepKind, StepTotals
@@ -255,16 +256,25 @@ class HandoffPort:
         """Validated; finishes at its first token and keeps its blocks for the decode worker."""
         return self._engine.make_request(prompt, params, priority=priority, stop_after_prefill=True, label=label)
 
-    def stream_as_computed(self, request: Request, start: Callable[[list[BlockId], LayerProgress], None]) -> None:
+    def stream_as_computed(
+        self,
+        request: Request,
+        start: Callable[[Sequence[int], LayerProgress, list[Future[Message]]], None],
+        follower_orders: Callable[[Sequence[int]], list[tuple[int, tuple[np.ndarray, ...]]]] | None = None,
+    ) -> None:
         """Before request is added: once the step that computes the last chunk of its prompt is
-        scheduled, start(block_ids, layers) runs on this event loop, with the prompt's blocks (already
-        claimed for the sender: no lease; release_held after the send frees them, even if that step
-        fails) and the step's progress, which held_reader waits on layer by layer."""
+        scheduled, start(block_ids, layers, streaming) runs on this event loop, with the prompt's
+        blocks (already claimed for the sender: no lease; release_held after the send frees them,
+        even if that step fails) and the step's progress, which held_reader waits on layer by layer.
+        follower_orders(block_ids): (rank, payload) of the STREAM_KV orders for follower ranks, given
+        before that step reaches them; streaming holds their replies, in that order."""
         loop, context = asyncio.get_running_loop(), contextvars.copy_context()  # the caller's (its trace)
 
-        def from_step(block_ids: list[BlockId], layers: LayerProgress) -> None:  # on the step thread
+        def from_step(block_ids: Sequence[BlockId], layers: LayerProgress) -> None:  # on the step thread
+            orders = follower_orders(block_ids) if follower_orders is not None else []
+            streaming = [self._ask_now(rank, Op.STREAM_KV, *payload) for rank, payload in orders]
             try:
-                loop.call_soon_threadsafe(start, block_ids, layers, context=context)
+                loop.call_soon_threadsafe(start, block_ids, layers, streaming, context=context)
             except RuntimeError:  # the event loop is closed: the worker is going down
                 pass
 
@@ -315,6 +325,15 @@ class HandoffPort:
     async def ask_rank(self, rank: int, op: Op, *arrays: np.ndarray) -> Message:
         """An order to follower rank (>= 1) and its reply; RanksLost if that rank is gone."""
         return await asyncio.wrap_future(self._followers.ask(rank, op, *arrays))
+
+    def _ask_now(self, rank: int, op: Op, *arrays: np.ndarray) -> Future[Message]:
+        """ask_rank from any thread, in order with whatever else that thread tells the ranks next."""
+        try:
+            return self._followers.ask(rank, op, *arrays)
+        except RanksLost as e:
+            lost: Future[Message] = Future()
+            lost.set_exception(e)
+            return lost
 
     def tell_rank(self, rank: int, op: Op, *arrays: np.ndarray) -> None:
         """An order to follower rank that wants no reply (not one that must fall between steps)."""

@@ -354,9 +354,10 @@ class ModelRunner:
             raise RanksLost(f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})") from e
 
     @torch.inference_mode()
-    def follow_step(self, arrays: StepArrays) -> None:
-        """A follower rank's side of rank 0's step (its logits are rank 0's to sample)."""
-        self._forward(self._inputs.pack(arrays, []))
+    def follow_step(self, arrays: StepArrays, layers: LayerProgress | None = None) -> None:
+        """A follower rank's side of rank 0's step (its logits are rank 0's to sample); layers: marked
+        as each layer's KV is written (this rank's pieces of a streamed handoff wait on it)."""
+        self._forward(self._inputs.pack(arrays, []), layers)
 
     def _forward(self, batch: ForwardBatch, layers: LayerProgress | None = None) -> torch.Tensor:
         self._kv_written = True

@@ -10,7 +10,8 @@ Channels between rank 0 and each follower:
   COMMIT_KV itself (so a received KV piece enters the cache between the steps rank 0 ordered around
   it) and hands the KV transfer orders (OPEN_KV, KV_CHANNEL, RECV_KV, SEND_KV, DISCARD_KV, DROP_KV)
   to its transfer agent (disagg/rank_transfers.py: its own transport endpoint, run by a thread of its
-  own, so a transfer never blocks a step; CONNECT_KV too). Follower -> rank 0: replies (order number, status,
+  own, so a transfer never blocks a step; CONNECT_KV too; STREAM_KV with the progress of the STEP
+  that follows it, whose layers its send waits on). Follower -> rank 0: replies (order number, status,
   payload), written by the agent's thread only; rank 0 reads them on one thread, which resolves the
   futures ask() returned. A follower blocks on its pipe for as long as the worker is idle (a
   collective would time out).
@@ -48,6 +49,7 @@ import torch.distributed as dist
 
 from splitserve.common.dist_store import gloo_device, host_store
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.step_inputs import StepArrays
 from splitserve.model.parallel import SINGLE, TensorParallel
 
@@ -78,6 +80,9 @@ class Op(enum.IntEnum):
     DROP_KV = 9  # decode: forget a failed channel (no reply)
     CONNECT_KV = 10  # prefill: start joining a channel while the prompt computes (no reply)
     STOP = 11
+    # prefill: SEND_KV of blocks the next STEP computes, each layer sent once that step has written
+    # it (sent just before that STEP; reply: bytes, checksum)
+    STREAM_KV = 12
 
 
 class Status(enum.IntEnum):
@@ -183,8 +188,9 @@ def commit_from_wire(arrays: Sequence[np.ndarray]) -> tuple[int, list[int], rang
 class TransferAgent(Protocol):
     """A follower's KV transfers (disagg/rank_transfers.py), as its step loop sees them."""
 
-    def submit(self, order: Message) -> None:
-        """Start a transfer order on the agent's own thread; its reply goes to rank 0 from there."""
+    def submit(self, order: Message, layers: LayerProgress | None = None) -> None:
+        """Start a transfer order on the agent's own thread; its reply goes to rank 0 from there.
+        layers: STREAM_KV's, the progress of the step that computes the blocks it sends."""
 
     def commit(self, tag: int, write: Callable[[torch.Tensor], None]) -> None:
         """COMMIT_KV, on the step loop: write(piece) for the piece received under tag, then forget it."""
@@ -362,6 +368,7 @@ def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe:
     groups = make_groups(store, rank, config.tensor_parallel_size, device)
     runner = ModelRunner(config, open_model(config.model), max_model_len, groups)
     agent = _transfer_agent(runner, pipe)
+    follower = _Follower(runner, agent)
     try:
         while True:
             try:
@@ -370,7 +377,7 @@ def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe:
                 return
             if order.kind == Op.STOP:
                 return
-            _carry_out(runner, agent, order)
+            follower.carry_out(order)
     finally:
         agent.close()
 
@@ -382,14 +389,33 @@ def _transfer_agent(runner: ModelRunner, pipe: Connection) -> TransferAgent:
     return RankAgent(runner, pipe.send_bytes)
 
 
-def _carry_out(runner: ModelRunner, agent: TransferAgent, order: Message) -> None:
-    op = Op(order.kind)
-    if op is Op.STEP:
-        runner.follow_step(step_arrays_from_wire(order.arrays))
-    elif op is Op.WARM_UP:
-        runner.warm_up(bool(order.arrays[0][0]))
-    elif op is Op.COMMIT_KV:
-        tag, block_ids, heads = commit_from_wire(order.arrays)
-        agent.commit(tag, lambda piece: runner.write_heads(block_ids, heads, piece))
-    else:
-        agent.submit(order)
+class _Follower:
+    """A follower's step loop: steps and commits here, transfers on the agent's thread. A STREAM_KV
+    order comes just before the STEP that computes its blocks: that step marks the layers it writes
+    in the progress the order's send waits on."""
+
+    def __init__(self, runner: ModelRunner, agent: TransferAgent) -> None:
+        self.runner, self.agent = runner, agent
+        self._next_step: LayerProgress | None = None  # what the next STEP's streamed sends wait on
+
+    def carry_out(self, order: Message) -> None:
+        op, runner = Op(order.kind), self.runner
+        if op is Op.STEP:
+            layers, self._next_step = self._next_step, None
+            try:
+                runner.follow_step(step_arrays_from_wire(order.arrays), layers)
+            except BaseException as e:
+                if layers is not None:
+                    layers.fail(e)
+                raise
+        elif op is Op.WARM_UP:
+            runner.warm_up(bool(order.arrays[0][0]))
+        elif op is Op.COMMIT_KV:
+            tag, block_ids, heads = commit_from_wire(order.arrays)
+            self.agent.commit(tag, lambda piece: runner.write_heads(block_ids, heads, piece))
+        elif op is Op.STREAM_KV:
+            if self._next_step is None:
+                self._next_step = LayerProgress(runner.arch.num_layers, runner.device)
+            self.agent.submit(order, self._next_step)
+        else:
+            self.agent.submit(order)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NewType
 
 from splitserve.common.block_hash import BlockHash, extend_block_hashes
@@ -95,7 +95,7 @@ class Request:
         self.stop_after_prefill = stop_after_prefill
         # Prefill tier, streaming its KV as computed: told (on the step thread) the prompt's blocks and
         # the progress of the step computing its last prompt chunk, before that step's forward.
-        self.kv_stream: Callable[[list[BlockId], LayerProgress], None] | None = None
+        self.kv_stream: Callable[[Sequence[BlockId], LayerProgress], None] | None = None
         self.arrival_time = time.monotonic()
         self.arrival_seq = next(_arrival_counter)
         self.num_prompt_tokens = len(prompt_token_ids)

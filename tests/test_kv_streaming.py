@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import fields
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +20,8 @@ from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import held_reader
 from splitserve.engine.layer_progress import LayerProgress, StepFailed
+from splitserve.engine.ranks import Message, Op, _Follower, decode, encode, step_arrays_to_wire
+from splitserve.engine.step_inputs import StepArrays
 
 pytestmark = pytest.mark.unit
 
@@ -187,3 +192,65 @@ def test_a_reader_on_a_side_stream_waits_for_the_layer_on_cuda():
         read = kv.clone()
     side.synchronize()
     assert bool((read == 1).all())
+
+
+class _Runner:
+    """A follower's runner as _Follower uses it: the steps it is given, with their progress."""
+
+    arch = SimpleNamespace(num_layers=2)
+    device = torch.device("cpu")
+
+    def __init__(self, fail: bool = False) -> None:
+        self.steps: list[LayerProgress | None] = []
+        self.fail = fail
+
+    def follow_step(self, arrays, layers: LayerProgress | None = None) -> None:
+        self.steps.append(layers)
+        if layers is not None:
+            layers.layer_done(0)
+        if self.fail:
+            raise RuntimeError("a collective timed out")
+        if layers is not None:
+            layers.layer_done(1)
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.orders: list[tuple[Op, LayerProgress | None]] = []
+
+    def submit(self, order: Message, layers: LayerProgress | None = None) -> None:
+        self.orders.append((Op(order.kind), layers))
+
+
+def _step_order() -> Message:
+    arrays = StepArrays(*(np.zeros(1, dtype=np.int64) for _ in fields(StepArrays)))
+    return decode(encode(Op.STEP, *step_arrays_to_wire(arrays)))
+
+
+def test_a_follower_streams_from_the_step_right_after_the_order():
+    """STREAM_KV orders come just before the STEP that computes their blocks: that step, and only
+    it, marks its layers in the progress every such order's send waits on."""
+    runner, agent = _Runner(), _Agent()
+    follower = _Follower(runner, agent)  # type: ignore[arg-type]
+    follower.carry_out(decode(encode(Op.STREAM_KV, np.array([1]))))
+    follower.carry_out(decode(encode(Op.STREAM_KV, np.array([2]))))  # a second request in the same step
+    follower.carry_out(decode(encode(Op.SEND_KV, np.array([3]))))  # an unstreamed send: no progress
+    follower.carry_out(_step_order())
+    follower.carry_out(_step_order())
+    (first, a), (second, b), (plain, none) = agent.orders
+    assert (first, second, plain) == (Op.STREAM_KV, Op.STREAM_KV, Op.SEND_KV)
+    assert a is b and none is None
+    assert runner.steps == [a, None]  # the next step marks it, the one after does not
+    assert a.num_done == 2
+
+
+def test_a_followers_failed_step_fails_the_sends_waiting_on_it():
+    runner, agent = _Runner(fail=True), _Agent()
+    follower = _Follower(runner, agent)  # type: ignore[arg-type]
+    follower.carry_out(decode(encode(Op.STREAM_KV, np.array([1]))))
+    with pytest.raises(RuntimeError, match="collective"):
+        follower.carry_out(_step_order())
+    ((_, layers),) = agent.orders
+    layers.wait(1)  # written before the failure
+    with pytest.raises(StepFailed, match="collective"):
+        layers.wait(2)

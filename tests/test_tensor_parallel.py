@@ -140,6 +140,8 @@ def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
         assert got == expected
         assert metric(decode_worker.metrics, "splitserve_kv_transfer_blocks_total", direction="received") > 0
         assert metric(decode_worker.metrics, "splitserve_kv_transfer_recompute_fallbacks_total") == 0
+        # Every rank streamed its pieces as the prompt's last step computed them (--kv-streaming).
+        assert metric(prefill.metrics, "splitserve_kv_transfers_streamed_total") == len(got)
         _check_rank_bytes(prefill.metrics, decode_worker.metrics, prefill_tp, decode_tp)
         assert wait_all_free([prefill.address, decode_worker.address])
     finally:
@@ -148,8 +150,9 @@ def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
 
 @pytest.mark.integration
 def test_a_failed_piece_fails_the_handoff_and_the_decode_tier_recomputes(tiny_llama_dir):
-    """2P2D whose prefill ranks wait 3 s before sending, with 1.5 s transfer timeouts: every rank's
-    receive times out, the decode worker recomputes the prompt (same tokens), nothing leaks."""
+    """2P2D whose prefill worker waits 3 s before sending, with 1.5 s transfer timeouts: rank 0's
+    receive times out (the follower's piece, streamed as its step computes it, may arrive), the
+    decode worker recomputes the prompt (same tokens), nothing leaks."""
     children = start_cluster(
         0,
         engine_argv(tiny_llama_dir),
