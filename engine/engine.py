@@ -405,12 +405,11 @@ class Engine:
             return None
         layers = LayerProgress(self.runner.arch.num_layers, self.runner.device)
         for request in streamed:
-            stream, request.kv_stream = request.kv_stream, None
-            del self._to_stream[request.request_id]
-            assert stream is not None
+            del self._to_stream[request.request_id]  # so its hook runs once
             self._streaming.add(request.request_id)
             num_blocks = -(-request.num_prompt_tokens // self.runtime.block_size)
-            stream(self.kv.block_ids(request.request_id)[:num_blocks], layers)
+            assert request.kv_stream is not None
+            request.kv_stream(self.kv.block_ids(request.request_id)[:num_blocks], layers)
         return layers
 
     def _finished(self, request: Request) -> Finish:
