@@ -242,12 +242,12 @@ class DecodeHandoff:
         recomputing the prompt here."""
         rid = reservation.request.request_id
         try:
-            _check_num_blocks(first.num_blocks, reservation)
-            if receiving is None:
-                receiving = self._post_receives(reservation, job, first.num_blocks) if first.num_blocks else None
-            elif receiving.num_blocks != first.num_blocks:
+            if receiving is not None and receiving.num_blocks != first.num_blocks:
                 receiving.discard(self._discard_landed)
                 raise HandoffProtocolError(f"{receiving.num_blocks} blocks were streamed, {first.num_blocks} announced")
+            _check_num_blocks(first.num_blocks, reservation)  # a streamed count was checked at SendStarted
+            if receiving is None and first.num_blocks:
+                receiving = self._post_receives(reservation, job, first.num_blocks)
             done, received = await self._receive(job, events, receiving)
             admitted = await self._admit(reservation, job, done, received)
             num_bytes, seconds = self._observe_received(done, received)

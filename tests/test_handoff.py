@@ -5,6 +5,7 @@ back without leaking blocks on either side."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 
@@ -14,7 +15,7 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.disagg.decode import DecodeHandoff, PrefillClient
-from splitserve.disagg.handoff import HandoffError, HandoffEvent, HandoffJob, SendStarted
+from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, SendStarted
 from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.transfer.checksum import checksum
 from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
@@ -198,6 +199,46 @@ def test_a_corrupted_transfer_fails_its_checksum_and_the_prompt_is_recomputed(
     assert "KV checksum mismatch" in caplog.text  # rejected for its checksum, not for another reason
     assert got == want  # recomputed here: the corrupted blocks never reached the batch
     assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+
+class MiscountingClient(PrefillClient):
+    """A prefill worker whose first token announces one block more than its SendStarted did."""
+
+    def __init__(self, inner: PrefillClient) -> None:
+        self.inner = inner
+
+    async def prefill(self, peer: str, request: Request, wire, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+        async for event in self.inner.prefill(peer, request, wire, job):
+            yield (
+                dataclasses.replace(event, num_blocks=event.num_blocks + 1) if isinstance(event, FirstToken) else event
+            )
+
+
+def test_a_streamed_handoff_whose_counts_disagree_recomputes_and_releases_what_landed(
+    engines, tiny_llama_dir, monkeypatch
+):
+    """The receives posted on SendStarted are discarded when the first token's count then disagrees:
+    the prompt is recomputed here and every staging buffer the landing took goes back."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    want = LLM(_config(tiny_llama_dir)).generate([PROMPTS[3]], params)[0].token_ids
+    staged: list[int] = []
+    port = HandoffPort  # counted on the class: DecodeHandoff's port and its RankReceivers' are one object
+    acquire, release = port.acquire_staging, port.release_staging
+    monkeypatch.setattr(port, "acquire_staging", lambda self, *a: staged.append(1) or acquire(self, *a))
+    monkeypatch.setattr(port, "release_staging", lambda self, s: staged.append(-1) or release(self, s))
+
+    async def main():
+        prefill, decode, client, handoff = _setup(engines, stream=True)
+        handoff.client = MiscountingClient(client)
+        got = await _run(handoff, PROMPTS[3], params, "miscounted")
+        await asyncio.sleep(0.2)  # the streamed KV lands meanwhile, to be discarded
+        await _settle(prefill, decode)
+        return got, prefill, decode
+
+    got, prefill, decode = asyncio.run(main())
+    assert got == want  # recomputed on the decode worker
+    assert _all_free(prefill.engine) and _all_free(decode.engine)
+    assert staged.count(1) >= 1 and sum(staged) == 0, "a staging buffer of the discarded landing was kept"
 
 
 def test_a_failed_streamed_step_is_unavailable_and_frees_both_sides(engines, monkeypatch):
