@@ -91,7 +91,8 @@ async def one_request(
     tag = receiver.next_tag(channel)
     heads = range(port.num_kv_heads)
     job = HandoffJob((PieceJob(Piece(0, 0, heads), channel, tag),), 0, port.kv_layout)
-    num_blocks = -(-len(prompt) // port.block_size)
+    request = port.make_prefill_request(prompt, SamplingParams(temperature=0.0, max_tokens=2))
+    num_blocks = request.num_prompt_blocks
     staging = port.acquire_staging(num_blocks, len(heads))
     recorder = RECORDER
     recorder.start()
@@ -99,7 +100,6 @@ async def one_request(
     def landed(rows: slice) -> None:
         recorder.add("landed", recorder.now(), rows.start, rows.stop)
 
-    request = port.make_prefill_request(prompt, SamplingParams(temperature=0.0, max_tokens=2))
     recv: asyncio.Task | None = None
     times: dict[str, float] = {}
     async for event in prefill_and_send(engine, request, sender, job, stream=stream):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -58,28 +58,14 @@ async def prefill_and_send(
         task.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
         return task
 
-    followers = [i for i, piece in enumerate(job.pieces) if piece.piece.src_rank != 0]
-
-    def follower_orders(block_ids: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, ...]]]:
-        """On the step thread: STREAM_KV for each follower's piece, before the step reaches them."""
-        sent = block_ids[job.num_skip_blocks :]
-        return [(job.pieces[i].piece.src_rank, send_order(job.pieces[i], sent)) for i in followers] if sent else []
-
-    def start(block_ids: Sequence[int], layers: LayerProgress, streaming: list[Future[Message]]) -> None:
-        step = StreamedStep(layers, dict(zip(followers, streaming)))
-        streamed.set_result(send(block_ids, step))
-
-    streamed: asyncio.Future[asyncio.Task] = asyncio.get_running_loop().create_future()
-    if stream:
-        # Runs on the event loop even if this generator is gone by then: the sender releases the blocks.
-        port.stream_as_computed(request, start, follower_orders)
+    streamed = _stream_from_step(port, job, request, send) if stream else asyncio.get_running_loop().create_future()
     started_ns = time.time_ns()
     run = asyncio.ensure_future(_run_prompt(engine, request))
     try:
         first_done: list[asyncio.Future[Any]] = [run, streamed]
         await asyncio.wait(first_done, return_when=asyncio.FIRST_COMPLETED)
         if streamed.done():
-            yield SendStarted(max(port.num_prompt_blocks(request) - job.num_skip_blocks, 0))
+            yield SendStarted(max(request.num_prompt_blocks - job.num_skip_blocks, 0))
         final = await run
     finally:
         run.cancel()  # a no-op once done; else the caller left: the prompt is aborted
@@ -93,6 +79,30 @@ async def prefill_and_send(
     num_blocks = len(final.handoff.block_ids[job.num_skip_blocks :])
     yield FirstToken(final.new_token_ids[0], logprobs, final.handoff.sampler_state, num_blocks, queue_ms, compute_ms)
     yield await asyncio.shield(sending)
+
+
+def _stream_from_step(
+    port: HandoffPort,
+    job: HandoffJob,
+    request: Request,
+    send: Callable[[Sequence[int], StreamedStep], asyncio.Task],
+) -> asyncio.Future[asyncio.Task]:
+    """The send's task, once the step computing the prompt's last chunk is scheduled: the followers
+    are ordered on the step thread before that step reaches them, then send starts rank 0's on the
+    event loop, even if the caller is gone by then (the sender releases the blocks)."""
+    streamed: asyncio.Future[asyncio.Task] = asyncio.get_running_loop().create_future()
+    followers = [i for i, piece in enumerate(job.pieces) if piece.piece.src_rank != 0]
+
+    def follower_orders(block_ids: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, ...]]]:
+        """On the step thread: STREAM_KV for each follower's piece."""
+        sent = block_ids[job.num_skip_blocks :]
+        return [(job.pieces[i].piece.src_rank, send_order(job.pieces[i], sent)) for i in followers] if sent else []
+
+    def start(block_ids: Sequence[int], layers: LayerProgress, streaming: list[Future[Message]]) -> None:
+        streamed.set_result(send(block_ids, StreamedStep(layers, dict(zip(followers, streaming)))))
+
+    port.stream_as_computed(request, start, follower_orders)
+    return streamed
 
 
 @dataclass(frozen=True, slots=True)

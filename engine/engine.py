@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
+
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.config import EngineConfig, RuntimeInfo
@@ -56,6 +58,7 @@ from splitserve.engine.request import Request, RequestId, RequestStatus
 from splitserve.engine.sampler import Sampler, TokenLogprobs
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.scheduler_output import SchedulerOutput
+from splitserve.engine.step_inputs import ForwardBatch
 from splitserve.engine.step_stats import StepStats
 from splitserve.model.loader import open_model
 
@@ -107,7 +110,7 @@ class Engine:
         # Prefill tier, during a step: requests whose KV a sender reads as this step computes it; their
         # blocks were claimed at schedule (no lease: only the sender's release_held frees them).
         self._streaming: set[str] = set()
-        self._to_stream: dict[str, Request] = {}  # unfinished requests whose kv_stream is not called yet
+        self._to_stream: set[str] = set()  # unfinished requests whose kv_stream is not called yet
         # Held by a thread that runs a step loop (AsyncEngine), so that one ending still (its event
         # loop closed) and a new one never step this engine at once.
         self.loop_lock = threading.Lock()
@@ -206,7 +209,7 @@ class Engine:
         self.scheduler.add_request(request)
         self._track(request)
         if request.kv_stream is not None:
-            self._to_stream[request.request_id] = request
+            self._to_stream.add(request.request_id)
         return request.request_id
 
     def _check_unused(self, request_id: str) -> None:
@@ -359,14 +362,10 @@ class Engine:
             return None
         layers = self._start_streams(out)
         try:
-            batch = self.runner.prepare(out)
-            logits = self.runner.forward(batch, layers)
-        except BaseException as e:
-            if layers is not None:
-                layers.fail(e)  # the senders waiting for this step's layers give up
-            if isinstance(e, RanksLost) or not isinstance(e, Exception):  # the worker's ranks are out of step for good
-                raise
-            # isolation boundary: a failed forward fails its batch, not the engine
+            batch, logits = self._compute(out, layers)
+        except RanksLost:  # not this batch's fault: the worker's ranks are out of step for good
+            raise
+        except Exception as e:  # isolation boundary: a failed forward fails its batch, not the engine
             scheduled = out.decodes + [s.request for s in out.chunks]
             log.exception("the forward failed; failing the %d requests of this batch", len(scheduled))
             failed = [self._fail(r, e) for r in scheduled]
@@ -393,6 +392,16 @@ class Engine:
             failed=failed,
         )
 
+    def _compute(self, out: SchedulerOutput, layers: LayerProgress | None) -> tuple[ForwardBatch, torch.Tensor]:
+        """The step's inputs and logits; if either fails, so do the senders waiting for its layers."""
+        try:
+            batch = self.runner.prepare(out)
+            return batch, self.runner.forward(batch, layers)
+        except BaseException as e:
+            if layers is not None:
+                layers.fail(e)
+            raise
+
     def _start_streams(self, out: SchedulerOutput) -> LayerProgress | None:
         """Prefill tier: requests streaming their KV (Request.kv_stream) whose last prompt chunk runs
         in this step get their blocks and the step's progress before its forward; from now on only
@@ -405,11 +414,10 @@ class Engine:
             return None
         layers = LayerProgress(self.runner.arch.num_layers, self.runner.device)
         for request in streamed:
-            del self._to_stream[request.request_id]  # so its hook runs once
+            self._to_stream.remove(request.request_id)  # so its hook runs once
             self._streaming.add(request.request_id)
-            num_blocks = -(-request.num_prompt_tokens // self.runtime.block_size)
             assert request.kv_stream is not None
-            request.kv_stream(self.kv.block_ids(request.request_id)[:num_blocks], layers)
+            request.kv_stream(self.kv.block_ids(request.request_id)[: request.num_prompt_blocks], layers)
         return layers
 
     def _finished(self, request: Request) -> Finish:
@@ -457,7 +465,7 @@ class Engine:
     def _forget(self, request_id: str) -> None:
         """Engine-side state of a request that finished here (its outputs may still be in processing)."""
         self._stop_string_ids.discard(request_id)
-        self._to_stream.pop(request_id, None)
+        self._to_stream.discard(request_id)
         self.sampler.release(request_id)
 
     def _to_outputs(self, fn: Callable[[OutputProcessor], Any]) -> None:

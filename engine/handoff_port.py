@@ -17,7 +17,7 @@ Prefill side:
     make_prefill_request(...)   a request that finishes at its first token and keeps its blocks
                                 (the prefill policy, here and nowhere else)
     claim_held / held_reader / release_held(_soon)   the held blocks, under their lease (engine/leases.py)
-    stream_as_computed(request, start)  or the blocks claimed when the step computing the prompt's
+    stream_as_computed(request, start, follower_orders)  or the blocks claimed when the step computing the prompt's
                                 last chunk is scheduled, read layer by layer as it computes them
 
 Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
@@ -174,9 +174,6 @@ class HandoffPort:
     def block_size(self) -> int:
         return self._engine.runtime.block_size
 
-    def num_prompt_blocks(self, request: Request) -> int:
-        return -(-request.num_prompt_tokens // self.block_size)
-
     @property
     def max_model_len(self) -> int:
         return self._engine.runtime.max_model_len
@@ -190,7 +187,7 @@ class HandoffPort:
         num_held = await self._async.call(self._engine.reserve_for_transfer, request)
         if num_held is None:
             return None
-        return Reservation(request, num_held, self.num_prompt_blocks(request) - num_held)
+        return Reservation(request, num_held, request.num_prompt_blocks - num_held)
 
     async def accept_first_token(
         self, reservation: Reservation, token_id: int, logprobs: TokenLogprobs | None, sampler_state: bytes | None

@@ -111,6 +111,11 @@ class Request:
         extend_block_hashes(self.block_hashes, self.all_token_ids, block_size)
 
     @property
+    def num_prompt_blocks(self) -> int:
+        """Blocks the prompt's KV fills (the last one maybe in part)."""
+        return -(-self.num_prompt_tokens // self.block_size)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
