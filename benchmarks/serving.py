@@ -24,6 +24,9 @@ import json
 import os
 import statistics
 import time
+from urllib.request import urlopen
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig
@@ -46,15 +49,67 @@ WARMUP = WorkloadConfig(
 )
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a live process has used so far (Linux /proc; its threads included)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_used(pids: dict[str, int], fn, *args):
+    """(fn(*args), CPU seconds each named process used meanwhile)."""
+    before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    result = fn(*args)
+    return result, {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
+
+
+STEP_FIELDS = ("num_steps", "seconds", "num_seqs", "num_tokens")
+
+
+def step_summary(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict:
+    """Per step kind, between two snapshots of the step totals: steps, seconds in them, and mean
+    sequences and tokens per step."""
+    out = {}
+    for kind, t in after.items():
+        d = {f: t[f] - before.get(kind, {}).get(f, 0) for f in STEP_FIELDS}
+        n = max(d["num_steps"], 1)
+        out[kind] = {
+            "steps": d["num_steps"],
+            "seconds": d["seconds"],
+            "seqs_per_step": d["num_seqs"] / n,
+            "tokens_per_step": d["num_tokens"] / n,
+        }
+    return out
+
+
+def worker_steps(metrics_address: str) -> dict[str, dict[str, float]]:
+    """The worker's engine step totals by kind, from its /metrics (splitserve_engine_step_*)."""
+    families = {"engine_steps": "num_steps", "engine_step_seconds": "seconds"}
+    families |= {"engine_step_sequences": "num_seqs", "engine_step_tokens": "num_tokens"}
+    with urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    totals: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        field = families.get(family.name.removeprefix("splitserve_"))
+        for sample in family.samples if field else ():
+            if sample.name == family.name + "_total":
+                totals.setdefault(sample.labels["kind"], {})[field] = sample.value
+    return totals
+
+
+def engine_steps(llm: LLM) -> dict[str, dict[str, float]]:
+    """The in-process engine's step totals by kind, as worker_steps reads them."""
+    snapshot = llm.engine.step_stats.snapshot()
+    return {kind.value: {f: getattr(t, f) for f in STEP_FIELDS} for kind, t in snapshot.items()}
+
+
 def through_gateway(address: str, workload: WorkloadConfig) -> tuple[float, int]:
     """Seconds from the first send to the last stream's end, and output tokens received."""
     records, seconds = send_workload(address, workload, timeout_s=3600)
     return seconds, sum(r.output_tokens for r in records)
 
 
-def in_process(requests: list[RequestSpec]) -> tuple[float, int]:
-    llm = LLM(EngineConfig(cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES)))
-    llm.generate([requests[0].prompt_token_ids[:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+def in_process(llm: LLM, requests: list[RequestSpec]) -> tuple[float, int]:
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests]
     start = time.perf_counter()
     outs = llm.generate([r.prompt_token_ids for r in requests], params)
@@ -70,17 +125,37 @@ def throughput(args: argparse.Namespace) -> dict:
     children = start_cluster(1, worker_argv)
     try:
         through_gateway(children[0].address, WARMUP)
-        grpc_s, grpc_tokens = through_gateway(children[0].address, workload)
+        pids = {"gateway": children[0].proc.pid, "worker": children[1].proc.pid, "client": os.getpid()}
+        before = worker_steps(children[1].metrics)
+        (grpc_s, grpc_tokens), cpu = cpu_used(pids, through_gateway, children[0].address, workload)
+        grpc_steps = step_summary(worker_steps(children[1].metrics), before)
     finally:
         stop_cluster(children)
-    local_s, local_tokens = in_process(requests)
+    llm = LLM(EngineConfig(cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES)))
+    llm.generate([requests[0].prompt_token_ids[:16]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    before = engine_steps(llm)
+    (local_s, local_tokens), local_cpu = cpu_used({"in_process": os.getpid()}, in_process, llm, requests)
+    local_steps = step_summary(engine_steps(llm), before)
     print(f"\n{len(requests)} requests, {sum(r.max_tokens for r in requests)} output tokens")
     print(f"{'system':<34}{'seconds':>9}{'out tok/s':>11}")
     print(f"{'gateway + 1 worker (gRPC streams)':<34}{grpc_s:>9.2f}{grpc_tokens / grpc_s:>11.1f}")
     print(f"{'in-process LLM.generate':<34}{local_s:>9.2f}{local_tokens / local_s:>11.1f}")
     ratio = (grpc_tokens / grpc_s) / (local_tokens / local_s)
     print(f"ratio gRPC / in-process: {ratio:.2f}x")
+    cpu_ms = {name: seconds * 1e3 / grpc_tokens for name, seconds in {**cpu, **local_cpu}.items()}
+    print("CPU ms per output token: " + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu_ms.items()))
+    for name, steps in (("gRPC worker", grpc_steps), ("in-process", local_steps)):
+        print(
+            f"{name} steps: "
+            + "; ".join(
+                f"{kind} {t['steps']:.0f} steps, {t['seconds']:.1f} s, {t['seqs_per_step']:.1f} seqs and "
+                f"{t['tokens_per_step']:.1f} tokens per step"
+                for kind, t in steps.items()
+            )
+        )
     return {
+        "steps": {"grpc_worker": grpc_steps, "in_process": local_steps},
+        "cpu_ms_per_token": cpu_ms,
         "requests": len(requests),
         "grpc": {"seconds": grpc_s, "tokens": grpc_tokens, "tokens_per_s": grpc_tokens / grpc_s},
         "in_process": {"seconds": local_s, "tokens": local_tokens, "tokens_per_s": local_tokens / local_s},
