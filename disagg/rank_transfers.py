@@ -284,9 +284,11 @@ class RankAgent:
         threading.Thread(target=self._run, name="kv-rank-transfers", daemon=True).start()
 
     def _run(self) -> None:
+        from splitserve.engine.cpu_threads import serial_torch_ops
         from splitserve.engine.model_runner import bind_thread
 
         bind_thread(self._runner.device)  # it reads and writes this rank's cache
+        serial_torch_ops()  # beside the follower's steps: no second OpenMP pool
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 

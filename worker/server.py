@@ -29,6 +29,7 @@ from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -121,16 +122,23 @@ class EngineDied(RuntimeError):
     """The engine loop raised; the worker left the cluster and must exit non-zero (to be restarted)."""
 
 
-def _warm_up(engine: Engine) -> None:
-    """Compile every kernel variant a step can hit before the server starts: until then nothing is
-    routed here and health is never SERVING, so no request waits on a compile."""
-    report = engine.warm_up()
+def load_engine(config: EngineConfig) -> Engine:
+    """The engine, loaded and warmed up: every kernel variant a step can hit is compiled before the
+    server starts (until then nothing is routed here and health is never SERVING, so no request waits
+    on a compile). On a thread that ends, so that the step thread's OpenMP pool is the process's only
+    one (engine/cpu_threads.py)."""
+    return on_passing_thread(_load_engine, config)
+
+
+def _load_engine(config: EngineConfig) -> Engine:
+    core = Engine(config)
+    report = core.warm_up()
     log.info("warm-up before serving: %d steps in %.2f s", report.num_steps, report.seconds)
+    return core
 
 
 async def serve_worker(config: WorkerConfig) -> None:
-    core = Engine(config.engine)
-    _warm_up(core)
+    core = load_engine(config.engine)
     engine = AsyncEngine(core)
     engine.start()
     name = model_name(config.engine.model)

@@ -25,11 +25,13 @@ import torch.distributed as dist
 
 from splitserve.disagg.transfer.base import Drain, Fill
 from splitserve.disagg.transfer.checksum import RunningChecksum
+from splitserve.engine.cpu_threads import serial_torch_ops
 
 CHUNK_BYTES = 4 << 20  # big enough that a gloo op's fixed cost is noise, small enough to pipeline
 CHUNK_BITS = 8  # chunks per transfer: at most 2**CHUNK_BITS
 TAG_SPACE = (1 << (31 - CHUNK_BITS)) - 1  # gloo tags are int32: transfer tags wrap within this
-_HELPERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-chunks")  # one per send in flight
+# One per send in flight; they copy serially (engine/cpu_threads.py: no OpenMP pool beside the step thread's).
+_HELPERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-chunks", initializer=serial_torch_ops)
 
 
 def row_view(tensor: torch.Tensor) -> torch.Tensor:

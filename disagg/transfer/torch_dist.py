@@ -81,9 +81,10 @@ from splitserve.disagg.transfer.base import (
 )
 from splitserve.disagg.transfer.chunks import recv_chunks, send_chunks
 from splitserve.disagg.transfer.order import IssueOrder
+from splitserve.engine.cpu_threads import serial_torch_ops
 
 # Blocking gloo calls (group construction, whole transfers) run here; one thread per transfer in flight.
-_EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-transfer")
+_EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-transfer", initializer=serial_torch_ops)
 SENDER_RANK, RECEIVER_RANK = 0, 1
 AUTH_TAG = 0  # the handshake's nonce; KV transfers use tags from 1
 NONCE_BYTES = SECRET_BYTES = 32
