@@ -35,7 +35,6 @@ from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.layer_progress import LayerProgress
 
@@ -129,7 +128,7 @@ async def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     # No prefix cache: both modes compute the same prompt from scratch.
     cache = CacheConfig(kv_cache_bytes=KV_CACHE_BYTES, enable_prefix_caching=False)
-    engine = AsyncEngine(Engine(EngineConfig(cache=cache)))
+    engine = AsyncEngine.from_config(EngineConfig(cache=cache))
     receiver = TorchDistReceiver("127.0.0.1", 60.0)
     sender = TorchDistSender("127.0.0.1", 60.0)
     _patch(RECORDER)

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine, PromptInput, RequestOutput, merge_outputs
 from splitserve.engine.model_runner import bind_thread
 from splitserve.engine.request import Request
@@ -61,7 +62,9 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(Engine(config))
+        """Loaded on a thread that ends: the step thread's OpenMP pool is then the only one (a pool
+        on the caller's thread would slow every step: engine/cpu_threads.py)."""
+        return cls(on_passing_thread(Engine, config))
 
     async def generate(
         self,

@@ -99,13 +99,16 @@ def test_a_passing_thread_returns_its_result_or_raises_its_error():
 # A fresh process, so that no earlier test left a pool on its main thread: the worker's startup
 # (serve_worker's load_engine) leaves no pool behind it.
 _STARTUP = """
-import os, sys
+import os, sys, time
 import torch
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.worker.server import load_engine
 torch.randn(4)  # torch's own start-up threads, before counting
 before = len(os.listdir("/proc/self/task"))
 engine = load_engine(EngineConfig(model=sys.argv[1], dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)))
+deadline = time.monotonic() + 10  # an ended thread's pool winds down just after it
+while len(os.listdir("/proc/self/task")) > before and time.monotonic() < deadline:
+    time.sleep(0.05)
 print(len(os.listdir("/proc/self/task")) - before)
 """
 
