@@ -2,7 +2,8 @@
 worker's model is loaded on a thread that ends, so the step thread's pool is the only one.
 
 A pool shows as OS threads of the process (/proc/self/task) that stay while the thread that started
-it lives; torch.get_num_threads() is the calling thread's OpenMP thread count."""
+it lives (counted in a fresh process); torch.get_num_threads() is the calling thread's OpenMP thread
+count."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -25,44 +25,8 @@ pytestmark = [
 ]
 
 
-def parallel_op() -> None:
-    """An op large enough that torch runs it in parallel (far above its 32,768-element grain)."""
-    torch.ones(1 << 22).add_(1)
-
-
-def num_os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-def threads_started_by(setup: Callable[[], None]) -> int:
-    """OS threads a new thread leaves behind it while alive after setup() then parallel_op()."""
-    ran, release = threading.Event(), threading.Event()
-
-    def body() -> None:
-        setup()
-        parallel_op()
-        ran.set()
-        release.wait()
-
-    thread = threading.Thread(target=body)
-    before = num_os_threads()
-    thread.start()
-    ran.wait()
-    during = num_os_threads()
-    release.set()
-    thread.join()
-    return during - before - 1  # less the thread itself
-
-
 @pytest.mark.unit
-def test_a_thread_running_a_parallel_op_starts_a_pool_it_keeps():
-    # What the other tests rely on: this is how a pool shows.
-    assert threads_started_by(lambda: None) >= 1
-
-
-@pytest.mark.unit
-def test_a_serial_thread_starts_no_pool_and_still_computes():
-    assert threads_started_by(serial_torch_ops) == 0
+def test_a_serial_thread_still_computes():
     out: list[torch.Tensor] = []
     thread = threading.Thread(target=lambda: (serial_torch_ops(), out.append(torch.arange(100_000).sum())))
     thread.start()
@@ -96,27 +60,66 @@ def test_a_passing_thread_returns_its_result_or_raises_its_error():
         on_passing_thread({}.__getitem__, "nope")
 
 
-# A fresh process, so that no earlier test left a pool on its main thread: the worker's startup
-# (serve_worker's load_engine) leaves no pool behind it.
-_STARTUP = """
-import os, sys, time
+# Counting a process's threads needs a process of its own: in pytest's, threads of earlier tests
+# (executors, an ended thread's pool) start and end meanwhile.
+_COUNT = """
+import os, sys, threading, time
 import torch
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.worker.server import load_engine
+from splitserve.engine.cpu_threads import serial_torch_ops
+
+def count():
+    return len(os.listdir("/proc/self/task"))
+
+def settled(before):  # an ended thread's pool winds down just after it
+    deadline = time.monotonic() + 10
+    while count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count() - before
+
+def parallel_op():
+    torch.ones(1 << 22).add_(1)  # far above torch's 32,768-element grain: runs in parallel
+
+def left_by_a_live_thread(setup):
+    ran, release = threading.Event(), threading.Event()
+    def body():
+        setup(); parallel_op(); ran.set(); release.wait()
+    thread = threading.Thread(target=body)
+    before = count()
+    thread.start(); ran.wait()
+    during = count() - before - 1  # less the thread itself
+    release.set(); thread.join()
+    settled(before)
+    return during
+
 torch.randn(4)  # torch's own start-up threads, before counting
-before = len(os.listdir("/proc/self/task"))
-engine = load_engine(EngineConfig(model=sys.argv[1], dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)))
-deadline = time.monotonic() + 10  # an ended thread's pool winds down just after it
-while len(os.listdir("/proc/self/task")) > before and time.monotonic() < deadline:
-    time.sleep(0.05)
-print(len(os.listdir("/proc/self/task")) - before)
+case = sys.argv[1]
+if case == "plain":
+    print(left_by_a_live_thread(lambda: None))
+elif case == "serial":
+    print(left_by_a_live_thread(serial_torch_ops))
+else:
+    from splitserve.engine.config import CacheConfig, EngineConfig
+    from splitserve.worker.server import load_engine
+    before = count()
+    load_engine(EngineConfig(model=case, dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)))
+    print(settled(before))
 """
+
+
+def threads_left(case: str) -> int:
+    """In a fresh process: OS threads left behind (a pool) by a live thread that ran a parallel op
+    ("plain", or "serial" after serial_torch_ops), or by load_engine of the model at this path."""
+    out = subprocess.run([sys.executable, "-c", _COUNT, case], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.integration
+def test_a_thread_running_a_parallel_op_keeps_a_pool_but_a_serial_one_does_not():
+    assert threads_left("plain") >= 1  # how a pool shows: what the other counts rely on
+    assert threads_left("serial") == 0
 
 
 @pytest.mark.integration
 def test_a_worker_loads_its_model_on_a_thread_that_ends(tiny_llama_dir):
-    out = subprocess.run(
-        [sys.executable, "-c", _STARTUP, str(tiny_llama_dir)], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.split()[-1] == "0"
+    assert threads_left(str(tiny_llama_dir)) == 0
