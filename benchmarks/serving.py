@@ -64,6 +64,13 @@ def cpu_used(pids: dict[str, int], fn, *args):
 
 
 STEP_FIELDS = ("num_steps", "seconds", "num_seqs", "num_tokens")
+# The worker's counters (splitserve_<name>_total{kind=...}) behind each field.
+STEP_SERIES = {
+    "engine_steps": "num_steps",
+    "engine_step_seconds": "seconds",
+    "engine_step_sequences": "num_seqs",
+    "engine_step_tokens": "num_tokens",
+}
 
 
 def step_summary(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict:
@@ -84,13 +91,11 @@ def step_summary(after: dict[str, dict[str, float]], before: dict[str, dict[str,
 
 def worker_steps(metrics_address: str) -> dict[str, dict[str, float]]:
     """The worker's engine step totals by kind, from its /metrics (splitserve_engine_step_*)."""
-    families = {"engine_steps": "num_steps", "engine_step_seconds": "seconds"}
-    families |= {"engine_step_sequences": "num_seqs", "engine_step_tokens": "num_tokens"}
     with urlopen(f"http://{metrics_address}/metrics", timeout=10) as r:
         text = r.read().decode()
     totals: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(text):
-        field = families.get(family.name.removeprefix("splitserve_"))
+        field = STEP_SERIES.get(family.name.removeprefix("splitserve_"))
         for sample in family.samples if field else ():
             if sample.name == family.name + "_total":
                 totals.setdefault(sample.labels["kind"], {})[field] = sample.value

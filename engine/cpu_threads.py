@@ -4,9 +4,10 @@ torch runs a CPU op in parallel through OpenMP (libgomp): the first parallel op 
 that thread a pool of worker threads, kept for as long as the thread lives, busy or not. Once a
 process has more pool threads than cores, libgomp makes every pool sleep almost at once after each
 parallel region (its "throttled" spin), so each region of the next op pays a futex wake. A decode
-forward is ~1,000 small ops: on the 2-core VM a [32, 576] x [576, 1536] linear took 0.95 ms instead
-of 0.59 ms while an idle thread that had once run a parallel op was alive, and a worker's decode
-steps took 1.4x as long as the same steps in process (docs/benchmarks.md, "Through the gateway").
+forward is ~1,000 small ops: on the 2-core VM a [32, 576] x [576, 1536] linear took 1.71 ms instead
+of 0.80 ms while an idle thread that had once run a parallel op was alive (benchmarks/omp_pools.py),
+and a worker's decode steps took 1.6x as long as the same steps in process (docs/benchmarks.md,
+"Through the gateway").
 
 So:
 - a worker loads and warms up its model on a thread that ends before the step thread starts
@@ -21,8 +22,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import TypeVar
 
@@ -62,18 +63,5 @@ def _omp_set_num_threads() -> Callable[[int], None] | None:
 def on_passing_thread(fn: Callable[..., T], *args) -> T:
     """fn(*args) on a new thread that ends before this returns (its OpenMP pool ends with it); its
     result, or what it raised. For loading a model before the step thread computes."""
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            result.append(fn(*args))
-        except BaseException as e:  # re-raised on the caller's thread
-            error.append(e)
-
-    thread = threading.Thread(target=run, name="engine-load")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-load") as passing:
+        return passing.submit(fn, *args).result()  # leaving the block joins the thread
