@@ -13,8 +13,10 @@ output matches splitserve's token for token (fp32 batching noise and (b)'s paddi
 may flip a near tie).
 
 Table 2, one decode step at batch B with ~300-token contexts: splitserve engine.step() (schedule,
-prepare, forward, sample, update) against a bare runner.forward() on one prepared batch, and
-transformers' model forward of one token against a DynamicCache of the same length.
+prepare, forward, sample, update) and its runner.forward() timed inside those steps; the same forward
+of an engine with the decode mirror off (its decodes gather their context from the paged cache at
+every layer of every step); and transformers' model forward of one token against a DynamicCache of
+the same length.
 
 Table 3, prefill: time to the first token of one fresh prompt of 512 and 2,048 random tokens
 (LLM.generate with max_tokens=1: schedule, forward, sample), once with the default token budget (one
@@ -267,9 +269,14 @@ def throughput_table(llm: LLM, model, wl: list[RequestSpec], vocab_size: int) ->
 
 
 def decode_table(llm: LLM, model, s: Settings) -> list[dict]:
+    """Per batch: splitserve's step and forward (its decodes attending over their mirrored K/V, the CPU
+    default), the forward of the same engine gathering from the paged cache instead (decode mirror
+    off), and transformers' forward."""
+    paged = LLM(engine_config(decode_mirror_bytes=0))
     rows = []
     for batch_size in s.decode_batches:
         step_ms, forward_ms = decode_step_ms(llm, batch_size, s.decode_context, s.decode_steps)
+        _, paged_ms = decode_step_ms(paged, batch_size, s.decode_context, s.decode_steps)
         hf_ms = hf_decode_ms(model, batch_size, s)
         rows.append(
             {
@@ -277,8 +284,10 @@ def decode_table(llm: LLM, model, s: Settings) -> list[dict]:
                 "step_ms": step_ms,
                 "forward_ms": forward_ms,
                 "step_over_forward": step_ms / forward_ms,
+                "paged_forward_ms": paged_ms,
                 "hf_forward_ms": hf_ms,
                 "forward_over_hf": forward_ms / hf_ms,
+                "paged_over_hf": paged_ms / hf_ms,
             }
         )
     return rows
@@ -306,11 +315,15 @@ def print_throughput(t: dict, wl: list[RequestSpec]) -> None:
 
 def print_decode(rows: list[dict], s: Settings) -> None:
     print(f"\nDecode step, {s.decode_context}-token contexts, mean of {s.decode_steps} steps")
-    print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'step/fwd':>10}{'HF fwd ms':>11}{'fwd/HF':>8}")
+    print(
+        f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'step/fwd':>10}{'paged fwd ms':>14}{'HF fwd ms':>11}"
+        f"{'fwd/HF':>8}{'paged/HF':>10}"
+    )
     for r in rows:
         print(
-            f"{r['batch']:>6}{r['step_ms']:>10.1f}{r['forward_ms']:>12.1f}"
-            f"{r['step_over_forward']:>10.2f}{r['hf_forward_ms']:>11.1f}{r['forward_over_hf']:>8.2f}"
+            f"{r['batch']:>6}{r['step_ms']:>10.1f}{r['forward_ms']:>12.1f}{r['step_over_forward']:>10.2f}"
+            f"{r['paged_forward_ms']:>14.1f}{r['hf_forward_ms']:>11.1f}{r['forward_over_hf']:>8.2f}"
+            f"{r['paged_over_hf']:>10.2f}"
         )
 
 
@@ -345,13 +358,13 @@ def conditions(threads: int) -> dict:
     }
 
 
-def engine_config(budget: int | None = None) -> EngineConfig:
+def engine_config(budget: int | None = None, decode_mirror_bytes: int | None = None) -> EngineConfig:
     """The benchmark's engine; with a token budget (chunked prefill), one with a small KV cache beside it."""
     if budget is None:
         return EngineConfig(
             dtype="float32",
             device="cpu",
-            cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES),
+            cache=CacheConfig(kv_cache_bytes=KV_CACHE_BYTES, decode_mirror_bytes=decode_mirror_bytes),
             scheduler=SchedulerConfig(max_num_seqs=64),
         )
     return EngineConfig(

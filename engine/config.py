@@ -16,6 +16,10 @@ class CacheConfig:
     # total memory minus the weights and the peak of a profiling forward (engine/memory.py).
     kv_cache_bytes: int | None = None
     gpu_memory_fraction: float = 0.85
+    # CPU: bytes (all layers) for contiguous copies of the decoding sequences' K/V kept across steps, which
+    # spare each decode step a gather of every context (model/attention/decode_mirror.py). None: up to the
+    # KV cache's own size; 0: none (decodes gather from the paged cache at every step).
+    decode_mirror_bytes: int | None = None
     enable_prefix_caching: bool = True
     # Prefill tier: how long a finished prompt's blocks wait for their sender to claim them.
     kv_lease_s: float = 30.0
@@ -25,6 +29,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.decode_mirror_bytes is not None and self.decode_mirror_bytes < 0:
+            raise ValueError(f"decode_mirror_bytes must be >= 0, got {self.decode_mirror_bytes}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:
             raise ValueError(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction}")
         if not self.kv_lease_s > 0:

@@ -105,7 +105,9 @@ class ModelRunner:
         self._graphs: DecodeGraphs | None = None  # captured by warm_up when graph_config asks
         backend_cls = get_backend(config.attention_backend, self.device)
         num_heads, self.num_local_kv_heads = self.tp.local_heads(self.arch)
-        self.backend = backend_cls(num_heads, self.num_local_kv_heads, self.arch.head_dim, self.block_size)
+        mirror = config.cache.decode_mirror_bytes  # all layers' -> each layer's
+        mirror = mirror if mirror is None else mirror // self.arch.num_layers
+        self.backend = backend_cls(num_heads, self.num_local_kv_heads, self.arch.head_dim, self.block_size, mirror)
         before_load = MemorySnapshot.take(self.device) if self.device.type == "cuda" else None
         self.model = build_model(source, self.backend, max_model_len, self.dtype, self.device, self.tp)
         self.num_blocks = self._agree(self._num_kv_blocks(config, max_model_len, before_load))

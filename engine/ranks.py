@@ -167,12 +167,13 @@ def bytes_array(data: bytes) -> np.ndarray:
 
 
 def step_arrays_to_wire(a: StepArrays) -> tuple[np.ndarray, ...]:
-    return (a.input_ids, a.starts, a.query_lens, a.block_table, a.samples.astype(np.int64))
+    assert a.decode_seq_ids is not None, "followers step scheduled batches only"
+    return (a.input_ids, a.starts, a.query_lens, a.block_table, a.samples.astype(np.int64), a.decode_seq_ids)
 
 
 def step_arrays_from_wire(arrays: Sequence[np.ndarray]) -> StepArrays:
-    input_ids, starts, query_lens, block_table, samples = arrays
-    return StepArrays(input_ids, starts, query_lens, block_table, samples.astype(bool))
+    input_ids, starts, query_lens, block_table, samples, decode_seq_ids = arrays
+    return StepArrays(input_ids, starts, query_lens, block_table, samples.astype(bool), decode_seq_ids)
 
 
 def commit_to_wire(tag: int, block_ids: Sequence[int], heads: range) -> tuple[np.ndarray, ...]:

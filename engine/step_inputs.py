@@ -47,6 +47,7 @@ class StepArrays:
     query_lens: np.ndarray  # [num_seqs]: this step's tokens of each sequence, decodes (1) first
     block_table: np.ndarray  # [num_seqs, max_blocks]: block ids, rows padded with 0
     samples: np.ndarray  # [num_seqs] bool: the sequence samples a token (from its last one)
+    decode_seq_ids: np.ndarray | None = None  # [num_decodes]: Request.arrival_seq; None: a warm-up shape
 
 
 def scheduled_arrays(out: SchedulerOutput) -> StepArrays:
@@ -64,7 +65,12 @@ def scheduled_arrays(out: SchedulerOutput) -> StepArrays:
         query_lens[len(decodes) :] = [s.num_new_tokens for s in chunks]
         samples[len(decodes) :] = [s.samples for s in chunks]
     return StepArrays(
-        np.array(input_ids, dtype=np.int64), np.array(starts, dtype=np.int64), query_lens, out.block_table, samples
+        np.array(input_ids, dtype=np.int64),
+        np.array(starts, dtype=np.int64),
+        query_lens,
+        out.block_table,
+        samples,
+        np.array([r.arrival_seq for r in decodes], dtype=np.int64),
     )
 
 
@@ -108,6 +114,7 @@ class StepInputBuffer:
             max_seq_len=max(seq_lens_cpu),
             seq_lens_cpu=seq_lens_cpu,
             query_lens_cpu=a.query_lens.tolist(),
+            decode_seq_ids=None if a.decode_seq_ids is None else a.decode_seq_ids.tolist(),
         )
         return ForwardBatch(ids, pos, meta, rows, sampling, out, a)
 

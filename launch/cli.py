@@ -42,6 +42,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
     g.add_argument(
+        "--decode-mirror-bytes",
+        type=int,
+        default=None,
+        help="CPU: bytes for contiguous copies of the decoding sequences' K/V kept across steps (default: "
+        "up to the KV cache's size; 0: off, every decode step gathers its context from the paged cache)",
+    )
+    g.add_argument(
         "--gpu-memory-fraction",
         type=float,
         default=0.85,
@@ -90,6 +97,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         cache=CacheConfig(
             block_size=a.block_size,
             kv_cache_bytes=a.kv_cache_bytes,
+            decode_mirror_bytes=a.decode_mirror_bytes,
             enable_prefix_caching=not a.no_prefix_caching,
             kv_lease_s=a.kv_lease_s,
             gpu_memory_fraction=a.gpu_memory_fraction,

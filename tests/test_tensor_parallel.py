@@ -47,11 +47,12 @@ def test_orders_round_trip_the_pipe_encoding():
         np.array([1, 2], dtype=np.int64),
         np.array([[3, 0], [1, 2]], dtype=np.int64),
         np.array([True, False]),
+        np.array([9], dtype=np.int64),
     )
     order = decode(encode(Op.STEP, *step_arrays_to_wire(arrays)))
     back = step_arrays_from_wire(order.arrays)
     assert order.kind == Op.STEP and order.number == 0 and back.samples.dtype == bool
-    for name in ("input_ids", "starts", "query_lens", "block_table", "samples"):
+    for name in ("input_ids", "starts", "query_lens", "block_table", "samples", "decode_seq_ids"):
         assert np.array_equal(getattr(back, name), getattr(arrays, name)), name
     assert decode(encode(Op.STOP)) == (Op.STOP, 0, [])
     empty = decode(encode(Op.DISCARD_KV, np.zeros(0, dtype=np.int64), number=7))

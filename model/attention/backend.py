@@ -40,6 +40,10 @@ class AttentionMetadata:
     # The decodes' split count, fixed (a captured decode step's: engine/cuda_graphs.py); None: the
     # backend picks one from max(seq_lens_cpu), which a CUDA graph would freeze at its capture.
     decode_num_splits: int | None = None
+    # The decodes' sequence ids (Request.arrival_seq: unique in the process), in batch order: what lets a
+    # backend keep per-sequence state from step to step (TorchAttention's decode mirror); None: no
+    # sequences behind the step (a warm-up shape, a captured graph).
+    decode_seq_ids: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -103,7 +107,12 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_mirror_bytes: int | None = 0
+    ) -> None:
+        """decode_mirror_bytes: what a backend that keeps contiguous copies of the decodes' K/V may spend
+        on them per layer (TorchAttention on CPU: attention/decode_mirror.py); None: up to the layer's
+        paged cache size; 0: none. Backends that read the paged cache directly ignore it."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

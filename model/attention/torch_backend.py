@@ -8,6 +8,9 @@ boolean mask into on every call). Then, per layer, after storing the new K/V:
 - a prompt chunk with nothing cached before it attends to its own new K/V (no gather), causal;
 - a chunk after cached tokens gathers its context and attends with the plan's [query, context] mask
   (torch's is_causal aligns the diagonal top-left, wrong for queries at the end of the context).
+On CPU the decodes instead attend over contiguous copies of their K/V kept from step to step (the
+decode mirror: attention/decode_mirror.py), written one token per step, when the step's sequences are
+known and the copies fit their memory budget.
 SDPA always gets 4-D [batch, heads, tokens, head_dim] inputs: on CPU only those reach the flash
 kernel; 3-D ones fall back to the math path, which materialises float32 scores (~5x slower at 2,048
 tokens).
@@ -26,6 +29,7 @@ from splitserve.model.attention.backend import (
     AttentionMetadata,
     register_backend,
 )
+from splitserve.model.attention.decode_mirror import DecodeMirror, MirrorStep
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -82,19 +86,22 @@ class _StepPlan:
     """What every layer of one step shares; built from (and valid for) one AttentionMetadata."""
 
     meta: AttentionMetadata
+    mirror: MirrorStep | None  # the decodes attend over their mirrored K/V (else through decodes)
     decodes: list[_DecodeGroup]
     chunks: list[_Chunk]
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> _StepPlan:
+    def build(
+        cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype, mirror: MirrorStep | None
+    ) -> _StepPlan:
         nd = meta.num_decodes
-        decodes = _decode_groups(meta, block_size, dtype) if nd else []
+        decodes = _decode_groups(meta, block_size, dtype) if nd and mirror is None else []
         chunks, start = [], nd
         for i in range(nd, meta.num_seqs):
             end = start + meta.query_lens_cpu[i]
             chunks.append(_chunk(meta, i, slice(start, end), block_size, dtype))
             start = end
-        return cls(meta, decodes, chunks)
+        return cls(meta, mirror, decodes, chunks)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -135,25 +142,46 @@ def _chunk(meta: AttentionMetadata, i: int, tokens: slice, block_size: int, dtyp
 class TorchAttention(AttentionBackend):
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_mirror_bytes: int | None = None
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, decode_mirror_bytes)
         self.gqa = num_heads != num_kv_heads
         self._plan: _StepPlan | None = None  # the last step's (held: a new step's meta is a new object)
+        self._mirror = (
+            None if decode_mirror_bytes == 0 else DecodeMirror(num_kv_heads, head_dim, block_size, decode_mirror_bytes)
+        )
 
     def forward(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         store_kv(k, v, kv_cache, meta.slot_mapping)
-        plan = self._plan_for(meta, q.dtype)
+        plan = self._plan_for(meta, kv_cache)
         out = torch.empty_like(q)
+        if plan.mirror is not None:
+            nd = meta.num_decodes
+            out[:nd] = self._decode_mirrored(q[:nd], k[:nd], v[:nd], kv_cache, plan.mirror)
         for group in plan.decodes:
             out[group.rows] = self._decode(q[group.rows], kv_cache, group)
         for chunk in plan.chunks:
             out[chunk.tokens] = self._prefill(q[chunk.tokens], k[chunk.tokens], v[chunk.tokens], kv_cache, chunk)
         return out
 
-    def _plan_for(self, meta: AttentionMetadata, dtype: torch.dtype) -> _StepPlan:
+    def _plan_for(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> _StepPlan:
         if self._plan is None or self._plan.meta is not meta:
-            self._plan = _StepPlan.build(meta, self.block_size, dtype)
+            mirror = None
+            if self._mirror is not None and kv_cache.device.type == "cpu":  # on CUDA memory is the KV cache's
+                mirror = self._mirror.plan(meta, kv_cache.nbytes, kv_cache.dtype)
+            self._plan = _StepPlan.build(meta, self.block_size, kv_cache.dtype, mirror)
         return self._plan
+
+    def _decode_mirrored(self, q, k, v, kv_cache: torch.Tensor, step: MirrorStep) -> torch.Tensor:
+        # q: [n, h, d]; k, v: [n, kvh, d], the decodes' new tokens -> [n, h, d]
+        assert self._mirror is not None  # a step has a MirrorStep only from it
+        keys, values = self._mirror.update(k, v, kv_cache, step)  # [n, kvh, width, d], slot order
+        q = q if step.row_of_slot is None else q[step.row_of_slot]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=step.mask, scale=self.scale, enable_gqa=self.gqa
+        ).squeeze(2)  # [n, h, d] in slot order
+        return out if step.slot_of_row is None else out[step.slot_of_row]
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
         # q: [n, h, d] -> [n, h, d]

@@ -139,8 +139,11 @@ class TritonAttention(AttentionBackend):
         # Raises RuntimeError if triton was imported before TRITON_INTERPRET was set.
         _import_kernels(version)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, decode_mirror_bytes: int | None = 0
+    ) -> None:
+        # decode_mirror_bytes: unused, the kernels read the paged cache directly
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, decode_mirror_bytes)
         from splitserve import kernels
 
         self.kernels = kernels
