@@ -30,7 +30,7 @@ sharing its first 1,920 tokens (120 blocks of 16 found in the prefix cache) with
 Target: cold / hit >= 8x.
 
 Usage: python benchmarks/offline.py [--quick] [--tables throughput,decode,prefill,prefix] [--threads N]
-                                    [--repeats N] [--json PATH]
+                                    [--repeats N] [--json PATH] [--decode-mirror-bytes N]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.llm import LLM
-from splitserve.experiments.offline import FULL, QUICK, Settings, decode_step_ms, timed
+from splitserve.experiments.offline import FULL, QUICK, Settings, start_decodes, timed, timed_steps
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
 
 TABLES = ("throughput", "decode", "prefill", "prefix")
@@ -146,27 +146,41 @@ def num_identical(a: list[list[int]], b: list[list[int]]) -> int:
 
 
 # -- decode step ------------------------------------------------------------------------------------
-@torch.inference_mode()
-def hf_decode_ms(model, batch_size: int, s: Settings) -> float:
-    """ms per model forward of one new token per sequence over a DynamicCache of decode_context tokens."""
-    from transformers import DynamicCache
+class HFDecodes:
+    """transformers' side of the decode table: batch_size sequences over a DynamicCache that starts at
+    decode_context tokens and grows by one per forward, as the engine's contexts do."""
 
-    cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    cache = DynamicCache(config=cfg)
-    shape = (batch_size, cfg.num_key_value_heads, s.decode_context, head_dim)
-    for layer in range(cfg.num_hidden_layers):  # decode cost does not depend on the cached values
-        cache.update(torch.randn(shape), torch.randn(shape), layer)
-    ids = torch.randint(WorkloadConfig().vocab_low, cfg.vocab_size, (batch_size, 1))  # no special tokens
-    mask = torch.ones(batch_size, s.decode_context + 1, dtype=torch.long)
-    positions = torch.full((batch_size, 1), s.decode_context)
-    total = 0.0
-    for i in range(s.decode_steps + 1):
-        start = time.perf_counter()
-        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
-        total += (time.perf_counter() - start) if i > 0 else 0.0  # first call is warm-up
-        cache.crop(-1)  # back to decode_context tokens
-    return total * 1e3 / s.decode_steps
+    def __init__(self, model, batch_size: int, context: int) -> None:
+        from transformers import DynamicCache
+
+        cfg = model.config
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.model, self.cache = model, DynamicCache(config=cfg)
+        shape = (batch_size, cfg.num_key_value_heads, context, head_dim)
+        for layer in range(cfg.num_hidden_layers):  # decode cost does not depend on the cached values
+            self.cache.update(torch.randn(shape), torch.randn(shape), layer)
+        self.ids = torch.randint(WorkloadConfig().vocab_low, cfg.vocab_size, (batch_size, 1))  # no special tokens
+        self.batch_size, self.context = batch_size, context
+        self.forward_s(1)  # warm-up
+
+    @torch.inference_mode()
+    def forward_s(self, num_steps: int) -> list[float]:
+        seconds = []
+        for _ in range(num_steps):
+            mask = torch.ones(self.batch_size, self.context + 1, dtype=torch.long)
+            positions = torch.full((self.batch_size, 1), self.context)
+            seconds.append(
+                timed(
+                    self.model,
+                    input_ids=self.ids,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                )[1]
+            )
+            self.context += 1
+        return seconds
 
 
 # -- prefill and prefix hits ------------------------------------------------------------------------
@@ -268,26 +282,48 @@ def throughput_table(llm: LLM, model, wl: list[RequestSpec], vocab_size: int) ->
     return result
 
 
-def decode_table(llm: LLM, model, s: Settings) -> list[dict]:
-    """Per batch: splitserve's step and forward (its decodes attending over their mirrored K/V, the CPU
-    default), the forward of the same engine gathering from the paged cache instead (decode mirror
-    off), and transformers' forward."""
+def decode_table(llm: LLM, model, s: Settings, rounds: int = 4) -> list[dict]:
+    """Per batch, medians of per-step times: splitserve's engine.step() and its forward (its decodes
+    attending over their mirrored K/V, the CPU default); the forward of the same engine gathering from
+    the paged cache instead (decode mirror off); transformers' forward. The three take turns, rounds
+    times decode_steps / rounds steps each in a rotating order, so drift on a shared machine falls on
+    all of them; every context starts at decode_context tokens and grows one per step."""
     paged = LLM(engine_config(decode_mirror_bytes=0))
+    per_round = max(1, s.decode_steps // rounds)
     rows = []
     for batch_size in s.decode_batches:
-        step_ms, forward_ms = decode_step_ms(llm, batch_size, s.decode_context, s.decode_steps)
-        _, paged_ms = decode_step_ms(paged, batch_size, s.decode_context, s.decode_steps)
-        hf_ms = hf_decode_ms(model, batch_size, s)
+        started = {name: start_decodes(e, batch_size, s.decode_context) for name, e in (("a", llm), ("p", paged))}
+        hf = HFDecodes(model, batch_size, s.decode_context)
+        times: dict[str, list[float]] = {"step": [], "forward": [], "paged": [], "hf": []}
+
+        def splitserve_turn() -> dict[str, list[float]]:
+            step_s, forward_s = timed_steps(llm, per_round)
+            return {"step": step_s, "forward": forward_s}
+
+        turns = [
+            splitserve_turn,
+            lambda: {"paged": timed_steps(paged, per_round)[1]},
+            lambda: {"hf": hf.forward_s(per_round)},
+        ]
+        for r in range(rounds):
+            for turn in range(len(turns)):
+                for name, values in turns[(turn + r) % len(turns)]().items():
+                    times[name] += values
+        for name, e in (("a", llm), ("p", paged)):
+            for request_id in started[name]:
+                e.engine.abort_request(request_id)
+        ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
         rows.append(
             {
                 "batch": batch_size,
-                "step_ms": step_ms,
-                "forward_ms": forward_ms,
-                "step_over_forward": step_ms / forward_ms,
-                "paged_forward_ms": paged_ms,
-                "hf_forward_ms": hf_ms,
-                "forward_over_hf": forward_ms / hf_ms,
-                "paged_over_hf": paged_ms / hf_ms,
+                "step_ms": ms["step"],
+                "forward_ms": ms["forward"],
+                "step_over_forward": ms["step"] / ms["forward"],
+                "paged_forward_ms": ms["paged"],
+                "hf_forward_ms": ms["hf"],
+                "forward_over_hf": ms["forward"] / ms["hf"],
+                "paged_over_hf": ms["paged"] / ms["hf"],
+                "samples_ms": {name: [v * 1e3 for v in values] for name, values in times.items()},
             }
         )
     return rows
@@ -314,7 +350,7 @@ def print_throughput(t: dict, wl: list[RequestSpec]) -> None:
 
 
 def print_decode(rows: list[dict], s: Settings) -> None:
-    print(f"\nDecode step, {s.decode_context}-token contexts, mean of {s.decode_steps} steps")
+    print(f"\nDecode step, {s.decode_context}-token contexts (growing), medians of {s.decode_steps} steps each")
     print(
         f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'step/fwd':>10}{'paged fwd ms':>14}{'HF fwd ms':>11}"
         f"{'fwd/HF':>8}{'paged/HF':>10}"
@@ -382,6 +418,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=0, help="torch threads for both systems (0: torch's default)")
     parser.add_argument("--repeats", type=int, default=3, help="fresh prompts per prefill / prefix-hit row")
     parser.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    parser.add_argument(
+        "--decode-mirror-bytes",
+        type=int,
+        default=None,
+        help="splitserve's --decode-mirror-bytes (0: decodes gather from the paged cache; default: the engine's)",
+    )
     args = parser.parse_args()
     args.tables = args.tables.split(",")
     if unknown := set(args.tables) - set(TABLES):
@@ -394,10 +436,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     s = QUICK if args.quick else FULL
-    llm = LLM(engine_config())
+    llm = LLM(engine_config(decode_mirror_bytes=args.decode_mirror_bytes))
     vocab_size = llm.engine.runner.arch.vocab_size
     model = load_hf()
-    result: dict = {"settings": asdict(s), "conditions": conditions(torch.get_num_threads())}
+    result: dict = {
+        "settings": asdict(s),
+        "decode_mirror_bytes": args.decode_mirror_bytes,
+        "conditions": conditions(torch.get_num_threads()),
+    }
     if "throughput" in args.tables:
         wl = make_requests(s.workload(vocab_size))
         result["throughput"] = throughput_table(llm, model, wl, vocab_size)

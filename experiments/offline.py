@@ -47,9 +47,17 @@ QUICK = Settings(8, (32, 128), (8, 32), (1, 8), decode_steps=5)
 def decode_step_ms(llm: LLM, batch_size: int, context: int, num_steps: int) -> tuple[float, float]:
     """(ms per engine.step, ms per runner.forward within those steps) once batch_size requests of
     context-token prompts all decode; each a mean of num_steps after one warm-up. The requests are
-    aborted after. The forward is timed inside real steps, not by replaying one batch: the CPU decode
-    path keeps each sequence's K/V from step to step (attention/decode_mirror.py), and a replayed batch
-    would look like a sequence whose length did not grow (refilled every time)."""
+    aborted after."""
+    ids = start_decodes(llm, batch_size, context)
+    step_s, forward_s = timed_steps(llm, num_steps)
+    for request_id in ids:
+        llm.engine.abort_request(request_id)
+    return sum(step_s) * 1e3 / num_steps, sum(forward_s) * 1e3 / num_steps
+
+
+def start_decodes(llm: LLM, batch_size: int, context: int) -> list[str]:
+    """Add batch_size requests of context-token random prompts and step until all of them decode (plus
+    one warm-up decode step); their request ids (abort them when done: they would run context tokens)."""
     engine = llm.engine
     prompts = make_requests(
         WorkloadConfig(
@@ -67,7 +75,15 @@ def decode_step_ms(llm: LLM, batch_size: int, context: int, num_steps: int) -> t
         assert len(engine.scheduler.requests) == batch_size, "a decode-table request finished early"
         engine.step()
     engine.step()  # warm-up decode
-    forward_s: list[float] = []
+    return ids
+
+
+def timed_steps(llm: LLM, num_steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each of num_steps engine.step() calls, and of the runner.forward inside each. The
+    forward is timed inside real steps, not by replaying one batch: the CPU decode path keeps each
+    sequence's K/V from step to step (attention/decode_mirror.py), and a replayed batch would look like
+    sequences whose length did not grow (refilled every time)."""
+    engine, step_s, forward_s = llm.engine, [], []
     runner_forward = engine.runner.forward
 
     def timed_forward(*args: Any, **kwargs: Any) -> Any:
@@ -76,11 +92,10 @@ def decode_step_ms(llm: LLM, batch_size: int, context: int, num_steps: int) -> t
         return result
 
     with patch.object(engine.runner, "forward", timed_forward):  # restores a caller's wrapper (kernels.py)
-        _, step_s = timed(lambda: [engine.step() for _ in range(num_steps)])
+        for _ in range(num_steps):
+            step_s.append(timed(engine.step)[1])
     assert len(forward_s) == num_steps
-    for request_id in ids:
-        engine.abort_request(request_id)
-    return step_s * 1e3 / num_steps, sum(forward_s) * 1e3 / num_steps
+    return step_s, forward_s
 
 
 def timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
