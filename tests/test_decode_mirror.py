@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.model.attention.backend import AttentionMetadata
+from splitserve.model.attention.decode_mirror import padded_tokens, slot_ranges
 from splitserve.model.attention.torch_backend import TorchAttention
 
 pytestmark = pytest.mark.unit
 
-H, KVH, D, BS, NUM_BLOCKS, LAYERS = 4, 2, 8, 4, 256, 2
+H, KVH, D, BS, NUM_BLOCKS, LAYERS = 4, 2, 8, 4, 1024, 2
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -116,7 +117,7 @@ def test_mirrored_decodes_match_dense_as_batches_change():
     # grown past the first buffer's capacity (several reallocations, content carried)
     for _ in range(40):
         _run(backend, cluster, [4, 5])
-    assert backend._plan.mirror.carried_from is not None and not backend._plan.mirror.moves
+    assert backend._plan.mirror.carried_from is not None and backend._plan.mirror.moves is None
 
 
 def test_a_sequence_absent_for_a_step_is_refilled_not_trusted():
@@ -188,3 +189,29 @@ def test_buffers_go_when_a_step_has_no_decodes():
     q, k, v = torch.randn(2, H, D), torch.randn(2, KVH, D), torch.randn(2, KVH, D)
     backend.forward(q, k, v, cluster.caches[0], prompt)
     assert not backend._mirror._buffers
+
+
+def test_mixed_lengths_attend_in_ranges_sorted_by_length():
+    """Lengths mixed along the slots are reassigned by length (the kept copies permuted), then attended
+    range by range, each at its own width; sequences joining and leaving keep it exact."""
+    torch.manual_seed(5)
+    cluster, backend = _Cluster(5), TorchAttention(H, KVH, D, BS)
+    lengths = [6, 70] * 10 + [40] * 4
+    for sid, length in enumerate(lengths):
+        cluster.add(sid, length)
+    short_first = list(range(0, 20, 2))
+    _run(backend, cluster, list(range(10)))  # mixed along the slots from the start
+    _run(backend, cluster, list(range(24)))  # 14 join: a re-sort moves kept copies
+    step = backend._plan.mirror
+    assert step.carried_from is not None and step.moves is not None and len(step.ranges) > 1
+    _run(backend, cluster, list(range(24)))
+    _run(backend, cluster, [s for s in range(24) if s not in short_first])  # the short ones leave
+    _run(backend, cluster, [23, 1, 21, 3, 22, 5])
+
+
+def test_slot_ranges_close_on_length_ratio_after_min_size():
+    lens = [10] * 8 + [12, 100, 101] + [300] * 8
+    assert slot_ranges(lens, ratio=1.5, min_size=8) == [(0, 9), (9, 17), (17, 19)]
+    assert slot_ranges([5, 500, 5], min_size=8) == [(0, 3)]  # too few slots to split
+    assert padded_tokens([10] * 8 + [300] * 8) == 8 * 10 + 8 * 300
+    assert padded_tokens([10, 300] * 8) == 16 * 300

@@ -14,7 +14,12 @@ A slot's life, keyed by the sequence's id (AttentionMetadata.decode_seq_ids, uni
     freed     at a step whose decodes lack it, or where its length did not grow by exactly one
               (preempted and recomputed): the paged cache, always written first, stays the truth
 Slots stay packed in 0..num_decodes-1 (a kept sequence above moves down into a freed slot: one row
-copy), so SDPA reads the buffer's leading slots and the queries are permuted into slot order.
+copy), so SDPA reads the buffer's leading slots and the queries are permuted into slot order. SDPA
+runs per range of consecutive slots of similar length, each at its own width (padding every slot to
+the batch's longest context cost ~1.2x the paged path, which groups by length, on mixed batches);
+when the slots' order has drifted so far from the lengths' that the ranges pad 25% more than sorted
+ones would, every slot is reassigned in length order (the kept copies permuted once). Contexts all
+grow by one per step, so kept sequences stay in order; only joins disturb it.
 
 Each layer's buffer records the step it last applied. One that missed a step (the step failed between
 layers, or the buffer is new) refills every slot from the paged cache: a copy never outlives the steps
@@ -26,6 +31,7 @@ buffers go once a step has no decodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,21 +49,39 @@ class _Fill:
 
 
 @dataclass(frozen=True, slots=True)
+class _Moves:
+    """Kept sequences whose slot changes: src -> dst, their first `width` positions (all they hold)."""
+
+    src: torch.Tensor  # [m]
+    dst: torch.Tensor  # [m]
+    width: int
+
+
+class SlotRange(NamedTuple):
+    """Slots attended together, at their longest length."""
+
+    start: int
+    stop: int
+    width: int
+    mask: torch.Tensor | None  # [stop - start, 1, 1, width] 0 / -inf; None: every slot full length
+
+
+@dataclass(frozen=True, slots=True)
 class MirrorStep:
     """One step's slot plan, shared by its layers."""
 
     serial: int
     carried_from: int | None  # the step whose slots this one keeps; None: every slot is filled
     shape: tuple[int, int]  # (slots, capacity) of every layer's buffer in this step
-    width: int  # keys attended: the longest context
-    moves: list[tuple[int, int, int]]  # (from slot, to slot, tokens) before anything is written
+    width: int  # the longest context
+    moves: _Moves | None  # read before anything is written
     fill: _Fill | None  # the new sequences (when carried)
     refill: _Fill  # every sequence (a layer that missed the carried step)
     append_rows: torch.Tensor  # [a]: decode rows appended (the kept ones)
     append_index: torch.Tensor  # [a * num_kv_heads]: their new token's flat row in a buffer half
     row_of_slot: torch.Tensor | None  # [num_decodes]: the decode row in each slot; None: the same order
     slot_of_row: torch.Tensor | None  # [num_decodes]: its inverse
-    mask: torch.Tensor | None  # [num_decodes, 1, 1, width] 0 / -inf per slot; None: all full length
+    ranges: list[SlotRange]  # covering 0..num_decodes-1 in order
 
 
 @dataclass(slots=True)
@@ -89,7 +113,11 @@ class DecodeMirror:
             self._slots, self._last = {}, None
             return None
         lens = meta.seq_lens_cpu[:nd]
-        slot_of_row, moves, kept = self._assign(ids, lens)
+        slot_of_row, kept = self._assign(ids, lens)
+        old = self._slots
+        moves = [
+            (old[i][0], slot, n - 1) for i, slot, n, k in zip(ids, slot_of_row, lens, kept) if k and old[i][0] != slot
+        ]
         self._serial += 1
         carried_from, self._last, self._shape = self._last, self._serial, shape
         self._slots = {sid: (slot, n) for sid, slot, n in zip(ids, slot_of_row, lens)}
@@ -112,25 +140,27 @@ class DecodeMirror:
                 return shape
         return None
 
-    def _assign(self, ids: list[int], lens: list[int]) -> tuple[list[int], list[tuple[int, int, int]], list[bool]]:
-        """Each decode row's slot (packed in 0..n-1), the moves that pack kept slots, and which rows are kept."""
+    def _assign(self, ids: list[int], lens: list[int]) -> tuple[list[int], list[bool]]:
+        """Each decode row's slot (packed in 0..n-1), and which rows keep their copies. Kept slots stay
+        where they are (those past n move down into freed ones), unless lengths have got so mixed up
+        along the slots that attending slot ranges would pad 25% more than in length order: then every
+        slot is reassigned by length (one copy of the kept rows, about one step's gather)."""
         n, old = len(ids), self._slots
         kept = [(sid in old and old[sid][1] == length - 1) for sid, length in zip(ids, lens)]
         taken = {old[sid][0] for sid, keep in zip(ids, kept) if keep and old[sid][0] < n}
         free = iter(s for s in range(n) if s not in taken)
-        slot_of_row, moves = [0] * n, []
-        for row, (sid, keep) in enumerate(zip(ids, kept)):
-            if not keep:
-                continue
-            slot = old[sid][0]
-            if slot >= n:
-                moves.append((slot, next(free), lens[row] - 1))
-                slot = moves[-1][1]
-            slot_of_row[row] = slot
-        for row, keep in enumerate(kept):
-            if not keep:
+        slot_of_row = [old[sid][0] if keep else -1 for sid, keep in zip(ids, kept)]
+        for row, slot in enumerate(slot_of_row):
+            if slot < 0 or slot >= n:
                 slot_of_row[row] = next(free)
-        return slot_of_row, moves, kept
+        slot_lens = [0] * n
+        for row, slot in enumerate(slot_of_row):
+            slot_lens[slot] = lens[row]
+        by_length = sorted(lens)
+        if padded_tokens(slot_lens) > 1.25 * padded_tokens(by_length):
+            for slot, row in enumerate(sorted(range(n), key=lens.__getitem__)):
+                slot_of_row[row] = slot
+        return slot_of_row, kept
 
     def _step(
         self,
@@ -138,7 +168,7 @@ class DecodeMirror:
         carried_from: int | None,
         shape: tuple[int, int],
         slot_of_row: list[int],
-        moves: list[tuple[int, int, int]],
+        moves: list[tuple[int, int, int]],  # (from slot, to slot, tokens held)
         kept: list[bool],
         dtype: torch.dtype,
     ) -> MirrorStep:
@@ -148,11 +178,8 @@ class DecodeMirror:
         identity = slot_of_row == list(range(nd))
         row_of_slot = None if identity else torch.empty_like(slot_t).scatter_(0, slot_t, torch.arange(nd))
         seq_lens = meta.seq_lens[:nd] if row_of_slot is None else meta.seq_lens[:nd][row_of_slot]
-        width = max(lens)
-        mask = None
-        if min(lens) < width:
-            visible = torch.arange(width, device=device)[None, :] < seq_lens[:, None]
-            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        slot_lens = seq_lens.tolist()
+        ranges = [_range(a, b, slot_lens, seq_lens, dtype) for a, b in slot_ranges(slot_lens)]
         rows = [r for r in range(nd) if kept[r]]
         kvh, capacity = self.num_kv_heads, shape[1]
         heads = torch.arange(kvh, device=device)
@@ -165,15 +192,15 @@ class DecodeMirror:
             serial=self._serial,
             carried_from=carried_from,
             shape=shape,
-            width=width,
-            moves=moves,
+            width=max(lens),
+            moves=_moves(moves, device),
             fill=fill,
             refill=self._fill(meta, list(range(nd)), slot_t),
             append_rows=append_rows,
             append_index=append_index,
             row_of_slot=row_of_slot,
             slot_of_row=None if identity else slot_t,
-            mask=None if mask is None else mask[:, None, None, :],
+            ranges=ranges,
         )
 
     def _fill(self, meta: AttentionMetadata, rows: list[int], slot_of_row: torch.Tensor) -> _Fill:
@@ -190,11 +217,13 @@ class DecodeMirror:
         new K/V, [num_decodes, num_kv_heads, head_dim]."""
         buffer = self._buffers.get(kv_cache.data_ptr())
         carried = buffer is not None and step.carried_from is not None and buffer.applied == step.carried_from
-        if carried:
+        moves, moved = step.moves, None
+        if carried and moves is not None:  # read before the resize: a source may lie past the new slots
             assert buffer is not None
-            for src, dst, n in step.moves:  # before any resize: a source may lie past the new slots
-                buffer.data[:, dst, :, :n] = buffer.data[:, src, :, :n]
+            moved = buffer.data[:, moves.src, :, : moves.width]  # a copy (advanced indexing)
         data = self._resized(buffer, carried, step.shape, kv_cache)
+        if moves is not None and moved is not None:
+            data[:, moves.dst, :, : moves.width] = moved
         self._buffers[kv_cache.data_ptr()] = _Buffer(data, step.serial)
         if carried:
             if len(step.append_rows):
@@ -230,3 +259,38 @@ class DecodeMirror:
             blocks = torch.index_select(src[half], 0, fill.block_ids)  # [n * num_blocks, bs * kvh * d]
             context = blocks.view(len(fill.rows), width, kvh, d).transpose(1, 2)  # [n, kvh, width, d]
             data[half][fill.slots, :, :width] = context
+
+
+def slot_ranges(lens: list[int], ratio: float = 1.5, min_size: int = 8) -> list[tuple[int, int]]:
+    """Runs of consecutive slots attended together (lens: each slot's length): a run closes once it
+    has min_size slots and the next length would take its longest past ratio x its shortest."""
+    ranges, start, low, high = [], 0, lens[0], lens[0]
+    for slot in range(1, len(lens)):
+        n = lens[slot]
+        if slot - start >= min_size and max(high, n) > ratio * min(low, n):
+            ranges.append((start, slot))
+            start, low, high = slot, n, n
+        low, high = min(low, n), max(high, n)
+    ranges.append((start, len(lens)))
+    return ranges
+
+
+def padded_tokens(lens: list[int]) -> int:
+    """Keys attended over slot_ranges(lens), each range padded to its longest."""
+    return sum((b - a) * max(lens[a:b]) for a, b in slot_ranges(lens))
+
+
+def _range(start: int, stop: int, slot_lens: list[int], seq_lens: torch.Tensor, dtype: torch.dtype) -> SlotRange:
+    width = max(slot_lens[start:stop])
+    if min(slot_lens[start:stop]) == width:
+        return SlotRange(start, stop, width, None)
+    visible = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[start:stop, None]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=seq_lens.device).masked_fill_(~visible, float("-inf"))
+    return SlotRange(start, stop, width, mask[:, None, None, :])
+
+
+def _moves(moves: list[tuple[int, int, int]], device: torch.device) -> _Moves | None:
+    if not moves:
+        return None
+    src, dst, held = zip(*moves)
+    return _Moves(torch.tensor(src, device=device), torch.tensor(dst, device=device), max(held))

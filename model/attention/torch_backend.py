@@ -177,10 +177,18 @@ class TorchAttention(AttentionBackend):
         # q: [n, h, d]; k, v: [n, kvh, d], the decodes' new tokens -> [n, h, d]
         assert self._mirror is not None  # a step has a MirrorStep only from it
         keys, values = self._mirror.update(k, v, kv_cache, step)  # [n, kvh, width, d], slot order
-        q = q if step.row_of_slot is None else q[step.row_of_slot]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=step.mask, scale=self.scale, enable_gqa=self.gqa
-        ).squeeze(2)  # [n, h, d] in slot order
+        q = (q if step.row_of_slot is None else q[step.row_of_slot]).unsqueeze(2)  # [n, h, 1, d], slot order
+        out = torch.empty_like(q)
+        for r in step.ranges:  # slots of similar lengths, each range at its own width
+            out[r.start : r.stop] = F.scaled_dot_product_attention(
+                q[r.start : r.stop],
+                keys[r.start : r.stop, :, : r.width],
+                values[r.start : r.stop, :, : r.width],
+                attn_mask=r.mask,
+                scale=self.scale,
+                enable_gqa=self.gqa,
+            )
+        out = out.squeeze(2)
         return out if step.slot_of_row is None else out[step.slot_of_row]
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup) -> torch.Tensor:
