@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 
 from splitserve.model.attention.backend import AttentionMetadata
+from splitserve.model.attention.cache_ops import additive_mask, gather_kv
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,13 +253,9 @@ class DecodeMirror:
         return data
 
     def _write_fill(self, data: torch.Tensor, kv_cache: torch.Tensor, fill: _Fill) -> None:
-        _, num_blocks, bs, kvh, d = kv_cache.shape
-        width = fill.num_blocks * bs
-        src = kv_cache.view(2, num_blocks, -1)  # whole blocks as rows of a contiguous tensor
-        for half in range(2):
-            blocks = torch.index_select(src[half], 0, fill.block_ids)  # [n * num_blocks, bs * kvh * d]
-            context = blocks.view(len(fill.rows), width, kvh, d).transpose(1, 2)  # [n, kvh, width, d]
-            data[half][fill.slots, :, :width] = context
+        width = fill.num_blocks * self.block_size
+        context = gather_kv(kv_cache, fill.block_ids)  # [2, n * width, kvh, d]
+        data[:, fill.slots, :, :width] = context.view(2, len(fill.rows), width, *context.shape[2:]).transpose(2, 3)
 
 
 def slot_ranges(lens: list[int], ratio: float = 1.5, min_size: int = 8) -> list[tuple[int, int]]:
@@ -285,8 +282,7 @@ def _range(start: int, stop: int, slot_lens: list[int], seq_lens: torch.Tensor, 
     if min(slot_lens[start:stop]) == width:
         return SlotRange(start, stop, width, None)
     visible = torch.arange(width, device=seq_lens.device)[None, :] < seq_lens[start:stop, None]
-    mask = torch.zeros(visible.shape, dtype=dtype, device=seq_lens.device).masked_fill_(~visible, float("-inf"))
-    return SlotRange(start, stop, width, mask[:, None, None, :])
+    return SlotRange(start, stop, width, additive_mask(visible, dtype)[:, None, None, :])
 
 
 def _moves(moves: list[tuple[int, int, int]], device: torch.device) -> _Moves | None:

@@ -29,27 +29,8 @@ from splitserve.model.attention.backend import (
     AttentionMetadata,
     register_backend,
 )
+from splitserve.model.attention.cache_ops import additive_mask, gather_kv, store_kv
 from splitserve.model.attention.decode_mirror import DecodeMirror, MirrorStep
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' K and V ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
-
-
-def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """K and V of whole blocks, block_ids [n] in order: [2, n * block_size, num_kv_heads, head_dim]."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    src = kv_cache.view(2, num_blocks, -1)  # [2, num_blocks, one block's K (or V)]
-    out = src.new_empty(2, len(block_ids), src.shape[2])
-    # Whole blocks along dim 0 of a contiguous tensor: row copies, split over the threads (along dim 1
-    # index_select runs on one thread; kv_cache[:, block_ids] is slower still).
-    torch.index_select(src[0], 0, block_ids, out=out[0])
-    torch.index_select(src[1], 0, block_ids, out=out[1])
-    return out.view(2, len(block_ids) * block_size, num_kv_heads, head_dim)
 
 
 def length_groups(seq_lens: list[int], ratio: float = 1.5, min_size: int = 8) -> list[list[int]]:
@@ -104,11 +85,6 @@ class _StepPlan:
         return cls(meta, mirror, decodes, chunks)
 
 
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as SDPA adds it to the scores: 0 where visible, -inf elsewhere."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-
-
 def _decode_groups(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[_DecodeGroup]:
     lens = meta.seq_lens_cpu[: meta.num_decodes]
     groups = length_groups(lens)
@@ -122,7 +98,7 @@ def _decode_groups(meta: AttentionMetadata, block_size: int, dtype: torch.dtype)
         mask = None
         if min(group_lens) < num_blocks * block_size:
             positions = torch.arange(num_blocks * block_size, device=device)
-            mask = _additive(positions[None, :] < meta.seq_lens[rows, None], dtype)[:, None, None, :]
+            mask = additive_mask(positions[None, :] < meta.seq_lens[rows, None], dtype)[:, None, None, :]
         out.append(_DecodeGroup(rows, block_ids, len(group), mask))
     return out
 
@@ -134,7 +110,7 @@ def _chunk(meta: AttentionMetadata, i: int, tokens: slice, block_size: int, dtyp
     device = meta.block_tables.device
     block_ids = meta.block_tables[i, : -(-seq_len // block_size)]
     rows = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
-    mask = _additive(torch.arange(seq_len, device=device)[None, :] <= rows, dtype)
+    mask = additive_mask(torch.arange(seq_len, device=device)[None, :] <= rows, dtype)
     return _Chunk(tokens, seq_len, block_ids, mask)
 
 
