@@ -16,9 +16,7 @@ requests are refused, and `died` is set so the server can leave the cluster and 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
@@ -27,28 +25,24 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine, PromptInput, RequestOutput, merge_outputs
-from splitserve.engine.model_runner import bind_thread
 from splitserve.engine.request import Request
+from splitserve.engine.step_loop import EngineDead, StepLoop
 
 T = TypeVar("T")
-log = logging.getLogger("splitserve.engine")
+__all__ = ["AsyncEngine", "EngineDead", "RequestFailed"]
 
 
 class RequestFailed(RuntimeError):
     """The engine failed while running this request (it was stopped, its blocks freed)."""
 
 
-class EngineDead(RuntimeError):
-    """The engine loop died: this engine runs nothing more (retry elsewhere)."""
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        # Adds, aborts and calls for the step thread, applied in order between steps (deque appends
-        # and pops are atomic); a call's future is resolved back on the event loop.
-        self._commands: deque[tuple[Callable, tuple, asyncio.Future | None]] = deque()
-        self._wakeup = threading.Event()  # new commands for an idle step thread
+        # Adds, aborts and calls for the step thread, applied in order between steps; a call's future
+        # is resolved back on the event loop (and failed, with the rest, if the loop dies).
+        self._steps = StepLoop(engine)
+        self._calls: set[asyncio.Future] = set()
         self._streams: dict[str, _Mailbox] = {}
         self._labels: dict[str, str] = {}  # request id -> the client's id (for Abort by that id)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -58,7 +52,7 @@ class AsyncEngine:
         self._watch: asyncio.Task | None = None  # ends the step thread if the event loop goes away
         self._error: EngineDead | None = None
         self.died = asyncio.Event()  # the step loop raised: this engine serves nothing more
-        engine.runner.on_ranks_lost(self._fail_loop)  # a tensor-parallel rank exited
+        engine.runner.on_ranks_lost(self._steps.fail)  # a tensor-parallel rank exited
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
@@ -130,9 +124,11 @@ class AsyncEngine:
         """Run fn(*args) on the step thread between steps (the only safe time to touch engine state)."""
         if self._error is not None:
             raise self._error
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._commands.append((fn, args, future))
-        self._start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
+        self.post(_answer, loop, future, fn, args)
         return await future
 
     def abort(self, request_id: str) -> None:
@@ -157,7 +153,7 @@ class AsyncEngine:
         if self._step_thread is None or self._stopped is None:
             return
         self._closing.set()
-        self._wakeup.set()
+        self._steps.wake()
         await self._stopped
         self._step_thread, self._stopped, self._watch = None, None, None
 
@@ -170,7 +166,7 @@ class AsyncEngine:
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run fn(*args) on the step thread between steps, without waiting for it (fn must not raise:
         an error there ends the step loop)."""
-        self._commands.append((fn, args, None))
+        self._steps.post(fn, *args)
         self._start()
 
     def _start(self) -> None:
@@ -184,7 +180,7 @@ class AsyncEngine:
             )
             self._step_thread.start()
             self._watch = loop.create_task(self._stop_with_the_loop(self._stopped, self._closing))
-        self._wakeup.set()
+        self._steps.wake()
 
     async def _stop_with_the_loop(self, stopped: asyncio.Future[None], closing: threading.Event) -> None:
         """Cancelled when its event loop shuts down (asyncio.run cancels what is left): then nobody
@@ -193,7 +189,7 @@ class AsyncEngine:
             await asyncio.shield(stopped)
         except asyncio.CancelledError:
             closing.set()
-            self._wakeup.set()
+            self._steps.wake()
             raise
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -207,81 +203,32 @@ class AsyncEngine:
         self._error = error
         for mailbox in self._streams.values():
             mailbox.put(error)
+        for future in list(self._calls):  # their commands were dropped with the loop
+            _set_exception(future, error)
         self.died.set()  # the server reads it, leaves the cluster, exits
 
     # -- the step thread ----------------------------------------------------------------------------
     def _run_steps(self, loop: asyncio.AbstractEventLoop, closing: threading.Event, stopped: asyncio.Future) -> None:
-        # Every step runs on this thread, bound to the engine's device for its life: Triton launches on
-        # the calling thread's current CUDA device, and new threads start on device 0.
-        bind_thread(self.engine.runner.device)
-        with self.engine.loop_lock:  # a step thread of an earlier event loop may still be ending
-            error = self._step_until_closed(loop, closing)
-            if error is not None:
-                self._fail_commands(error)
-                _post(loop, self._die, error)
+        error = self._steps.run(closing, lambda outputs: _post(loop, self._dispatch, outputs))
+        if error is not None:
+            _post(loop, self._die, error)
         _post(loop, _set_result, stopped, None)
-
-    def _step_until_closed(self, loop: asyncio.AbstractEventLoop, closing: threading.Event) -> EngineDead | None:
-        """Apply commands and step until closing is set; the error if the loop died."""
-        engine, error = self.engine, None
-        engine.start_output_thread(lambda outputs: _post(loop, self._dispatch, outputs), self._output_died)
-        try:
-            while not closing.is_set():
-                self._apply_commands()
-                engine.expire_leases()
-                if engine.has_work():
-                    engine.step()
-                else:
-                    self._idle(closing)
-        except Exception as e:  # surface to every waiting stream instead of hanging them
-            log.exception("the engine loop died")
-            error = EngineDead(
-                f"this worker's engine loop died ({type(e).__name__}: {e}); retry the request on another worker"
-            )
-        engine.stop_output_thread()  # what was stepped still reaches its streams, before any error
-        return error
-
-    def _output_died(self, e: BaseException) -> None:
-        """The output thread raised: the step loop raises at its next step; wake it if idle."""
-        error = RuntimeError(f"the output thread died ({type(e).__name__}: {e})")
-        error.__cause__ = e
-        self._fail_loop(error)
-
-    def _fail_loop(self, error: BaseException) -> None:
-        """From any thread: the step loop raises error at its next turn (the loop dies); wake it if idle."""
-        self._commands.append((_raise, (error,), None))
-        self._wakeup.set()
-
-    def _idle(self, closing: threading.Event) -> None:
-        """Wait for new commands, waking for the next held-block lease to expire."""
-        self._wakeup.clear()
-        if self._commands or closing.is_set():
-            return
-        deadline = self.engine.leases.next_deadline()
-        self._wakeup.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.01)
-
-    def _apply_commands(self) -> None:
-        while self._commands:
-            fn, args, future = self._commands.popleft()
-            if future is None:
-                fn(*args)
-            elif not future.cancelled():
-                try:
-                    result = fn(*args)
-                except Exception as e:  # the caller gets it; the loop goes on
-                    _post(future.get_loop(), _set_exception, future, e)
-                else:
-                    _post(future.get_loop(), _set_result, future, result)
-
-    def _fail_commands(self, error: EngineDead) -> None:
-        while self._commands:
-            _, _, future = self._commands.popleft()
-            if future is not None:
-                _post(future.get_loop(), _set_exception, future, error)
 
     def _add(self, request: Request) -> None:
         if request.request_id in self._streams:  # not cancelled before it got here
             self.engine.add_request(request)
+
+
+def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable, args: tuple) -> None:
+    """On the step thread: run a call unless its caller stopped waiting, and resolve its future."""
+    if future.cancelled():
+        return
+    try:
+        result = fn(*args)
+    except Exception as e:  # the caller gets it; the loop goes on
+        _post(loop, _set_exception, future, e)
+    else:
+        _post(loop, _set_result, future, result)
 
 
 def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
@@ -300,10 +247,6 @@ def _set_result(future: asyncio.Future, result: Any) -> None:
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-def _raise(error: BaseException) -> None:
-    raise error
 
 
 class _Mailbox:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine import async_engine, model_runner
+from splitserve.engine import model_runner, step_loop
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
@@ -153,7 +153,7 @@ def test_bind_thread_sets_the_cuda_device(monkeypatch):
 def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
     engine = Engine(EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, kv_cache_bytes=2**21)))
     bound, step_threads = [], set()
-    monkeypatch.setattr(async_engine, "bind_thread", lambda device: bound.append((threading.current_thread(), device)))
+    monkeypatch.setattr(step_loop, "bind_thread", lambda device: bound.append((threading.current_thread(), device)))
     real_step = engine.step
 
     def step():
