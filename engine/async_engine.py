@@ -17,23 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.cpu_threads import on_passing_thread
-from splitserve.engine.engine import Engine, PromptInput, RequestOutput, merge_outputs
+from splitserve.engine.engine import Engine, PromptInput, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.step_loop import EngineDead, StepLoop
+from splitserve.engine.streams import RequestFailed, Streams, post_to_loop
 
 T = TypeVar("T")
 __all__ = ["AsyncEngine", "EngineDead", "RequestFailed"]
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed while running this request (it was stopped, its blocks freed)."""
 
 
 class AsyncEngine:
@@ -43,14 +39,12 @@ class AsyncEngine:
         # is resolved back on the event loop (and failed, with the rest, if the loop dies).
         self._steps = StepLoop(engine)
         self._calls: set[asyncio.Future] = set()
-        self._streams: dict[str, _Mailbox] = {}
-        self._labels: dict[str, str] = {}  # request id -> the client's id (for Abort by that id)
+        self._streams = Streams(self.abort)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._step_thread: threading.Thread | None = None
         self._closing = threading.Event()  # the running step thread's: stop after the current step
         self._stopped: asyncio.Future[None] | None = None  # resolved when the step thread has ended
         self._watch: asyncio.Task | None = None  # ends the step thread if the event loop goes away
-        self._error: EngineDead | None = None
         self.died = asyncio.Event()  # the step loop raised: this engine serves nothing more
         engine.runner.on_ranks_lost(self._steps.fail)  # a tensor-parallel rank exited
 
@@ -90,40 +84,19 @@ class AsyncEngine:
 
     def open_stream(self, request_id: str, label: str = "") -> None:
         """Claim request_id and start collecting its step outputs (stream() reads them)."""
-        if self._error is not None:
-            raise self._error
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = _Mailbox()
-        self._labels[request_id] = label
+        self._streams.open(request_id, label)
 
-    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Outputs of an opened request until it finishes; leaving early aborts it."""
-        mailbox = self._streams[request_id]
-        finished = False
-        try:
-            while not finished:
-                item = await mailbox.get()
-                while not isinstance(item, BaseException) and not item.finished and mailbox.items:
-                    nxt = mailbox.items.popleft()  # the consumer fell behind: send one merged chunk
-                    item = nxt if isinstance(nxt, BaseException) else merge_outputs(item, nxt)
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self.close_stream(request_id, finished)
+        return self._streams.read(request_id)
 
     def close_stream(self, request_id: str, finished: bool) -> None:
-        self._streams.pop(request_id, None)
-        self._labels.pop(request_id, None)
-        if not finished:  # consumer cancelled or stopped early: free the request's blocks
-            self.abort(request_id)
+        self._streams.close(request_id, finished)
 
     async def call(self, fn: Callable[..., T], *args) -> T:
         """Run fn(*args) on the step thread between steps (the only safe time to touch engine state)."""
-        if self._error is not None:
-            raise self._error
+        if self._streams.error is not None:
+            raise self._streams.error
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
         self._calls.add(future)
@@ -137,7 +110,7 @@ class AsyncEngine:
 
     def abort_label(self, label: str) -> int:
         """Abort every request carrying the client's id label; returns how many."""
-        request_ids = [rid for rid, lab in self._labels.items() if lab == label]
+        request_ids = self._streams.labelled(label)
         for rid in request_ids:
             self.abort(rid)
         return len(request_ids)
@@ -172,7 +145,7 @@ class AsyncEngine:
     def _start(self) -> None:
         """Start the step thread on first use (or in a new event loop: the last one's is ending), and wake it."""
         loop = asyncio.get_running_loop()
-        if self._error is None and (self._step_thread is None or self._loop is not loop):
+        if self._streams.error is None and (self._step_thread is None or self._loop is not loop):
             self._loop, self._closing = loop, threading.Event()
             self._stopped = loop.create_future()
             self._step_thread = threading.Thread(
@@ -192,27 +165,18 @@ class AsyncEngine:
             self._steps.wake()
             raise
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """One step's outputs into their streams (one event-loop callback per step)."""
-        for out in outputs:
-            mailbox = self._streams.get(out.request_id)
-            if mailbox is not None:
-                mailbox.put(RequestFailed(out.error) if out.error is not None else out)
-
     def _die(self, error: EngineDead) -> None:
-        self._error = error
-        for mailbox in self._streams.values():
-            mailbox.put(error)
+        self._streams.fail_all(error)
         for future in list(self._calls):  # their commands were dropped with the loop
             _set_exception(future, error)
         self.died.set()  # the server reads it, leaves the cluster, exits
 
     # -- the step thread ----------------------------------------------------------------------------
     def _run_steps(self, loop: asyncio.AbstractEventLoop, closing: threading.Event, stopped: asyncio.Future) -> None:
-        error = self._steps.run(closing, lambda outputs: _post(loop, self._dispatch, outputs))
+        error = self._steps.run(closing, lambda outputs: post_to_loop(loop, self._streams.dispatch, outputs))
         if error is not None:
-            _post(loop, self._die, error)
-        _post(loop, _set_result, stopped, None)
+            post_to_loop(loop, self._die, error)
+        post_to_loop(loop, _set_result, stopped, None)
 
     def _add(self, request: Request) -> None:
         if request.request_id in self._streams:  # not cancelled before it got here
@@ -226,17 +190,9 @@ def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callabl
     try:
         result = fn(*args)
     except Exception as e:  # the caller gets it; the loop goes on
-        _post(loop, _set_exception, future, e)
+        post_to_loop(loop, _set_exception, future, e)
     else:
-        _post(loop, _set_result, future, result)
-
-
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    """Run fn(*args) on the event loop (dropped once the loop is closed: nobody is listening)."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:
-        pass
+        post_to_loop(loop, _set_result, future, result)
 
 
 def _set_result(future: asyncio.Future, result: Any) -> None:
@@ -247,27 +203,3 @@ def _set_result(future: asyncio.Future, result: Any) -> None:
 def _set_exception(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
-
-
-class _Mailbox:
-    """One stream's outputs on their way to its consumer, on the event loop only: what asyncio.Queue
-    does for this one producer and one consumer, with less work per item (a step at 256 streams
-    puts 256; docs/benchmarks.md has the event loop's CPU per step before and after)."""
-
-    __slots__ = ("items", "_waiter")
-
-    def __init__(self) -> None:
-        self.items: deque[RequestOutput | BaseException] = deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.items.append(item)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def get(self) -> RequestOutput | BaseException:
-        while not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        return self.items.popleft()

@@ -41,7 +41,7 @@ import torch
 from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.engine import RequestOutput
+from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.kv_cache.block_io import gather_blocks
 from splitserve.engine.kv_cache.block_pool import BlockId
 from splitserve.engine.kv_cache.staging import Staging
@@ -108,6 +108,29 @@ class EngineLoad:
     @property
     def is_idle(self) -> bool:
         return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_held_requests)
+
+
+def engine_load(engine: Engine) -> EngineLoad:
+    """The engine's load, read between steps or racily (as a metrics scrape reads it)."""
+    e, s = engine, engine.scheduler
+    return EngineLoad(
+        num_running=s.num_running,
+        num_waiting=s.num_waiting,
+        num_free_blocks=e.kv.num_free_blocks,
+        num_total_blocks=e.runner.num_blocks,
+        block_size=e.runtime.block_size,
+        num_awaiting_kv=len(s.awaiting_kv) + e.kv.num_parked,
+        num_held_blocks=e.num_held_blocks(),
+        num_held_requests=len(s.held),
+        kv_usage=e.kv_usage(),
+        num_preemptions=s.stats.num_preemptions,
+        prefix_cache_queries=s.stats.prefix_cache_queries,
+        prefix_cache_hits=s.stats.prefix_cache_hits,
+        num_lease_expiries=e.leases.num_expired,
+        num_failed_requests=e.stats.num_failed_requests,
+        tensor_parallel_size=e.runner.tp.size,
+        steps=e.step_stats.snapshot(),
+    )
 
 
 def piece_buffer(runner: ModelRunner, num_blocks: int, num_heads: int) -> Staging:
@@ -344,25 +367,7 @@ class HandoffPort:
         return followers
 
     def load(self) -> EngineLoad:
-        e, s = self._engine, self._engine.scheduler
-        return EngineLoad(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_free_blocks=e.kv.num_free_blocks,
-            num_total_blocks=e.runner.num_blocks,
-            block_size=e.runtime.block_size,
-            num_awaiting_kv=len(s.awaiting_kv) + e.kv.num_parked,
-            num_held_blocks=e.num_held_blocks(),
-            num_held_requests=len(s.held),
-            kv_usage=e.kv_usage(),
-            num_preemptions=s.stats.num_preemptions,
-            prefix_cache_queries=s.stats.prefix_cache_queries,
-            prefix_cache_hits=s.stats.prefix_cache_hits,
-            num_lease_expiries=e.leases.num_expired,
-            num_failed_requests=e.stats.num_failed_requests,
-            tensor_parallel_size=e.runner.tp.size,
-            steps=e.step_stats.snapshot(),
-        )
+        return engine_load(self._engine)
 
     async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]:
         """The pool's cached hashes and its pending events, taken together between steps."""

@@ -1,0 +1,186 @@
+"""The engine core in a process of its own, fed over a pipe (what vLLM v1 calls the EngineCore).
+
+In one process the step loop shares the GIL with the serving thread: gRPC and one task per stream
+wake up for every step's outputs, and at 256 streams that work delays the next step by several
+milliseconds (docs/benchmarks.md, "engine core process"). Here the core process steps, and the
+serving process (engine/core_client.py) does the per-stream work on its own GIL.
+
+Threads of the core process:
+- the command reader: reads CoreCommands from the pipe (the blocking read releases the GIL),
+  validates new requests (pure) and queues them for the step loop,
+- the step loop (StepLoop.run, the main thread): applies commands between steps, steps,
+- the engine's output thread: output processing, then one CoreEvent per step onto the pipe,
+- the load clock: every 100 ms asks the step loop for the engine's load, sent when it changed.
+
+Lifecycle: spawned -> load and warm up -> CoreReady -> commands and events -> a shutdown command,
+or the pipe closing (the serving process is gone) -> the loop stops after its step, the outputs
+computed are sent -> exit 0. A step loop that dies sends `died` and exits 1.
+
+Every message is protobuf (protos/v1/engine_core.proto). The one pickle is the EngineConfig the
+spawn hands over at start, from the parent that made it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+
+from splitserve.common.wire import kv_events_to_proto
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.core_wire import load_to_proto, output_to_proto, params_from_proto
+from splitserve.engine.cpu_threads import on_passing_thread
+from splitserve.engine.engine import Engine, RequestOutput
+from splitserve.engine.handoff_port import engine_load
+from splitserve.engine.request import Request
+from splitserve.engine.step_loop import StepLoop
+from splitserve.protos.v1 import engine_core_pb2 as pb
+
+log = logging.getLogger("splitserve.engine")
+
+LOAD_INTERVAL_S = 0.1
+
+
+def run_engine_core(
+    config: EngineConfig,
+    conn: Connection,
+    log_level: int = logging.INFO,
+    prepare: Callable[[Engine], None] | None = None,
+) -> None:
+    """The core process's main (a multiprocessing spawn target). prepare(engine) runs after warm-up,
+    before serving: benchmarks swap the forward for a stub there."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the serving process, which shuts us down
+    engine = on_passing_thread(_load, config)  # the step loop's OpenMP pool is then the only one
+    if prepare is not None:
+        prepare(engine)
+    core = EngineCore(engine, conn)
+    sys.exit(core.serve())
+
+
+def _load(config: EngineConfig) -> Engine:
+    engine = Engine(config)
+    report = engine.warm_up()
+    log.info("warm-up before serving: %d steps in %.2f s", report.num_steps, report.seconds)
+    return engine
+
+
+class EngineCore:
+    def __init__(self, engine: Engine, conn: Connection) -> None:
+        self.engine, self.conn = engine, conn
+        self.steps = StepLoop(engine)
+        self.closing = threading.Event()
+        self._send_lock = threading.Lock()  # the output thread, the step loop and the reader all send
+        self._last_load: pb.CoreLoad | None = None
+        engine.runner.on_ranks_lost(self.steps.fail)  # a tensor-parallel rank exited
+
+    def serve(self) -> int:
+        """Serve until shut down or orphaned; the exit status."""
+        self._send(pb.CoreEvent(ready=self._ready()))
+        threading.Thread(target=self._read_commands, name="core-commands", daemon=True).start()
+        threading.Thread(target=self._load_clock, name="core-load", daemon=True).start()
+        error = self.steps.run(self.closing, self._send_outputs)
+        self.engine.close()
+        if error is not None:
+            self._send(pb.CoreEvent(died=str(error)))
+            return 1
+        return 0
+
+    def _ready(self) -> pb.CoreReady:
+        e = self.engine
+        return pb.CoreReady(
+            block_size=e.runtime.block_size,
+            max_model_len=e.runtime.max_model_len,
+            vocab_size=e.vocab_size,
+            tensor_parallel_size=e.runner.tp.size,
+            num_kv_heads=e.runner.arch.num_kv_heads,
+            load=load_to_proto(engine_load(e)),
+        )
+
+    # -- the pipe -----------------------------------------------------------------------------------
+    def _send(self, event: pb.CoreEvent) -> None:
+        data = event.SerializeToString()
+        try:
+            with self._send_lock:
+                self.conn.send_bytes(data)
+        except OSError:  # the serving process is gone: nobody reads outputs any more
+            self._stop()
+
+    def _stop(self) -> None:
+        self.closing.set()
+        self.steps.wake()
+
+    def _read_commands(self) -> None:
+        while not self.closing.is_set():
+            try:
+                command = pb.CoreCommand.FromString(self.conn.recv_bytes())
+            except (EOFError, OSError):  # the serving process closed the pipe or died
+                log.info("the serving process is gone; stopping the engine core")
+                break
+            if not self._apply(command):
+                break
+        self._stop()
+
+    def _apply(self, command: pb.CoreCommand) -> bool:
+        """Queue one command for the step loop; False once told to shut down."""
+        kind = command.WhichOneof("command")
+        if kind == "add":
+            request = self._request(command.add)
+            if request is not None:
+                self.steps.post(self._add, request)
+        elif kind == "abort_request_id":
+            self.steps.post(self.engine.abort_request, command.abort_request_id)
+        elif kind == "query":
+            self.steps.post(self._answer, command.query)
+        elif kind == "shutdown":
+            return False
+        return True
+
+    # -- the reader's side --------------------------------------------------------------------------
+    def _request(self, add: pb.CoreAddRequest) -> Request | None:
+        """A validated request, or None after refusing it (its stream ends with the reason)."""
+        try:
+            params = params_from_proto(add.params)
+            return self.engine.make_request(
+                list(add.prompt_token_ids), params, add.request_id, add.priority, label=add.label
+            )
+        except ValueError as e:
+            self._refuse(add.request_id, str(e))
+            return None
+
+    def _refuse(self, request_id: str, message: str) -> None:
+        refused = pb.CoreRequestOutput(
+            request_id=request_id, finished=True, error_kind=pb.CORE_ERROR_KIND_INVALID_ARGUMENT, error=message
+        )
+        self._send(pb.CoreEvent(outputs=pb.CoreStepOutputs(outputs=[refused])))
+
+    def _load_clock(self) -> None:
+        while not self.closing.wait(LOAD_INTERVAL_S):
+            self.steps.post(self._report_load)
+
+    # -- the step loop's side -----------------------------------------------------------------------
+    def _add(self, request: Request) -> None:
+        try:
+            self.engine.add_request(request)
+        except ValueError as e:  # its id is in use: the serving process names requests uniquely
+            self._refuse(request.request_id, str(e))
+
+    def _answer(self, query: pb.CoreQuery) -> None:
+        pool = self.engine.kv.pool
+        reply = pb.CoreReply(call_id=query.call_id)
+        if query.kind == pb.CORE_QUERY_KIND_KV_SNAPSHOT:
+            reply.block_hashes.extend(pool.cached_hashes())
+        reply.events.extend(kv_events_to_proto(pool.drain_events()))
+        self._send(pb.CoreEvent(reply=reply))
+
+    def _report_load(self) -> None:
+        load = load_to_proto(engine_load(self.engine))
+        if load != self._last_load:
+            self._last_load = load
+            self._send(pb.CoreEvent(load=load))
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:  # on the engine's output thread
+        self._send(pb.CoreEvent(outputs=pb.CoreStepOutputs(outputs=[output_to_proto(o) for o in outputs])))

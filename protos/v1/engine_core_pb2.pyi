@@ -1,0 +1,236 @@
+from splitserve.protos.v1 import generation_pb2 as _generation_pb2
+from splitserve.protos.v1 import worker_pb2 as _worker_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class CoreQueryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CORE_QUERY_KIND_UNSPECIFIED: _ClassVar[CoreQueryKind]
+    CORE_QUERY_KIND_KV_SNAPSHOT: _ClassVar[CoreQueryKind]
+    CORE_QUERY_KIND_DRAIN_KV_EVENTS: _ClassVar[CoreQueryKind]
+
+class CoreErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CORE_ERROR_KIND_UNSPECIFIED: _ClassVar[CoreErrorKind]
+    CORE_ERROR_KIND_INVALID_ARGUMENT: _ClassVar[CoreErrorKind]
+    CORE_ERROR_KIND_REQUEST_FAILED: _ClassVar[CoreErrorKind]
+CORE_QUERY_KIND_UNSPECIFIED: CoreQueryKind
+CORE_QUERY_KIND_KV_SNAPSHOT: CoreQueryKind
+CORE_QUERY_KIND_DRAIN_KV_EVENTS: CoreQueryKind
+CORE_ERROR_KIND_UNSPECIFIED: CoreErrorKind
+CORE_ERROR_KIND_INVALID_ARGUMENT: CoreErrorKind
+CORE_ERROR_KIND_REQUEST_FAILED: CoreErrorKind
+
+class EngineSamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    max_tokens: int
+    min_tokens: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    logprobs: int
+    skip_special_tokens: bool
+    include_stop_str_in_output: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
+
+class CoreAddRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "label")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: EngineSamplingParams
+    priority: int
+    label: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
+
+class CoreQuery(_message.Message):
+    __slots__ = ("call_id", "kind")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    kind: CoreQueryKind
+    def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[CoreQueryKind, str]] = ...) -> None: ...
+
+class CoreCommand(_message.Message):
+    __slots__ = ("add", "abort_request_id", "query", "shutdown")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    add: CoreAddRequest
+    abort_request_id: str
+    query: CoreQuery
+    shutdown: bool
+    def __init__(self, add: _Optional[_Union[CoreAddRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., query: _Optional[_Union[CoreQuery, _Mapping]] = ..., shutdown: _Optional[bool] = ...) -> None: ...
+
+class CoreRequestOutput(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "new_text", "finished", "finish_reason", "stop_token_id", "stop_string", "has_logprobs", "new_logprobs", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "queue_ms", "ttft_ms", "error_kind", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TEXT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_text: str
+    finished: bool
+    finish_reason: str
+    stop_token_id: int
+    stop_string: str
+    has_logprobs: bool
+    new_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    queue_ms: float
+    ttft_ms: float
+    error_kind: CoreErrorKind
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., has_logprobs: _Optional[bool] = ..., new_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., error_kind: _Optional[_Union[CoreErrorKind, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CoreStepTotals(_message.Message):
+    __slots__ = ("kind", "num_steps", "seconds", "num_seqs", "num_tokens", "context_tokens", "attention_tokens2", "bucket_counts")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_TOKENS2_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    num_steps: int
+    seconds: float
+    num_seqs: int
+    num_tokens: int
+    context_tokens: int
+    attention_tokens2: int
+    bucket_counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[str] = ..., num_steps: _Optional[int] = ..., seconds: _Optional[float] = ..., num_seqs: _Optional[int] = ..., num_tokens: _Optional[int] = ..., context_tokens: _Optional[int] = ..., attention_tokens2: _Optional[int] = ..., bucket_counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CoreLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "num_awaiting_kv", "num_held_blocks", "num_held_requests", "kv_usage", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "num_lease_expiries", "num_failed_requests", "tensor_parallel_size", "steps")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_AWAITING_KV_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HELD_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    block_size: int
+    num_awaiting_kv: int
+    num_held_blocks: int
+    num_held_requests: int
+    kv_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_lease_expiries: int
+    num_failed_requests: int
+    tensor_parallel_size: int
+    steps: _containers.RepeatedCompositeFieldContainer[CoreStepTotals]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_held_blocks: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[CoreStepTotals, _Mapping]]] = ...) -> None: ...
+
+class CoreReady(_message.Message):
+    __slots__ = ("block_size", "max_model_len", "vocab_size", "tensor_parallel_size", "num_kv_heads", "load")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    tensor_parallel_size: int
+    num_kv_heads: int
+    load: CoreLoad
+    def __init__(self, block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ...) -> None: ...
+
+class CoreReply(_message.Message):
+    __slots__ = ("call_id", "block_hashes", "events")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    events: _containers.RepeatedCompositeFieldContainer[_worker_pb2.KVCacheEvent]
+    def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ...) -> None: ...
+
+class CoreEvent(_message.Message):
+    __slots__ = ("ready", "outputs", "load", "reply", "died")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    DIED_FIELD_NUMBER: _ClassVar[int]
+    ready: CoreReady
+    outputs: CoreStepOutputs
+    load: CoreLoad
+    reply: CoreReply
+    died: str
+    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., outputs: _Optional[_Union[CoreStepOutputs, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., died: _Optional[str] = ...) -> None: ...
+
+class CoreStepOutputs(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[CoreRequestOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreRequestOutput, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,231 @@
+"""The engine core in its own process (engine/core_process.py) behind EngineCoreClient: the same
+outputs as the engine in process, refusals that leave it serving, aborts that free blocks, and a
+dead core that fails every stream instead of hanging it. Real spawned processes and pipes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import signal
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.core_client import EngineCoreClient
+from splitserve.engine.core_wire import (
+    load_from_proto,
+    load_to_proto,
+    output_from_proto,
+    output_to_proto,
+    params_from_proto,
+    params_to_proto,
+)
+from splitserve.engine.handoff_port import engine_load
+from splitserve.engine.llm import LLM
+from splitserve.engine.outputs import RequestOutput, RequestTimings
+from splitserve.engine.request import FinishReason
+from splitserve.engine.sampler import TokenLogprobs
+from splitserve.engine.step_loop import EngineDead
+from splitserve.engine.step_stats import StepKind
+from splitserve.engine.streams import RequestFailed
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2)
+    )
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [21]]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=9, logprobs=2, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=7, max_tokens=10, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=1),
+]
+
+
+async def _collect(stream) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+async def _run_all(engine) -> list[list[RequestOutput]]:
+    return await asyncio.gather(*(_collect(engine.generate(p, s, label="x")) for p, s in zip(PROMPTS, PARAMS)))
+
+
+def _joined(outs: list[RequestOutput]) -> tuple:
+    last = outs[-1]
+    ids = [t for o in outs for t in o.new_token_ids]
+    logprobs = [lp for o in outs for lp in (o.new_logprobs or [])]
+    return ids, "".join(o.new_text for o in outs), last.finish_reason, last.num_output_tokens, logprobs
+
+
+@pytest.mark.integration
+def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
+    config = _config(tiny_llama_dir)
+    in_process = AsyncEngine.from_config(config)
+    client = EngineCoreClient.launch(config)
+
+    async def main() -> None:
+        expected = [_joined(outs) for outs in await _run_all(in_process)]
+        await in_process.shutdown()
+        client.start()
+        got = await _run_all(client)
+        for outs, (ids, text, reason, n, logprobs) in zip(got, expected):
+            g_ids, g_text, g_reason, g_n, g_logprobs = _joined(outs)
+            assert (g_ids, g_text, g_reason, g_n) == (ids, text, reason, n)
+            assert [lp.token_id for lp in g_logprobs] == [lp.token_id for lp in logprobs]
+            assert [lp.logprob for lp in g_logprobs] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-5)
+
+        # refused, here or by the core, and the core serves on
+        for prompt, params in (([1, 99999], SamplingParams()), ([1] * 200, SamplingParams(max_tokens=100))):
+            with pytest.raises(ValueError):
+                await _collect(client.generate(prompt, params))
+        with pytest.raises(ValueError):
+            await _collect(client.generate([-1], SamplingParams()))
+        assert _joined(await _collect(client.generate(PROMPTS[0], PARAMS[0])))[0] == expected[0][0]
+        assert len(expected[0][0]) == 12 and len(expected[1][4]) == 9 and expected[2][0] != expected[0][0]
+
+        # a consumer that leaves early aborts its request: it stops soon, and every block comes back
+        before = client.load().steps
+        stream = client.generate([3, 4, 5], SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
+        await anext(stream)
+        await stream.aclose()
+        await _collect(client.generate([9], PARAMS[3]))  # commands apply in order: the abort came first
+        load = await _settled(client, before[StepKind.PREFILL].num_steps + 2)
+        assert load.num_running == 0 and load.num_free_blocks == load.num_total_blocks
+        decoded = load.steps[StepKind.DECODE].num_tokens - before[StepKind.DECODE].num_tokens
+        assert decoded < 100  # not run to its 240 tokens
+
+        # the prefix index's snapshot: the prompts' full blocks are cached
+        hashes, _ = await client.kv_snapshot()
+        assert len(hashes) >= 1
+        await client.shutdown()
+
+    asyncio.run(main())
+    assert client.exitcode == 0 and not client.died.is_set()
+
+
+async def _settled(client: EngineCoreClient, num_prefill_steps: int, timeout_s: float = 30.0):
+    """The first load reported with that many prefill steps and nothing running (the core reports
+    its load within 100 ms of a change)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        load = client.load()
+        done = load.steps[StepKind.PREFILL].num_steps >= num_prefill_steps and load.num_running == 0
+        if done or asyncio.get_running_loop().time() > deadline:
+            return load
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_a_dead_core_fails_every_stream_and_sets_died(tiny_llama_dir):
+    client = EngineCoreClient.launch(_config(tiny_llama_dir))
+
+    async def main() -> None:
+        client.start()
+        params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+        streams = [client.generate([i + 1, i + 2], params) for i in range(3)]
+        for stream in streams:
+            await anext(stream)
+        os.kill(client._process.pid, signal.SIGKILL)
+        for stream in streams:
+            with pytest.raises(EngineDead):
+                await _collect(stream)
+        await asyncio.wait_for(client.died.wait(), 10)
+        with pytest.raises(EngineDead):
+            await _collect(client.generate([1], params))
+        with pytest.raises(EngineDead):
+            await client.drain_kv_events()
+
+    asyncio.run(main())
+    assert client.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.unit
+@given(
+    temperature=st.floats(0, 2),
+    top_k=st.none() | st.integers(1, 50),
+    seed=st.none() | st.integers(-(2**63), 2**63 - 1),
+    max_tokens=st.none() | st.integers(1, 10**6),
+    stop=st.lists(st.text(min_size=1, max_size=4), max_size=3),
+    logprobs=st.none() | st.integers(0, 20),
+    flags=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+)
+def test_sampling_params_cross_the_pipe_whole(temperature, top_k, seed, max_tokens, stop, logprobs, flags):
+    params = SamplingParams(
+        temperature=temperature,
+        top_p=0.5,
+        top_k=top_k,
+        min_p=0.1,
+        seed=seed,
+        repetition_penalty=1.2,
+        presence_penalty=-0.5,
+        frequency_penalty=0.25,
+        max_tokens=max_tokens,
+        stop=stop,
+        stop_token_ids=[3, 5],
+        ignore_eos=flags[0],
+        logprobs=logprobs,
+        skip_special_tokens=flags[1],
+        include_stop_str_in_output=flags[2],
+    )
+    assert params_from_proto(params_to_proto(params)) == params
+    assert params_from_proto(params_to_proto(SamplingParams())) == SamplingParams()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "out",
+    [
+        RequestOutput("req-1", [5, 6], "ab", False, num_prompt_tokens=3, num_output_tokens=2),
+        RequestOutput(
+            "req-2",
+            [7],
+            "c",
+            True,
+            FinishReason.STOP,
+            stop_reason="c",
+            new_logprobs=[TokenLogprobs(7, -0.5, ((7, -0.5), (2, -1.25)))],
+            num_prompt_tokens=4,
+            num_output_tokens=9,
+            num_cached_tokens=8,
+            timings=RequestTimings(1.5, 20.25),
+        ),
+        RequestOutput("req-3", [], "", True, FinishReason.STOP, stop_reason=2, new_logprobs=[]),
+        RequestOutput("req-4", [], "", True, FinishReason.ABORT, error="step failed"),
+    ],
+)
+def test_request_outputs_cross_the_pipe_whole(out):
+    assert output_from_proto(output_to_proto(out)) == out
+
+
+@pytest.mark.unit
+def test_a_failed_request_reaches_its_stream_as_request_failed():
+    from splitserve.engine.streams import Streams
+
+    async def main() -> None:
+        streams = Streams(abort=lambda rid: None)
+        streams.open("r")
+        streams.dispatch([output_from_proto(output_to_proto(RequestOutput("r", [], "", True, error="boom")))])
+        with pytest.raises(RequestFailed, match="boom"):
+            await anext(streams.read("r"))
+
+    asyncio.run(main())
+
+
+@pytest.mark.unit
+def test_the_load_crosses_the_pipe_whole(tiny_llama_dir):
+    engine = LLM(config=_config(tiny_llama_dir)).engine
+    engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()
+    load = engine_load(engine)
+    assert load.steps and any(t.num_steps for t in load.steps.values())
+    assert load_from_proto(load_to_proto(load)) == load
+    assert {f.name for f in dataclasses.fields(load)} >= {"steps", "num_running", "kv_usage"}
