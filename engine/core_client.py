@@ -53,6 +53,7 @@ class EngineCoreClient:
         self._call_ids = itertools.count(1)
         self._replies: dict[int, asyncio.Future[pb.CoreReply]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
         self._death: str | None = None  # the core's last word: why its loop died
         self._shutting_down = False
         self.died = asyncio.Event()  # the core died: this engine serves nothing more
@@ -79,7 +80,10 @@ class EngineCoreClient:
         """Start reading the core's events (from the event loop that consumes the streams)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            threading.Thread(target=self._read_events, args=(self._loop,), name="core-events", daemon=True).start()
+            self._reader = threading.Thread(
+                target=self._read_events, args=(self._loop,), name="core-events", daemon=True
+            )
+            self._reader.start()
 
     async def generate(
         self,
@@ -130,7 +134,7 @@ class EngineCoreClient:
 
     async def shutdown(self) -> None:
         """Stop the core after its current step (outputs computed are still delivered) and wait for
-        it to exit; killed if it has not within SHUTDOWN_TIMEOUT_S."""
+        it to exit; killed if it has not within SHUTDOWN_TIMEOUT_S. load() is then its final state."""
         self._shutting_down = True
         try:
             self._send(pb.CoreCommand(shutdown=True))
@@ -141,6 +145,8 @@ class EngineCoreClient:
             log.error("the engine core did not exit within %.0f s of shutdown; killing it", SHUTDOWN_TIMEOUT_S)
             self._process.kill()
             await asyncio.to_thread(self._process.join)
+        if self._reader is not None:  # it has read the core's last events (its final load) at EOF
+            await asyncio.to_thread(self._reader.join, 5.0)
         self._conn.close()
 
     @property

@@ -83,6 +83,8 @@ class EngineCore:
         threading.Thread(target=self._read_commands, name="core-commands", daemon=True).start()
         threading.Thread(target=self._load_clock, name="core-load", daemon=True).start()
         error = self.steps.run(self.closing, self._send_outputs)
+        self._last_load = None
+        self._report_load()  # the state it ends in (a drained worker logs its pool)
         self.engine.close()
         if error is not None:
             self._send(pb.CoreEvent(died=str(error)))

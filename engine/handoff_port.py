@@ -33,7 +33,7 @@ import enum
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -108,6 +108,23 @@ class EngineLoad:
     @property
     def is_idle(self) -> bool:
         return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_held_requests)
+
+
+class EngineReports(Protocol):
+    """What a worker reads of its engine, in process (HandoffPort) or in a core process of its own
+    (engine/core_client.py EngineCoreClient)."""
+
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    def load(self) -> EngineLoad: ...
+    async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]: ...
+    async def drain_kv_events(self) -> list[KVCacheEvent]: ...
 
 
 def engine_load(engine: Engine) -> EngineLoad:

@@ -215,6 +215,7 @@ def _worker(a: argparse.Namespace) -> int:
         advertise_host=a.advertise_host,
         kv_transfer_timeout_s=a.kv_transfer_timeout,
         kv_streaming=a.kv_streaming,
+        engine_process=a.engine_process,
         cluster=cluster_from_args(a),
     )
     try:
@@ -451,6 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="prefill: send a prompt's KV layer by layer while its last chunk computes (single-rank "
         "workers; --no-kv-streaming: send it after the first token)",
+    )
+    worker.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="unified workers: run the engine's step loop in a process of its own, fed over a pipe, so "
+        "that the serving thread's per-stream work never delays a step (engine/core_process.py)",
     )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")

@@ -32,9 +32,12 @@ def _num_tokens(stub_, request) -> int:
     return len(tokens(stub_, request))
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama_dir):
-    children = start_cluster(2, _engine_argv(tiny_llama_dir))
+@pytest.fixture(scope="module", params=["in-process", "engine-process"])
+def cluster(tiny_llama_dir, request):
+    """Both ways a unified worker runs its engine: in its own process, or in a core process of its
+    own (--engine-process: every request crosses the pipe to the core and back)."""
+    worker_argv = ["--engine-process"] if request.param == "engine-process" else None
+    children = start_cluster(2, _engine_argv(tiny_llama_dir), worker_argv=worker_argv)
     try:
         yield children
     finally:

@@ -22,7 +22,7 @@ import grpc
 
 from splitserve.common.security import OPEN_CLUSTER
 from splitserve.common.wire import kv_events_to_proto
-from splitserve.engine.handoff_port import HandoffPort
+from splitserve.engine.handoff_port import EngineReports
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 
@@ -32,7 +32,7 @@ log = logging.getLogger("splitserve.worker")
 class KVEventPublisher:
     def __init__(
         self,
-        port: HandoffPort,
+        port: EngineReports,
         gateway: str,
         address: str,
         model: str,

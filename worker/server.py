@@ -29,9 +29,10 @@ from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core_client import EngineCoreClient
 from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine
-from splitserve.engine.handoff_port import HandoffPort
+from splitserve.engine.handoff_port import EngineReports, HandoffPort
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.worker.kv_events import KVEventPublisher
@@ -58,6 +59,7 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
     kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
+    engine_process: bool = False  # unified: the step loop in a process of its own (engine/core_process.py)
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
 
     def __post_init__(self) -> None:
@@ -65,6 +67,11 @@ class WorkerConfig:
             raise ValueError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
             raise ValueError("KV transfer and reserve timeouts must be > 0")
+        if self.engine_process and self.mode != Role.UNIFIED.value:
+            raise ValueError(
+                "--engine-process runs with --mode unified only: prefill and decode workers move KV "
+                "blocks from the engine's own process (drop --engine-process for them)"
+            )
 
     @property
     def role(self) -> Role:
@@ -84,8 +91,12 @@ class WorkerConfig:
         return self.host
 
 
-def _make_servicer(config: WorkerConfig, engine: AsyncEngine, metrics: WorkerMetrics) -> WorkerServicer:
+def _make_servicer(
+    config: WorkerConfig, engine: AsyncEngine | EngineCoreClient, port: EngineReports, metrics: WorkerMetrics
+) -> WorkerServicer:
     role = config.role
+    if isinstance(engine, EngineCoreClient):
+        return WorkerServicer(engine, metrics, role, port=port)
     if role is Role.PREFILL:
         sender = TorchDistSender(config.public_host, config.kv_transfer_timeout_s)
         delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
@@ -137,15 +148,25 @@ def _load_engine(config: EngineConfig) -> Engine:
     return core
 
 
-async def serve_worker(config: WorkerConfig) -> None:
-    core = load_engine(config.engine)
-    engine = AsyncEngine(core)
+def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient, EngineReports]:
+    """The engine in this process (its step thread shares the GIL with the serving thread), or in a
+    core process of its own; and the worker's view of it."""
+    if config.engine_process:
+        client = EngineCoreClient.launch(config.engine)
+        client.start()
+        return client, client
+    engine = AsyncEngine(load_engine(config.engine))
     engine.start()
+    return engine, HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
+
+
+async def serve_worker(config: WorkerConfig) -> None:
+    engine, port = _start_engine(config)
     name = model_name(config.engine.model)
-    port = HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
-    servicer = _make_servicer(config, engine, metrics)
-    await _open_rank_endpoints(config, port)
+    servicer = _make_servicer(config, engine, port, metrics)
+    if isinstance(port, HandoffPort):
+        await _open_rank_endpoints(config, port)
     worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name
     server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (worker_service,))])
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -182,17 +203,18 @@ async def serve_worker(config: WorkerConfig) -> None:
         await _leave_dead(config, health_servicer, server, address)
         raise EngineDied("the engine loop died (see the traceback above); the worker left the gateway")
     await _drain(config, servicer, health_servicer, address)
-    log.info("drained: %s", _pool_report(port))
     await server.stop(grace=1.0)
     await engine.shutdown()
-    core.close()
+    log.info("drained: %s", _pool_report(port))
+    if isinstance(engine, AsyncEngine):
+        engine.engine.close()
     if servicer.sender is not None:
         servicer.sender.close()
     if servicer.handoff is not None:
         servicer.handoff.receiver.close()
 
 
-async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: HandoffPort) -> None:
+async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: EngineReports) -> None:
     request = pb.RegisterWorkerRequest(
         address=address,
         role=config.role.proto,
@@ -265,7 +287,7 @@ async def _drain(config: WorkerConfig, servicer: WorkerServicer, health_servicer
         )
 
 
-def _pool_report(port: HandoffPort) -> str:
+def _pool_report(port: EngineReports) -> str:
     """One line the launcher's tests read: the KV pool must be empty when a drained worker exits."""
     load = port.load()
     return (

@@ -27,15 +27,16 @@ from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.prefill_client import event_to_proto, job_from_proto
 from splitserve.disagg.transfer.base import KVSender, TransferError
 from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
+from splitserve.engine.core_client import EngineCoreClient
 from splitserve.engine.engine import RequestOutput
-from splitserve.engine.handoff_port import HandoffPort
+from splitserve.engine.handoff_port import EngineReports, HandoffPort
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 
-def engine_snapshot(port: HandoffPort) -> EngineSnapshot:
+def engine_snapshot(port: EngineReports) -> EngineSnapshot:
     load = port.load()
     return EngineSnapshot(
         num_running=load.num_running,
@@ -98,16 +99,22 @@ async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.Statu
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | EngineCoreClient,
         metrics: WorkerMetrics,
         role: Role = Role.UNIFIED,
         sender: KVSender | None = None,
         handoff: DecodeHandoff | None = None,
         send_delay_s: float = 0.0,
         kv_streaming: bool = False,
+        port: EngineReports | None = None,
     ) -> None:
+        """engine: in process (any role), or an engine core process (unified: port is then the client)."""
         self.engine, self.metrics, self.role = engine, metrics, role
-        self.port = HandoffPort(engine)
+        # prefill and decode workers reach the engine's insides: theirs is in process (WorkerConfig checks)
+        self.handoff_port = HandoffPort(engine) if isinstance(engine, AsyncEngine) else None
+        reports = port or self.handoff_port
+        assert reports is not None, "an engine core process reports through its client: pass port"
+        self.port: EngineReports = reports
         self.sender, self.handoff = sender, handoff
         self.send_delay_s = send_delay_s  # fault injection for tests: a slow prefill-side send
         self.kv_streaming = kv_streaming  # prefill: KV sent layer by layer as computed (disagg/handoff.py)
@@ -145,7 +152,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     "send requests with a prefill_address to one started with --mode decode",
                 )
                 return  # abort raised; this keeps type checkers from assuming it returns
-            engine_request = self.engine.make_request(prompt, params, priority=request.priority, label=label)
+            engine_request = self.handoff.engine.make_request(prompt, params, priority=request.priority, label=label)
             stream = self.handoff.generate(engine_request, request.prefill_address, wire=request)
         elif self.role is Role.PREFILL:
             await context.abort(
@@ -203,14 +210,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await _abort(context, span, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
 
     async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[pb.PrefillResponse]:
-        assert self.sender is not None  # a prefill worker's (checked by Prefill)
+        port, engine = self.handoff_port, self.engine
+        assert self.sender is not None and port is not None  # a prefill worker's (checked by Prefill)
+        assert isinstance(engine, AsyncEngine)
         r = request.request
-        job = job_from_proto(request, self.port.num_kv_heads)
+        job = job_from_proto(request, port.num_kv_heads)
         timing = RequestTiming(arrival=time.monotonic())
         params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-        engine_request = self.port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
+        engine_request = port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
         async for event in prefill_and_send(
-            self.engine, engine_request, self.sender, job, self.metrics, self.send_delay_s, self.kv_streaming
+            engine, engine_request, self.sender, job, self.metrics, self.send_delay_s, self.kv_streaming
         ):
             if isinstance(event, FirstToken):
                 timing.first_token = timing.finished = time.monotonic()
