@@ -14,6 +14,9 @@ much less disturbed than wall time by other processes on a shared machine):
   engine ran before output processing moved to its own thread).
 - `async`: the serving path, AsyncEngine with one consuming task per request (as the gRPC servicer
   has), wall time per step from the first add to the last output (prefill step included).
+- `core`: the same serving path with the engine core in a process of its own (EngineCoreClient, as
+  a worker with --engine-process runs it): the consuming tasks here, the step loop and the stub
+  there; wall time per step the core ran. --no-core skips it.
 - `pipelined` (when the engine has it): the step loop as AsyncEngine runs it, outputs processed on
   the engine's output thread. `loop` is the step loop's own time per step: what a GPU would wait
   for between forwards. `total CPU` is the whole process's CPU time per step until the output
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import json
 import os
 import pstats
@@ -63,18 +67,21 @@ SEED = 0
 class StubForward:
     """Replaces ModelRunner.forward: returns precomputed logits [num_sampling, vocab] at no cost."""
 
-    def __init__(self, max_batch: int, vocab: int) -> None:
+    def __init__(self, max_batch: int, vocab: int, forward_ms: float = 0.0) -> None:
         gen = torch.Generator().manual_seed(SEED)
+        self.forward_s = forward_ms / 1e3  # > 0: a forward that waits this long off the GIL, as a GPU's would
         self.banks = [torch.randn(max_batch, vocab, generator=gen).mul_(4.0) for _ in range(NUM_LOGIT_BANKS)]
         self.calls = 0
 
     def __call__(self, batch, layers=None) -> torch.Tensor:
         self.calls += 1
+        if self.forward_s:
+            time.sleep(self.forward_s)
         return self.banks[self.calls % NUM_LOGIT_BANKS][: len(batch.sample_rows)]
 
 
-def make_engine(model: str, batch: int) -> Engine:
-    config = EngineConfig(
+def engine_config(model: str, batch: int) -> EngineConfig:
+    return EngineConfig(
         model=model,
         device="cpu",
         max_model_len=MAX_MODEL_LEN,
@@ -82,8 +89,17 @@ def make_engine(model: str, batch: int) -> Engine:
         cache=CacheConfig(block_size=16, kv_cache_bytes=(batch + 1) * MAX_MODEL_LEN * 1024),
         scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 20)),
     )
-    engine = Engine(config)
-    engine.runner.forward = StubForward(batch, engine.vocab_size)  # type: ignore[method-assign]
+
+
+def install_stub(batch: int, forward_ms: float, engine: Engine) -> None:
+    """The forward becomes a StubForward, one torch thread (in this process or an engine core's)."""
+    torch.set_num_threads(1)
+    engine.runner.forward = StubForward(batch, engine.vocab_size, forward_ms)  # type: ignore[method-assign]
+
+
+def make_engine(model: str, batch: int, forward_ms: float = 0.0) -> Engine:
+    engine = Engine(engine_config(model, batch))
+    install_stub(batch, forward_ms, engine)
     return engine
 
 
@@ -159,27 +175,76 @@ def time_async(engine: Engine, batch: int, steps: int) -> dict[str, float]:
     from the first add to the last output. ms per step = wall time / steps run."""
     from splitserve.engine.async_engine import AsyncEngine
 
-    stub = engine.runner.forward
     rng = random.Random(SEED)
     prompts = [[rng.randrange(1, engine.vocab_size) for _ in range(rng.randrange(4, 20))] for _ in range(batch)]
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps)
 
     async def run() -> tuple[float, int]:
         aengine = AsyncEngine(engine)
+        before = engine.step_stats.snapshot()
 
         async def consume(prompt: list[int]) -> int:
             return sum([len(out.new_token_ids) async for out in aengine.generate(prompt, params)])
 
-        start, calls = time.perf_counter(), stub.calls
+        start = time.perf_counter()
         counts = await asyncio.gather(*(consume(p) for p in prompts))
         wall_ms = (time.perf_counter() - start) * 1e3
         await aengine.shutdown()
         if counts != [steps] * batch:
             raise RuntimeError("a stream lost tokens")
-        return wall_ms, stub.calls - calls
+        return wall_ms, steps_between(before, engine.step_stats.snapshot())
 
-    wall_ms, num_steps = asyncio.run(run())
-    return {"ms_per_step": round(wall_ms / num_steps, 4), "steps": num_steps}
+    return per_step(*asyncio.run(run()))
+
+
+def steps_between(before: dict, after: dict) -> tuple[int, float]:
+    """Steps run and seconds inside them (schedule to update), from two step-stats snapshots."""
+    num_steps = sum(after[k].num_steps - before[k].num_steps for k in after)
+    return num_steps, sum(after[k].seconds - before[k].seconds for k in after)
+
+
+def per_step(wall_ms: float, steps: tuple[int, float]) -> dict[str, float]:
+    """ms per step of wall time, of time inside step(), and between steps (the loop's commands,
+    waits for the GIL, idling for the consumers)."""
+    num_steps, seconds = steps
+    wall, inside = wall_ms / num_steps, seconds * 1e3 / num_steps
+    return {
+        "ms_per_step": round(wall, 4),
+        "step_ms": round(inside, 4),
+        "between_steps_ms": round(wall - inside, 4),
+        "steps": num_steps,
+    }
+
+
+def time_core(model: str, batch: int, steps: int, forward_ms: float) -> dict[str, float]:
+    """The serving path with the engine core in its own process (EngineCoreClient, as a worker with
+    --engine-process runs it): one consuming task per request here, the step loop there. ms per
+    step = wall time / steps the core ran (from its load reports)."""
+    from splitserve.engine.core_client import EngineCoreClient
+
+    client = EngineCoreClient.launch(
+        engine_config(model, batch), prepare=functools.partial(install_stub, batch, forward_ms)
+    )
+    rng = random.Random(SEED)
+    prompts = [[rng.randrange(1, client.vocab_size) for _ in range(rng.randrange(4, 20))] for _ in range(batch)]
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps)
+
+    async def run() -> tuple[float, int]:
+        client.start()
+        before = client.load().steps
+
+        async def consume(prompt: list[int]) -> int:
+            return sum([len(out.new_token_ids) async for out in client.generate(prompt, params)])
+
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(consume(p) for p in prompts))
+        wall_ms = (time.perf_counter() - start) * 1e3
+        await client.shutdown()  # then load() is the core's final state
+        if counts != [steps] * batch:
+            raise RuntimeError("a stream lost tokens")
+        return wall_ms, steps_between(before, client.load().steps)
+
+    return per_step(*asyncio.run(run()))
 
 
 def profile(model: str, batch: int, steps: int) -> None:
@@ -201,14 +266,18 @@ def profile(model: str, batch: int, steps: int) -> None:
         print(f"  {ms:8.3f}  {where}")
 
 
-def measure(model: str, batches: list[int], steps: int, warm_up: int) -> list[dict]:
+def measure(
+    model: str, batches: list[int], steps: int, warm_up: int, core: bool = True, forward_ms: float = 0.0
+) -> list[dict]:
     rows = []
     for batch in batches:
         row = {"batch": batch, "step": time_steps(make_engine(model, batch), batch, steps, warm_up)}
         pipelined = time_pipelined(make_engine(model, batch), batch, steps, warm_up)
         if pipelined is not None:
             row["pipelined"] = pipelined
-        row["async"] = time_async(make_engine(model, batch), batch, steps)
+        row["async"] = time_async(make_engine(model, batch, forward_ms), batch, steps)
+        if core:
+            row["core"] = time_core(model, batch, steps, forward_ms)
         rows.append(row)
     return rows
 
@@ -217,7 +286,7 @@ def run_baseline(pythonpath: str, args: argparse.Namespace, model: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "baseline.json"
         cmd = [sys.executable, __file__, "--batches", args.batches, "--steps", str(args.steps)]
-        cmd += ["--warm-up", str(args.warm_up), "--model", model, "--json", str(path)]
+        cmd += ["--warm-up", str(args.warm_up), "--model", model, "--json", str(path), "--no-core"]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")])))
         subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)  # its table is printed below
         return json.loads(path.read_text())
@@ -227,9 +296,10 @@ def print_table(title: str, rows: list[dict]) -> None:
     print(title)
     print(
         "| batch | step() wall median | step() CPU median | step() CPU p90 | loop CPU median | loop CPU p90 "
-        "| loop wall median | loop wall p90 | total CPU mean | AsyncEngine wall |"
+        "| loop wall median | loop wall p90 | total CPU mean | AsyncEngine wall (between steps) "
+        "| core process wall (between steps) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         s, p = r["step"], r.get("pipelined")
         pipe = "- | - | - | - | -"
@@ -237,7 +307,15 @@ def print_table(title: str, rows: list[dict]) -> None:
             keys = ("loop_cpu_median_ms", "loop_cpu_p90_ms", "loop_wall_median_ms", "loop_wall_p90_ms")
             pipe = " | ".join(f"{p[k]:.3f}" for k in keys) + f" | {p['total_cpu_mean_ms']:.3f}"
         step = f"{s['median_ms']:.3f} | {s['cpu_median_ms']:.3f} | {s['cpu_p90_ms']:.3f}"
-        print(f"| {r['batch']} | {step} | {pipe} | {r['async']['ms_per_step']:.3f} |")
+        serving = [_serving(r.get(k)) for k in ("async", "core")]
+        print(f"| {r['batch']} | {step} | {pipe} | {serving[0]} | {serving[1]} |")
+
+
+def _serving(m: dict | None) -> str:
+    if m is None:
+        return "-"
+    between = f" ({m['between_steps_ms']:.3f})" if "between_steps_ms" in m else ""
+    return f"{m['ms_per_step']:.3f}{between}"
 
 
 def main() -> None:
@@ -248,6 +326,14 @@ def main() -> None:
     parser.add_argument("--model", help="a tiny checkpoint folder (default: written to a temp dir)")
     parser.add_argument("--baseline-pythonpath", help="also measure the splitserve found on this PYTHONPATH")
     parser.add_argument("--profile", type=int, metavar="BATCH", help="print a cProfile of Engine.step() instead")
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="the serving paths' (async, core) stub forward sleeps this long, off the GIL as a GPU forward "
+        "waits; step() and the loop columns keep a zero-cost forward",
+    )
+    parser.add_argument("--no-core", action="store_true", help="skip the engine core process (older trees lack it)")
     parser.add_argument("--json", metavar="PATH", default="runs/step_overhead.json")
     args = parser.parse_args()
     if args.steps + args.warm_up + 8 + 19 > MAX_MODEL_LEN:  # prompts of up to 19 tokens must not reach the context
@@ -261,7 +347,7 @@ def main() -> None:
             profile(model, args.profile, args.steps)
             return
         baseline = run_baseline(args.baseline_pythonpath, args, model) if args.baseline_pythonpath else None
-        rows = measure(model, batches, args.steps, args.warm_up)
+        rows = measure(model, batches, args.steps, args.warm_up, not args.no_core, args.forward_ms)
     source = str(Path(splitserve.engine.__file__).parent)
     if baseline:
         print_table(f"baseline ({baseline['settings']['engine_source']}), ms per decode step", baseline["results"])
@@ -279,6 +365,7 @@ def main() -> None:
         "steps": args.steps,
         "warm_up": args.warm_up,
         "torch_threads": 1,
+        "serving_forward_ms": args.forward_ms,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],

@@ -30,7 +30,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.wire import kv_events_from_proto
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_process import run_engine_core
-from splitserve.engine.core_wire import load_from_proto, output_from_proto, params_to_proto
+from splitserve.engine.core_wire import load_from_proto, output_from_proto, params_to_proto, running_outputs_from_proto
 from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.handoff_port import EngineLoad
 from splitserve.engine.step_loop import EngineDead
@@ -195,7 +195,7 @@ class EngineCoreClient:
                 return
             kind = event.WhichOneof("event")
             if kind == "outputs":
-                self._outputs(loop, event.outputs.outputs)
+                self._outputs(loop, event.outputs)
             elif kind == "load":
                 self._load = load_from_proto(event.load)
             elif kind == "reply":
@@ -203,9 +203,9 @@ class EngineCoreClient:
             elif kind == "died":
                 self._death = event.died
 
-    def _outputs(self, loop: asyncio.AbstractEventLoop, messages: Sequence[pb.CoreRequestOutput]) -> None:
-        outputs = []
-        for msg in messages:
+    def _outputs(self, loop: asyncio.AbstractEventLoop, step: pb.CoreStepOutputs) -> None:
+        outputs = running_outputs_from_proto(step)
+        for msg in step.outputs:
             if msg.error_kind == pb.CORE_ERROR_KIND_INVALID_ARGUMENT:
                 post_to_loop(loop, self._streams.fail, msg.request_id, ValueError(msg.error))
             else:

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core_wire import load_to_proto, output_to_proto, params_from_proto
+from splitserve.engine.core_wire import load_to_proto, params_from_proto, step_outputs_to_proto
 from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.handoff_port import engine_load
@@ -185,4 +185,4 @@ class EngineCore:
             self._send(pb.CoreEvent(load=load))
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:  # on the engine's output thread
-        self._send(pb.CoreEvent(outputs=pb.CoreStepOutputs(outputs=[output_to_proto(o) for o in outputs])))
+        self._send(pb.CoreEvent(outputs=step_outputs_to_proto(outputs)))

@@ -4,6 +4,7 @@ the pipe between a worker's serving process and its engine core process."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.wire import logprobs_from_proto, logprobs_to_proto
@@ -89,3 +90,49 @@ def load_from_proto(msg: pb.CoreLoad) -> EngineLoad:
         totals["bucket_counts"] = list(s.bucket_counts)
         steps[StepKind(s.kind)] = StepTotals(**totals)
     return EngineLoad(steps=steps, **fields)
+
+
+def _is_plain(out: RequestOutput) -> bool:
+    """A running request's new tokens and text, nothing else: it travels in the columns."""
+    return not out.finished and out.new_logprobs is None and out.error is None and out.stop_reason is None
+
+
+def step_outputs_to_proto(outputs: list[RequestOutput]) -> pb.CoreStepOutputs:
+    plain = [o for o in outputs if _is_plain(o)]
+    return pb.CoreStepOutputs(
+        outputs=[output_to_proto(o) for o in outputs if not _is_plain(o)],
+        running_request_ids=[o.request_id for o in plain],
+        running_num_new_tokens=[len(o.new_token_ids) for o in plain],
+        running_token_ids=[t for o in plain for t in o.new_token_ids],
+        running_texts=[o.new_text for o in plain],
+        running_num_prompt_tokens=[o.num_prompt_tokens for o in plain],
+        running_num_output_tokens=[o.num_output_tokens for o in plain],
+        running_num_cached_tokens=[o.num_cached_tokens for o in plain],
+        running_queue_ms=[o.timings.queue_ms for o in plain],
+        running_ttft_ms=[math.nan if o.timings.ttft_ms is None else o.timings.ttft_ms for o in plain],
+    )
+
+
+def running_outputs_from_proto(msg: pb.CoreStepOutputs) -> list[RequestOutput]:
+    """The rows of the columns (the whole outputs: output_from_proto each)."""
+    token_ids, outputs, start = list(msg.running_token_ids), [], 0
+    rows = zip(
+        msg.running_request_ids,
+        msg.running_num_new_tokens,
+        msg.running_texts,
+        msg.running_num_prompt_tokens,
+        msg.running_num_output_tokens,
+        msg.running_num_cached_tokens,
+        msg.running_queue_ms,
+        msg.running_ttft_ms,
+        strict=True,
+    )
+    for request_id, n, text, num_prompt, num_output, num_cached, queue_ms, ttft_ms in rows:
+        timings = RequestTimings(queue_ms, None if math.isnan(ttft_ms) else ttft_ms)
+        new_ids, start = token_ids[start : start + n], start + n
+        outputs.append(
+            RequestOutput(
+                request_id, new_ids, text, False, None, None, None, num_prompt, num_output, num_cached, timings
+            )
+        )
+    return outputs

@@ -24,6 +24,8 @@ from splitserve.engine.core_wire import (
     output_to_proto,
     params_from_proto,
     params_to_proto,
+    running_outputs_from_proto,
+    step_outputs_to_proto,
 )
 from splitserve.engine.handoff_port import engine_load
 from splitserve.engine.llm import LLM
@@ -33,6 +35,7 @@ from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.step_loop import EngineDead
 from splitserve.engine.step_stats import StepKind
 from splitserve.engine.streams import RequestFailed
+from splitserve.protos.v1 import engine_core_pb2 as pb
 
 
 def _config(model_dir) -> EngineConfig:
@@ -203,6 +206,23 @@ def test_sampling_params_cross_the_pipe_whole(temperature, top_k, seed, max_toke
 )
 def test_request_outputs_cross_the_pipe_whole(out):
     assert output_from_proto(output_to_proto(out)) == out
+
+
+@pytest.mark.unit
+def test_a_steps_outputs_cross_the_pipe_whole():
+    """Running outputs travel in columns, the rest whole; every output comes back equal."""
+    running = [
+        RequestOutput(f"req-{i}", list(range(i % 3)), "x" * (i % 2), False, None, None, None, 3, i, 2) for i in range(6)
+    ]
+    running[2].timings = RequestTimings(0.5, None)
+    whole = [
+        RequestOutput("req-9", [1], "a", True, FinishReason.LENGTH, num_output_tokens=4),
+        RequestOutput("req-8", [2], "b", False, new_logprobs=[TokenLogprobs(2, -0.25, ())]),  # float32 on the wire
+    ]
+    msg = pb.CoreStepOutputs.FromString(step_outputs_to_proto(running + whole).SerializeToString())
+    assert len(msg.running_request_ids) == 6 and len(msg.outputs) == 2
+    assert running_outputs_from_proto(msg) == running
+    assert [output_from_proto(m) for m in msg.outputs] == whole
 
 
 @pytest.mark.unit

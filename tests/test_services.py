@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,8 @@ from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.llm import LLM
 from splitserve.launch.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
 from splitserve.protos.v1 import generation_pb2 as pb
+from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 
 pytestmark = pytest.mark.integration
 
@@ -204,5 +207,38 @@ def test_killed_worker_fails_in_flight_requests_and_traffic_moves(tiny_llama_dir
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         for _ in range(4):  # new requests go to the surviving worker
             assert _num_tokens(stub, _greedy_request([1, 2, 3], 4)) == 4
+    finally:
+        stop_cluster(children)
+
+
+def test_a_killed_engine_core_takes_its_worker_down_cleanly(tiny_llama_dir):
+    """SIGKILL the engine core of a worker run with --engine-process, mid-request: the request gets
+    UNAVAILABLE, the worker leaves the gateway and exits 3 (what `up` restarts); traffic moves."""
+    children = start_cluster(2, _engine_argv(tiny_llama_dir), worker_argv=["--engine-process"])
+    try:
+        gateway, workers = children[0], children[1:]
+        stub = _stub(gateway.address)
+        stream = stub.Generate(_greedy_request([4] * 20, 200), timeout=60)
+        next(stream)
+        busy: list = []
+        for _ in range(100):  # a core reports its load within 100 ms of a change
+            busy = [w for w in workers if not _all_blocks_free(w.address)]
+            if busy:
+                break
+            time.sleep(0.05)
+        (victim,) = busy
+        survivor = next(w for w in workers if w is not victim)
+        spawned = ["pgrep", "-P", str(victim.proc.pid), "-f", "spawn_main"]  # not the resource tracker
+        (core,) = [int(p) for p in subprocess.run(spawned, capture_output=True, text=True).stdout.split()]
+        os.kill(core, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert victim.proc.wait(30) == 3
+        registry = wpb_grpc.RegistryStub(grpc.insecure_channel(gateway.address))
+        listed = [w.address for w in registry.ListWorkers(wpb.ListWorkersRequest(), timeout=5).workers]
+        assert listed == [survivor.address]  # it deregistered before exiting
+        assert _num_tokens(stub, _greedy_request([1, 2, 3], 4)) == 4
     finally:
         stop_cluster(children)

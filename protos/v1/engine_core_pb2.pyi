@@ -230,7 +230,25 @@ class CoreEvent(_message.Message):
     def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., outputs: _Optional[_Union[CoreStepOutputs, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., died: _Optional[str] = ...) -> None: ...
 
 class CoreStepOutputs(_message.Message):
-    __slots__ = ("outputs",)
+    __slots__ = ("outputs", "running_request_ids", "running_num_new_tokens", "running_token_ids", "running_texts", "running_num_prompt_tokens", "running_num_output_tokens", "running_num_cached_tokens", "running_queue_ms", "running_ttft_ms")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TEXTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[CoreRequestOutput]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreRequestOutput, _Mapping]]] = ...) -> None: ...
+    running_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    running_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    running_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    running_texts: _containers.RepeatedScalarFieldContainer[str]
+    running_num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    running_num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
+    running_num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    running_queue_ms: _containers.RepeatedScalarFieldContainer[float]
+    running_ttft_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreRequestOutput, _Mapping]]] = ..., running_request_ids: _Optional[_Iterable[str]] = ..., running_num_new_tokens: _Optional[_Iterable[int]] = ..., running_token_ids: _Optional[_Iterable[int]] = ..., running_texts: _Optional[_Iterable[str]] = ..., running_num_prompt_tokens: _Optional[_Iterable[int]] = ..., running_num_output_tokens: _Optional[_Iterable[int]] = ..., running_num_cached_tokens: _Optional[_Iterable[int]] = ..., running_queue_ms: _Optional[_Iterable[float]] = ..., running_ttft_ms: _Optional[_Iterable[float]] = ...) -> None: ...
