@@ -130,6 +130,10 @@ class AsyncEngine:
         await self._stopped
         self._step_thread, self._stopped, self._watch = None, None, None
 
+    def close(self) -> None:
+        """Free the engine's resources (its tensor-parallel ranks, its output thread), after shutdown."""
+        self.engine.close()
+
     def start(self) -> None:
         """Start the step thread now (from the event loop) rather than at the first request: a server
         does, so that a failure found while idle (a tensor-parallel rank that exited) ends the loop."""

@@ -207,7 +207,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     await engine.shutdown()
     log.info("drained: %s", _pool_report(port))
     if isinstance(engine, AsyncEngine):
-        engine.engine.close()
+        engine.close()
     if servicer.sender is not None:
         servicer.sender.close()
     if servicer.handoff is not None:
