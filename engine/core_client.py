@@ -4,12 +4,15 @@ snapshot, the engine's sizes), over a pipe to the process that steps.
 
 Two threads here, neither waiting on the core:
 - the event loop: the streams, and commands written to the pipe (an add is a few hundred bytes),
-- the event reader: reads CoreEvents, turns a step's outputs into RequestOutputs and hands them
-  to the event loop in one callback per step; keeps the latest load report.
+- the event reader: reads CoreEvents; runs output processing on each step's tokens (incremental
+  detokenization, stop strings, logprobs, the RequestOutputs: engine/output_processor.py, as vLLM
+  v1's frontend process does), acknowledges the step to the core with the requests a stop string
+  ended, and hands the outputs to the event loop in one callback per step; keeps the latest load.
 
-A request refused by the core ends its stream with ValueError (the caller's fault), one the step
-failed for with RequestFailed. If the core process dies or its loop does, every stream and pending
-query gets EngineDead and `died` is set, as AsyncEngine does for a dead step loop.
+So the core's GIL serves the step loop alone. A request refused by the core ends its stream with
+ValueError (the caller's fault), one the step failed for with RequestFailed. If the core process
+dies or its loop does, every stream and pending query gets EngineDead and `died` is set, as
+AsyncEngine does for a dead step loop.
 """
 
 from __future__ import annotations
@@ -20,21 +23,33 @@ import itertools
 import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from splitserve.common.block_hash import BlockHash
 from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.wire import kv_events_from_proto
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_process import run_engine_core
-from splitserve.engine.core_wire import load_from_proto, output_from_proto, params_to_proto, running_outputs_from_proto
+from splitserve.engine.core_wire import (
+    finishes_from_proto,
+    load_from_proto,
+    logprobs_from_step_proto,
+    params_to_proto,
+)
 from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.handoff_port import EngineLoad
+from splitserve.engine.output_processor import OutputProcessor, OutputRequest, yield_gil
+from splitserve.engine.outputs import StepTokens
+from splitserve.engine.request import RequestStatus
 from splitserve.engine.step_loop import EngineDead
 from splitserve.engine.streams import Streams, post_to_loop
+from splitserve.model.loader import open_model
 from splitserve.protos.v1 import engine_core_pb2 as pb
 
 log = logging.getLogger("splitserve.engine")
@@ -43,8 +58,13 @@ SHUTDOWN_TIMEOUT_S = 30.0  # a core that has not exited by then (a step stuck) i
 
 
 class EngineCoreClient:
-    def __init__(self, process: BaseProcess, conn: Connection, ready: pb.CoreReady) -> None:
+    def __init__(self, process: BaseProcess, conn: Connection, ready: pb.CoreReady, tokenizer: Tokenizer) -> None:
         self._process, self._conn = process, conn
+        self._send_lock = threading.Lock()  # the event loop and the reader (acknowledgements) send
+        # Output processing, on the reader thread; the event loop adds and forgets requests: one lock.
+        self._processor = OutputProcessor(tokenizer)
+        self._processing = threading.Lock()
+        self._records: dict[str, _Record] = {}
         self.block_size, self.max_model_len, self.vocab_size = ready.block_size, ready.max_model_len, ready.vocab_size
         self.tensor_parallel_size, self.num_kv_heads = ready.tensor_parallel_size, ready.num_kv_heads
         self._load = load_from_proto(ready.load)  # replaced whole by the reader (a racy read is a whole one)
@@ -70,10 +90,11 @@ class EngineCoreClient:
         )
         process.start()
         child_conn.close()  # ours is the only other end: the core sees EOF when this process is gone
+        tokenizer = open_model(config.model).tokenizer  # while the core loads
         # A core nobody shut down ends with this process: before multiprocessing's exit handler joins
         # its children (handlers run last registered first), or that join would wait for ever.
         atexit.register(_end_orphan, process)
-        return cls(process, conn, _wait_ready(process, conn))
+        return cls(process, conn, _wait_ready(process, conn), tokenizer)
 
     # -- AsyncEngine's serving calls ------------------------------------------------------------------
     def start(self) -> None:
@@ -104,15 +125,18 @@ class EngineCoreClient:
         )
         self.start()
         self._streams.open(request_id, label)
+        self._track(_Record(request_id, params, list(prompt), len(prompt)))
         try:
             self._send(pb.CoreCommand(add=add))
         except EngineDead:
             self._streams.close(request_id, finished=True)
+            self._untrack(request_id)
             raise
         async for out in self._streams.read(request_id):
             yield out
 
     def abort(self, request_id: str) -> None:
+        self._untrack(request_id)  # tokens the core computed meanwhile are dropped
         if self._streams.error is None:
             try:
                 self._send(pb.CoreCommand(abort_request_id=request_id))
@@ -179,10 +203,71 @@ class EngineCoreClient:
         finally:
             self._replies.pop(call_id, None)
 
+    # -- output processing ----------------------------------------------------------------------------
+    def _track(self, record: _Record) -> None:
+        self._records[record.request_id] = record
+        with self._processing:
+            self._processor.add(record, time.monotonic())
+
+    def _untrack(self, request_id: str) -> None:
+        if self._records.pop(request_id, None) is not None:
+            with self._processing:
+                self._processor.forget(request_id)
+
+    def _process_step(self, loop: asyncio.AbstractEventLoop, msg: pb.CoreStepTokens) -> None:
+        """On the reader: a step's outputs to their streams, and the step acknowledged to the core."""
+        step = StepTokens(
+            requests=self._requests(msg),
+            token_ids=list(msg.token_ids),
+            finished=finishes_from_proto(msg),
+            time=msg.time,
+            logprobs=logprobs_from_step_proto(msg),
+            failed=[(self._records.get(f.request_id) or _gone(f.request_id), f.message) for f in msg.failed],
+        )
+        with self._processing:
+            done = self._processor.process(step, yield_gil)
+        processed = pb.CoreProcessed(ticket=msg.ticket)
+        for request_id, status in done.to_finish:
+            ids = (
+                processed.stopped_request_ids
+                if status is RequestStatus.FINISHED_STOPPED
+                else processed.failed_request_ids
+            )
+            ids.append(request_id)
+        try:
+            self._send(pb.CoreCommand(processed=processed))
+        except EngineDead:  # the core is gone: the reader sees EOF next
+            pass
+        for out in done.outputs:
+            if out.finished:
+                self._records.pop(out.request_id, None)
+        if done.outputs:
+            post_to_loop(loop, self._streams.dispatch, done.outputs)
+
+    def _requests(self, msg: pb.CoreStepTokens) -> list[OutputRequest]:
+        """The step's requests (each record learns when it was scheduled, once)."""
+        records: dict[str, _Record] = self._records
+        requests: list[OutputRequest] = []
+        for request_id, num_cached, scheduled in zip(msg.request_ids, msg.num_cached_tokens, msg.first_scheduled_times):
+            record = records.get(request_id)
+            if record is None:  # aborted here: the processor drops its token
+                requests.append(_gone(request_id))
+                continue
+            if record.first_scheduled_time is None:
+                record.num_cached_tokens, record.first_scheduled_time = num_cached, scheduled
+            requests.append(record)
+        return requests
+
+    def _refused(self, refusal: pb.CoreRefusal) -> None:
+        self._untrack(refusal.request_id)
+        self._streams.fail(refusal.request_id, ValueError(refusal.error))
+
     # -- the pipe -------------------------------------------------------------------------------------
     def _send(self, command: pb.CoreCommand) -> None:
+        data = command.SerializeToString()
         try:
-            self._conn.send_bytes(command.SerializeToString())
+            with self._send_lock:
+                self._conn.send_bytes(data)
         except OSError as e:
             raise self._streams.error or EngineDead(f"the engine core is gone ({e}); retry on another worker") from e
 
@@ -194,24 +279,16 @@ class EngineCoreClient:
                 post_to_loop(loop, self._lost)
                 return
             kind = event.WhichOneof("event")
-            if kind == "outputs":
-                self._outputs(loop, event.outputs)
+            if kind == "step_tokens":
+                self._process_step(loop, event.step_tokens)
+            elif kind == "refused":
+                post_to_loop(loop, self._refused, event.refused)
             elif kind == "load":
                 self._load = load_from_proto(event.load)
             elif kind == "reply":
                 post_to_loop(loop, self._answer, event.reply)
             elif kind == "died":
                 self._death = event.died
-
-    def _outputs(self, loop: asyncio.AbstractEventLoop, step: pb.CoreStepOutputs) -> None:
-        outputs = running_outputs_from_proto(step)
-        for msg in step.outputs:
-            if msg.error_kind == pb.CORE_ERROR_KIND_INVALID_ARGUMENT:
-                post_to_loop(loop, self._streams.fail, msg.request_id, ValueError(msg.error))
-            else:
-                outputs.append(output_from_proto(msg))
-        if outputs:
-            post_to_loop(loop, self._streams.dispatch, outputs)
 
     def _answer(self, reply: pb.CoreReply) -> None:
         future = self._replies.get(reply.call_id)
@@ -231,6 +308,23 @@ class EngineCoreClient:
         if not self._shutting_down:
             log.error("%s", why)
             self.died.set()  # the server reads it, leaves the cluster, exits
+
+
+@dataclass(slots=True)
+class _Record:
+    """What output processing reads of a request this process sent (OutputRequest)."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    all_token_ids: list[int]  # the prompt
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0  # set from its first step
+    first_scheduled_time: float | None = None
+
+
+def _gone(request_id: str) -> _Record:
+    """A stand-in for a request no longer tracked here (its token is dropped)."""
+    return _Record(request_id, SamplingParams(), [], 0)
 
 
 def _end_orphan(process: BaseProcess) -> None:

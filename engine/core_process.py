@@ -9,7 +9,9 @@ Threads of the core process:
 - the command reader: reads CoreCommands from the pipe (the blocking read releases the GIL),
   validates new requests (pure) and queues them for the step loop,
 - the step loop (StepLoop.run, the main thread): applies commands between steps, steps,
-- the engine's output thread: output processing, then one CoreEvent per step onto the pipe,
+- no output thread: each step's sampled tokens go onto the pipe as they are known (one CoreEvent
+  per step); the serving process detokenizes, finds stop strings and builds the outputs, and acks
+  each step with the requests a stop string ended,
 - the load clock: every 100 ms asks the step loop for the engine's load, sent when it changed.
 
 Lifecycle: spawned -> load and warm up -> CoreReady -> commands and events -> a shutdown command,
@@ -31,11 +33,13 @@ from multiprocessing.connection import Connection
 
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core_wire import load_to_proto, params_from_proto, step_outputs_to_proto
+from splitserve.engine.core_wire import load_to_proto, params_from_proto, step_tokens_to_proto
 from splitserve.engine.cpu_threads import on_passing_thread
-from splitserve.engine.engine import Engine, RequestOutput
+from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import engine_load
-from splitserve.engine.request import Request
+from splitserve.engine.output_processor import OutputProcessor, OutputRequest, OutputSink, ProcessedStep
+from splitserve.engine.outputs import StepTokens
+from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.step_loop import StepLoop
 from splitserve.protos.v1 import engine_core_pb2 as pb
 
@@ -75,6 +79,7 @@ class EngineCore:
         self.closing = threading.Event()
         self._send_lock = threading.Lock()  # the output thread, the step loop and the reader all send
         self._last_load: pb.CoreLoad | None = None
+        self.outputs = PipeOutputs(self._send, engine.finish_for_outputs)
         engine.runner.on_ranks_lost(self.steps.fail)  # a tensor-parallel rank exited
 
     def serve(self) -> int:
@@ -82,7 +87,7 @@ class EngineCore:
         self._send(pb.CoreEvent(ready=self._ready()))
         threading.Thread(target=self._read_commands, name="core-commands", daemon=True).start()
         threading.Thread(target=self._load_clock, name="core-load", daemon=True).start()
-        error = self.steps.run(self.closing, self._send_outputs)
+        error = self.steps.run(self.closing, self.outputs)
         self._last_load = None
         self._report_load()  # the state it ends in (a drained worker logs its pool)
         self.engine.close()
@@ -137,6 +142,8 @@ class EngineCore:
             self.steps.post(self.engine.abort_request, command.abort_request_id)
         elif kind == "query":
             self.steps.post(self._answer, command.query)
+        elif kind == "processed":
+            self.outputs.processed(command.processed)  # here: the step loop may be waiting for it
         elif kind == "shutdown":
             return False
         return True
@@ -154,10 +161,7 @@ class EngineCore:
             return None
 
     def _refuse(self, request_id: str, message: str) -> None:
-        refused = pb.CoreRequestOutput(
-            request_id=request_id, finished=True, error_kind=pb.CORE_ERROR_KIND_INVALID_ARGUMENT, error=message
-        )
-        self._send(pb.CoreEvent(outputs=pb.CoreStepOutputs(outputs=[refused])))
+        self._send(pb.CoreEvent(refused=pb.CoreRefusal(request_id=request_id, error=message)))
 
     def _load_clock(self) -> None:
         while not self.closing.wait(LOAD_INTERVAL_S):
@@ -184,5 +188,48 @@ class EngineCore:
             self._last_load = load
             self._send(pb.CoreEvent(load=load))
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:  # on the engine's output thread
-        self._send(pb.CoreEvent(outputs=step_outputs_to_proto(outputs)))
+
+class PipeOutputs(OutputSink):
+    """The step tokens leave for the serving process, which processes them (engine/core_client.py)
+    and acknowledges each step with the requests to finish; the engine waits for an acknowledgement
+    only where an output thread would be waited for (a stop string must end its request within one
+    step). The serving process tracks its requests itself: add and forget have nothing to do here."""
+
+    def __init__(self, send: Callable[[pb.CoreEvent], None], report: Callable[[list[tuple[str, RequestStatus]]], None]):
+        self._send, self._report = send, report
+        self._num_submitted = 0  # the step loop's
+        self._num_processed = 0
+        self._closed = False
+        self._changed = threading.Condition()
+
+    def add(self, request: OutputRequest, arrival: float) -> None:
+        pass
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+    def submit(self, step: StepTokens) -> int:
+        self._num_submitted += 1
+        self._send(pb.CoreEvent(step_tokens=step_tokens_to_proto(step, self._num_submitted)))
+        return self._num_submitted
+
+    def wait(self, ticket: int | None = None) -> None:
+        ticket = self._num_submitted if ticket is None else ticket
+        with self._changed:
+            self._changed.wait_for(lambda: self._num_processed >= ticket or self._closed)
+
+    def call(self, fn: Callable[[OutputProcessor], ProcessedStep]) -> ProcessedStep:
+        raise RuntimeError("an engine core process serves whole requests only (no prefill worker's first token)")
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def processed(self, msg: pb.CoreProcessed) -> None:
+        """From the command reader: finish what the step's processing ended, then release waiters."""
+        stopped = [(rid, RequestStatus.FINISHED_STOPPED) for rid in msg.stopped_request_ids]
+        self._report(stopped + [(rid, RequestStatus.FINISHED_ABORTED) for rid in msg.failed_request_ids])
+        with self._changed:
+            self._num_processed = max(self._num_processed, msg.ticket)
+            self._changed.notify_all()

@@ -9,8 +9,9 @@ import math
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.wire import logprobs_from_proto, logprobs_to_proto
 from splitserve.engine.handoff_port import EngineLoad
-from splitserve.engine.outputs import RequestOutput, RequestTimings
+from splitserve.engine.outputs import Finish, StepTokens
 from splitserve.engine.request import FinishReason
+from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.step_stats import StepKind, StepTotals
 from splitserve.protos.v1 import engine_core_pb2 as pb
 
@@ -34,46 +35,47 @@ def params_from_proto(msg: pb.EngineSamplingParams) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def output_to_proto(out: RequestOutput) -> pb.CoreRequestOutput:
-    msg = pb.CoreRequestOutput(
-        request_id=out.request_id,
-        new_token_ids=out.new_token_ids,
-        new_text=out.new_text,
-        finished=out.finished,
-        finish_reason=out.finish_reason.value if out.finish_reason is not None else "",
-        has_logprobs=out.new_logprobs is not None,
-        new_logprobs=logprobs_to_proto(out.new_logprobs),
-        num_prompt_tokens=out.num_prompt_tokens,
-        num_output_tokens=out.num_output_tokens,
-        num_cached_tokens=out.num_cached_tokens,
-        queue_ms=out.timings.queue_ms,
-        ttft_ms=out.timings.ttft_ms,
+def step_tokens_to_proto(step: StepTokens, ticket: int) -> pb.CoreStepTokens:
+    """A step's tokens, column by column (a step of hundreds is a few list copies)."""
+    requests = step.requests
+    msg = pb.CoreStepTokens(
+        ticket=ticket,
+        time=step.time,
+        request_ids=[r.request_id for r in requests],
+        token_ids=step.token_ids,
+        num_cached_tokens=[r.num_cached_tokens for r in requests],
+        first_scheduled_times=[
+            math.nan if r.first_scheduled_time is None else r.first_scheduled_time for r in requests
+        ],
+        failed=[pb.CoreFailure(request_id=r.request_id, message=message) for r, message in step.failed],
     )
-    if isinstance(out.stop_reason, str):
-        msg.stop_string = out.stop_reason
-    elif out.stop_reason is not None:
-        msg.stop_token_id = out.stop_reason
-    if out.error is not None:
-        msg.error_kind, msg.error = pb.CORE_ERROR_KIND_REQUEST_FAILED, out.error
+    for request_id, finish in step.finished.items():
+        msg.finished.add(request_id=request_id, reason=finish.reason.value)
+        if finish.stop_reason is not None:
+            msg.finished[-1].stop_token_id = finish.stop_reason
+    if step.logprobs is not None:
+        for r in requests:
+            logprobs = step.logprobs.get(r.request_id)
+            if logprobs is not None:
+                msg.logprobs.add(request_id=r.request_id, logprobs=logprobs_to_proto([logprobs])[0])
     return msg
 
 
-def output_from_proto(msg: pb.CoreRequestOutput) -> RequestOutput:
-    stop = msg.WhichOneof("stop_reason")
-    return RequestOutput(
-        request_id=msg.request_id,
-        new_token_ids=list(msg.new_token_ids),
-        new_text=msg.new_text,
-        finished=msg.finished,
-        finish_reason=FinishReason(msg.finish_reason) if msg.finish_reason else None,
-        stop_reason=None if stop is None else getattr(msg, stop),
-        new_logprobs=logprobs_from_proto(msg.new_logprobs) if msg.has_logprobs else None,
-        num_prompt_tokens=msg.num_prompt_tokens,
-        num_output_tokens=msg.num_output_tokens,
-        num_cached_tokens=msg.num_cached_tokens,
-        timings=RequestTimings(msg.queue_ms, msg.ttft_ms if msg.HasField("ttft_ms") else None),
-        error=msg.error if msg.error_kind == pb.CORE_ERROR_KIND_REQUEST_FAILED else None,
-    )
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def finishes_from_proto(msg: pb.CoreStepTokens) -> dict[str, Finish]:
+    return {
+        f.request_id: Finish(FinishReason(f.reason), f.stop_token_id if f.HasField("stop_token_id") else None)
+        for f in msg.finished
+    }
+
+
+def logprobs_from_step_proto(msg: pb.CoreStepTokens) -> dict[str, TokenLogprobs] | None:
+    if not msg.logprobs:
+        return None
+    return {entry.request_id: logprobs_from_proto([entry.logprobs])[0] for entry in msg.logprobs}
 
 
 def load_to_proto(load: EngineLoad) -> pb.CoreLoad:
@@ -90,49 +92,3 @@ def load_from_proto(msg: pb.CoreLoad) -> EngineLoad:
         totals["bucket_counts"] = list(s.bucket_counts)
         steps[StepKind(s.kind)] = StepTotals(**totals)
     return EngineLoad(steps=steps, **fields)
-
-
-def _is_plain(out: RequestOutput) -> bool:
-    """A running request's new tokens and text, nothing else: it travels in the columns."""
-    return not out.finished and out.new_logprobs is None and out.error is None and out.stop_reason is None
-
-
-def step_outputs_to_proto(outputs: list[RequestOutput]) -> pb.CoreStepOutputs:
-    plain = [o for o in outputs if _is_plain(o)]
-    return pb.CoreStepOutputs(
-        outputs=[output_to_proto(o) for o in outputs if not _is_plain(o)],
-        running_request_ids=[o.request_id for o in plain],
-        running_num_new_tokens=[len(o.new_token_ids) for o in plain],
-        running_token_ids=[t for o in plain for t in o.new_token_ids],
-        running_texts=[o.new_text for o in plain],
-        running_num_prompt_tokens=[o.num_prompt_tokens for o in plain],
-        running_num_output_tokens=[o.num_output_tokens for o in plain],
-        running_num_cached_tokens=[o.num_cached_tokens for o in plain],
-        running_queue_ms=[o.timings.queue_ms for o in plain],
-        running_ttft_ms=[math.nan if o.timings.ttft_ms is None else o.timings.ttft_ms for o in plain],
-    )
-
-
-def running_outputs_from_proto(msg: pb.CoreStepOutputs) -> list[RequestOutput]:
-    """The rows of the columns (the whole outputs: output_from_proto each)."""
-    token_ids, outputs, start = list(msg.running_token_ids), [], 0
-    rows = zip(
-        msg.running_request_ids,
-        msg.running_num_new_tokens,
-        msg.running_texts,
-        msg.running_num_prompt_tokens,
-        msg.running_num_output_tokens,
-        msg.running_num_cached_tokens,
-        msg.running_queue_ms,
-        msg.running_ttft_ms,
-        strict=True,
-    )
-    for request_id, n, text, num_prompt, num_output, num_cached, queue_ms, ttft_ms in rows:
-        timings = RequestTimings(queue_ms, None if math.isnan(ttft_ms) else ttft_ms)
-        new_ids, start = token_ids[start : start + n], start + n
-        outputs.append(
-            RequestOutput(
-                request_id, new_ids, text, False, None, None, None, num_prompt, num_output, num_cached, timings
-            )
-        )
-    return outputs

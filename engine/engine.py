@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -44,7 +44,7 @@ from splitserve.engine.kv_cache.manager import KVCacheManager
 from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.leases import HeldLeases
 from splitserve.engine.model_runner import ModelRunner, WarmUpReport
-from splitserve.engine.output_processor import OutputProcessor, OutputThread, ProcessedStep
+from splitserve.engine.output_processor import OutputProcessor, OutputSink, OutputThread, ProcessedStep
 from splitserve.engine.outputs import (  # noqa: F401  (re-exported: the engine's public output types)
     Finish,
     PrefillHandoff,
@@ -101,7 +101,7 @@ class Engine:
         self.stats = EngineStats()
         self.step_stats = StepStats()  # what each kind of step costs (the planner's refit)
         self._outputs = OutputProcessor(self.tokenizer)
-        self._output_thread: OutputThread | None = None
+        self._output_thread: OutputSink | None = None
         # Requests the output processor asks to finish (stop strings, failures), applied before a
         # schedule; appended from the output thread (deque appends are atomic).
         self._to_finish: deque[tuple[str, RequestStatus]] = deque()
@@ -223,7 +223,7 @@ class Engine:
         False if it is unknown or already done."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
-        self._to_outputs(lambda p: p.forget(request_id))
+        self._output_sink().forget(request_id)
         if request is None and self._release_unclaimed(request_id):  # finished and held, nobody sending yet
             return True
         return request is not None
@@ -460,7 +460,7 @@ class Engine:
         if request.sampling_params.stop:
             self._stop_string_ids.add(request.request_id)
         arrival = time.monotonic()
-        self._to_outputs(lambda p: p.add(request, arrival))
+        self._output_sink().add(request, arrival)
 
     def _forget(self, request_id: str) -> None:
         """Engine-side state of a request that finished here (its outputs may still be in processing)."""
@@ -468,12 +468,10 @@ class Engine:
         self._to_stream.discard(request_id)
         self.sampler.release(request_id)
 
-    def _to_outputs(self, fn: Callable[[OutputProcessor], Any]) -> None:
-        """fn(output processor) now, or queued after the steps the output thread still has."""
-        if self._output_thread is None:
-            fn(self._outputs)
-        else:
-            self._output_thread.run(fn)
+    def _output_sink(self) -> OutputSink | OutputProcessor:
+        """Where a request's arrival and abort go: queued after the steps the sink still has, or the
+        inline processor now."""
+        return self._outputs if self._output_thread is None else self._output_thread
 
     # -- output thread --------------------------------------------------------------------------
     def start_output_thread(
@@ -481,9 +479,19 @@ class Engine:
     ) -> None:
         """Process outputs on their own thread from now on: step() hands each step's tokens over and
         returns []; deliver gets the outputs (called on that thread, in step order)."""
+        self.start_output_sink(OutputThread(self._outputs, deliver, self.finish_for_outputs, on_error))
+
+    def start_output_sink(self, sink: OutputSink) -> None:
+        """Hand every step's tokens to sink from now on (step() returns []): an OutputThread, or a
+        serving process's processor across a pipe (engine/core_process.py)."""
         if self._output_thread is not None:
             raise RuntimeError("the output thread is already running")
-        self._output_thread = OutputThread(self._outputs, deliver, self._to_finish.extend, on_error)
+        self._output_thread = sink
+
+    def finish_for_outputs(self, items: list[tuple[str, RequestStatus]]) -> None:
+        """From any thread: output processing ended these requests (a stop string matched, or it
+        failed); applied before the next schedule."""
+        self._to_finish.extend(items)
 
     def wait_for_outputs(self) -> None:
         """Until every step so far has been delivered."""

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -27,8 +28,8 @@ from typing import Any
 
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.outputs import Finish, RequestOutput, RequestTimings, StepTokens
-from splitserve.engine.request import FinishReason, Request, RequestStatus
+from splitserve.engine.outputs import Finish, OutputRequest, RequestOutput, RequestTimings, StepTokens
+from splitserve.engine.request import FinishReason, RequestStatus
 
 log = logging.getLogger("splitserve.engine")
 # The output thread offers the GIL back every this many requests (~0.1 ms of work on this CPU).
@@ -48,7 +49,7 @@ class _Tracked:
 
     __slots__ = ("request", "detokenizer", "arrival", "first_token", "num_output_tokens", "timings")
 
-    def __init__(self, request: Request, detokenizer: IncrementalDetokenizer, arrival: float) -> None:
+    def __init__(self, request: OutputRequest, detokenizer: IncrementalDetokenizer, arrival: float) -> None:
         self.request = request  # read for fields fixed before its first token (prompt, cached tokens)
         self.detokenizer = detokenizer
         self.arrival = arrival
@@ -62,7 +63,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._tracked: dict[str, _Tracked] = {}
 
-    def add(self, request: Request, arrival: float) -> None:
+    def add(self, request: OutputRequest, arrival: float) -> None:
         """Track a request that has no output token yet (its prompt never changes, whatever thread reads it)."""
         prompt = request.all_token_ids[: request.num_prompt_tokens]
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt)
@@ -162,11 +163,42 @@ def _timings(t: _Tracked) -> RequestTimings:
 _CLOSE = object()
 
 
-def _yield_gil() -> None:
+def yield_gil() -> None:
     time.sleep(0)  # releases the GIL: a waiting step loop takes it now, not after the switch interval
 
 
-class OutputThread:
+class OutputSink(ABC):
+    """Where an engine's step tokens go when it does not process them inline (Engine.step then
+    returns as soon as the sampled ids are known). Calls come from the step loop, in step order;
+    the requests to finish (stop strings, failed processing) come back to the engine through the
+    `report` callback its implementations are given, before the matching ticket is done."""
+
+    @abstractmethod
+    def add(self, request: OutputRequest, arrival: float) -> None:
+        """A request arrived: its outputs will be asked for."""
+
+    @abstractmethod
+    def forget(self, request_id: str) -> None:
+        """A request was aborted: drop its state; later tokens of it are dropped."""
+
+    @abstractmethod
+    def submit(self, step: StepTokens) -> int:
+        """Queue a step's tokens; returns its ticket for wait()."""
+
+    @abstractmethod
+    def wait(self, ticket: int | None = None) -> None:
+        """Until the step with this ticket (default: every step so far) went through."""
+
+    @abstractmethod
+    def call(self, fn: Callable[[OutputProcessor], ProcessedStep]) -> ProcessedStep:
+        """Run fn(processor) after what is queued and return its result instead of delivering it."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish what is queued (deliver it), then stop."""
+
+
+class OutputThread(OutputSink):
     """Runs an OutputProcessor on its own thread; work is done in the order it was submitted.
 
     A step's outputs go to `deliver` (from this thread); the requests to finish go to `report`
@@ -193,11 +225,13 @@ class OutputThread:
 
     def submit(self, step: StepTokens) -> int:
         """Queue a step's tokens; returns its ticket for wait()."""
-        return self._put((lambda p: p.process(step, _yield_gil)), None)
+        return self._put((lambda p: p.process(step, yield_gil)), None)
 
-    def run(self, fn: Callable[[OutputProcessor], Any]) -> None:
-        """Queue fn(processor) (registering or forgetting a request), after what is queued."""
-        self._put(fn, None)
+    def add(self, request: OutputRequest, arrival: float) -> None:
+        self._put(lambda p: p.add(request, arrival), None)
+
+    def forget(self, request_id: str) -> None:
+        self._put(lambda p: p.forget(request_id), None)
 
     def call(self, fn: Callable[[OutputProcessor], ProcessedStep]) -> ProcessedStep:
         """Run fn(processor) after what is queued and return its result instead of delivering it."""

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from splitserve.engine.request import FinishReason, Request
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.request import FinishReason
 from splitserve.engine.sampler import TokenLogprobs
 
 
@@ -86,16 +87,35 @@ class LogprobsSource(Protocol):
     def get(self, request_id: str, /) -> TokenLogprobs | None: ...
 
 
+class OutputRequest(Protocol):
+    """What output processing reads of a request: an engine Request, or a serving process's record
+    of one whose engine runs in a core process (engine/core_client.py)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def all_token_ids(self) -> list[int]: ...  # read up to num_prompt_tokens only
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_cached_tokens(self) -> int: ...  # fixed by its first token
+    @property
+    def first_scheduled_time(self) -> float | None: ...  # monotonic; fixed by its first token
+
+
 @dataclass(slots=True)
 class StepTokens:
     """One step's result before output processing: one new token per request that advanced."""
 
-    requests: list[Request]  # the requests that got a token, in batch order
+    requests: Sequence[OutputRequest]  # the requests that got a token, in batch order
     token_ids: list[int]  # each one's new token
     finished: dict[str, Finish]  # the requests of this step that finished in the engine
     time: float  # monotonic: when the tokens were known (a request's first-token time)
     logprobs: LogprobsSource | None = None  # None: no request of this step asked for logprobs
-    failed: list[tuple[Request, str]] = field(default_factory=list)  # stopped by an error: (request, message)
+    # stopped by an error: (request, message)
+    failed: Sequence[tuple[OutputRequest, str]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

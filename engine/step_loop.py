@@ -20,8 +20,13 @@ from typing import Any
 
 from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.model_runner import bind_thread
+from splitserve.engine.output_processor import OutputSink
 
 log = logging.getLogger("splitserve.engine")
+
+
+# Where the steps' outputs go: an output thread's deliver callback, or a sink for the step tokens
+Outputs = Callable[[list[RequestOutput]], None] | OutputSink
 
 
 class EngineDead(RuntimeError):
@@ -47,21 +52,23 @@ class StepLoop:
         """From any thread: the loop raises error at its next turn (it dies); wakes it if idle."""
         self.post(_raise, error)
 
-    def run(self, closing: threading.Event, on_outputs: Callable[[list[RequestOutput]], None]) -> EngineDead | None:
+    def run(self, closing: threading.Event, outputs: Outputs) -> EngineDead | None:
         """Step until closing is set, on this thread (bound to the engine's device: Triton launches on
-        the calling thread's current CUDA device). Returns the error if the loop died."""
+        the calling thread's current CUDA device). Returns the error if the loop died. outputs: the
+        callback of an output thread, or where the step tokens go instead (a core process's pipe)."""
         bind_thread(self.engine.runner.device)
         with self.engine.loop_lock:  # a loop of an earlier front may still be ending
-            error = self._step_until_closed(closing, on_outputs)
+            error = self._step_until_closed(closing, outputs)
             if error is not None:
                 self._commands.clear()
             return error
 
-    def _step_until_closed(
-        self, closing: threading.Event, on_outputs: Callable[[list[RequestOutput]], None]
-    ) -> EngineDead | None:
+    def _step_until_closed(self, closing: threading.Event, outputs: Outputs) -> EngineDead | None:
         engine, error = self.engine, None
-        engine.start_output_thread(on_outputs, self._output_died)
+        if isinstance(outputs, OutputSink):
+            engine.start_output_sink(outputs)
+        else:
+            engine.start_output_thread(outputs, self._output_died)
         try:
             while not closing.is_set():
                 self._apply_commands()

@@ -18,23 +18,21 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.core_client import EngineCoreClient
 from splitserve.engine.core_wire import (
+    finishes_from_proto,
     load_from_proto,
     load_to_proto,
-    output_from_proto,
-    output_to_proto,
+    logprobs_from_step_proto,
     params_from_proto,
     params_to_proto,
-    running_outputs_from_proto,
-    step_outputs_to_proto,
+    step_tokens_to_proto,
 )
 from splitserve.engine.handoff_port import engine_load
 from splitserve.engine.llm import LLM
-from splitserve.engine.outputs import RequestOutput, RequestTimings
+from splitserve.engine.outputs import Finish, RequestOutput, StepTokens
 from splitserve.engine.request import FinishReason
 from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.step_loop import EngineDead
 from splitserve.engine.step_stats import StepKind
-from splitserve.engine.streams import RequestFailed
 from splitserve.protos.v1 import engine_core_pb2 as pb
 
 
@@ -76,8 +74,13 @@ def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
 
     async def main() -> None:
         expected = [_joined(outs) for outs in await _run_all(in_process)]
+        # a stop string from the middle of a greedy output: it ends the request, in both, alike
+        stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[expected[0][1][3:6]])
+        stopped = _joined(await _collect(in_process.generate(PROMPTS[0], stop)))
         await in_process.shutdown()
+        assert stopped[2] is FinishReason.STOP and stopped[3] < 12 and stopped[1] == expected[0][1][:3]
         client.start()
+        assert _joined(await _collect(client.generate(PROMPTS[0], stop))) == stopped
         got = await _run_all(client)
         for outs, (ids, text, reason, n, logprobs) in zip(got, expected):
             g_ids, g_text, g_reason, g_n, g_logprobs = _joined(outs)
@@ -183,60 +186,33 @@ def test_sampling_params_cross_the_pipe_whole(temperature, top_k, seed, max_toke
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(
-    "out",
-    [
-        RequestOutput("req-1", [5, 6], "ab", False, num_prompt_tokens=3, num_output_tokens=2),
-        RequestOutput(
-            "req-2",
-            [7],
-            "c",
-            True,
-            FinishReason.STOP,
-            stop_reason="c",
-            new_logprobs=[TokenLogprobs(7, -0.5, ((7, -0.5), (2, -1.25)))],
-            num_prompt_tokens=4,
-            num_output_tokens=9,
-            num_cached_tokens=8,
-            timings=RequestTimings(1.5, 20.25),
-        ),
-        RequestOutput("req-3", [], "", True, FinishReason.STOP, stop_reason=2, new_logprobs=[]),
-        RequestOutput("req-4", [], "", True, FinishReason.ABORT, error="step failed"),
-    ],
-)
-def test_request_outputs_cross_the_pipe_whole(out):
-    assert output_from_proto(output_to_proto(out)) == out
-
-
-@pytest.mark.unit
-def test_a_steps_outputs_cross_the_pipe_whole():
-    """Running outputs travel in columns, the rest whole; every output comes back equal."""
-    running = [
-        RequestOutput(f"req-{i}", list(range(i % 3)), "x" * (i % 2), False, None, None, None, 3, i, 2) for i in range(6)
-    ]
-    running[2].timings = RequestTimings(0.5, None)
-    whole = [
-        RequestOutput("req-9", [1], "a", True, FinishReason.LENGTH, num_output_tokens=4),
-        RequestOutput("req-8", [2], "b", False, new_logprobs=[TokenLogprobs(2, -0.25, ())]),  # float32 on the wire
-    ]
-    msg = pb.CoreStepOutputs.FromString(step_outputs_to_proto(running + whole).SerializeToString())
-    assert len(msg.running_request_ids) == 6 and len(msg.outputs) == 2
-    assert running_outputs_from_proto(msg) == running
-    assert [output_from_proto(m) for m in msg.outputs] == whole
-
-
-@pytest.mark.unit
-def test_a_failed_request_reaches_its_stream_as_request_failed():
-    from splitserve.engine.streams import Streams
-
-    async def main() -> None:
-        streams = Streams(abort=lambda rid: None)
-        streams.open("r")
-        streams.dispatch([output_from_proto(output_to_proto(RequestOutput("r", [], "", True, error="boom")))])
-        with pytest.raises(RequestFailed, match="boom"):
-            await anext(streams.read("r"))
-
-    asyncio.run(main())
+def test_a_steps_tokens_cross_the_pipe_whole(tiny_llama_dir):
+    """Token ids, first-schedule facts, finishes, logprobs and failures of a real step."""
+    engine = LLM(config=_config(tiny_llama_dir)).engine
+    a = engine.make_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=1, logprobs=2))
+    b = engine.make_request([4, 5], SamplingParams(temperature=0, max_tokens=5))
+    for r in (a, b):
+        engine.add_request(r)
+    engine.scheduler.schedule()  # not stepped: StepTokens as Engine._step_tokens would build them
+    lp = TokenLogprobs(9, -0.5, ((9, -0.5), (3, -2.0)))
+    step = StepTokens([a, b], [9, 11], {a.request_id: Finish(FinishReason.LENGTH, 9)}, 12.5, {a.request_id: lp})
+    step.failed = [(b, "boom")]
+    msg = pb.CoreStepTokens.FromString(step_tokens_to_proto(step, ticket=7).SerializeToString())
+    assert (msg.ticket, msg.time, list(msg.request_ids), list(msg.token_ids)) == (
+        7,
+        12.5,
+        [a.request_id, b.request_id],
+        [9, 11],
+    )
+    assert list(msg.first_scheduled_times) == [a.first_scheduled_time, b.first_scheduled_time]
+    assert finishes_from_proto(msg) == step.finished
+    assert logprobs_from_step_proto(msg) == {a.request_id: lp}
+    assert [(f.request_id, f.message) for f in msg.failed] == [(b.request_id, "boom")]
+    step.logprobs = None
+    assert (
+        logprobs_from_step_proto(pb.CoreStepTokens.FromString(step_tokens_to_proto(step, 8).SerializeToString()))
+        is None
+    )
 
 
 @pytest.mark.unit

@@ -14,18 +14,9 @@ class CoreQueryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORE_QUERY_KIND_UNSPECIFIED: _ClassVar[CoreQueryKind]
     CORE_QUERY_KIND_KV_SNAPSHOT: _ClassVar[CoreQueryKind]
     CORE_QUERY_KIND_DRAIN_KV_EVENTS: _ClassVar[CoreQueryKind]
-
-class CoreErrorKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    CORE_ERROR_KIND_UNSPECIFIED: _ClassVar[CoreErrorKind]
-    CORE_ERROR_KIND_INVALID_ARGUMENT: _ClassVar[CoreErrorKind]
-    CORE_ERROR_KIND_REQUEST_FAILED: _ClassVar[CoreErrorKind]
 CORE_QUERY_KIND_UNSPECIFIED: CoreQueryKind
 CORE_QUERY_KIND_KV_SNAPSHOT: CoreQueryKind
 CORE_QUERY_KIND_DRAIN_KV_EVENTS: CoreQueryKind
-CORE_ERROR_KIND_UNSPECIFIED: CoreErrorKind
-CORE_ERROR_KIND_INVALID_ARGUMENT: CoreErrorKind
-CORE_ERROR_KIND_REQUEST_FAILED: CoreErrorKind
 
 class EngineSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
@@ -86,52 +77,18 @@ class CoreQuery(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., kind: _Optional[_Union[CoreQueryKind, str]] = ...) -> None: ...
 
 class CoreCommand(_message.Message):
-    __slots__ = ("add", "abort_request_id", "query", "shutdown")
+    __slots__ = ("add", "abort_request_id", "query", "shutdown", "processed")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     QUERY_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    PROCESSED_FIELD_NUMBER: _ClassVar[int]
     add: CoreAddRequest
     abort_request_id: str
     query: CoreQuery
     shutdown: bool
-    def __init__(self, add: _Optional[_Union[CoreAddRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., query: _Optional[_Union[CoreQuery, _Mapping]] = ..., shutdown: _Optional[bool] = ...) -> None: ...
-
-class CoreRequestOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_text", "finished", "finish_reason", "stop_token_id", "stop_string", "has_logprobs", "new_logprobs", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "queue_ms", "ttft_ms", "error_kind", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NEW_TEXT_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
-    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
-    HAS_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
-    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_KIND_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    new_text: str
-    finished: bool
-    finish_reason: str
-    stop_token_id: int
-    stop_string: str
-    has_logprobs: bool
-    new_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    queue_ms: float
-    ttft_ms: float
-    error_kind: CoreErrorKind
-    error: str
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., has_logprobs: _Optional[bool] = ..., new_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., queue_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., error_kind: _Optional[_Union[CoreErrorKind, str]] = ..., error: _Optional[str] = ...) -> None: ...
+    processed: CoreProcessed
+    def __init__(self, add: _Optional[_Union[CoreAddRequest, _Mapping]] = ..., abort_request_id: _Optional[str] = ..., query: _Optional[_Union[CoreQuery, _Mapping]] = ..., shutdown: _Optional[bool] = ..., processed: _Optional[_Union[CoreProcessed, _Mapping]] = ...) -> None: ...
 
 class CoreStepTotals(_message.Message):
     __slots__ = ("kind", "num_steps", "seconds", "num_seqs", "num_tokens", "context_tokens", "attention_tokens2", "bucket_counts")
@@ -216,39 +173,83 @@ class CoreReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ...) -> None: ...
 
 class CoreEvent(_message.Message):
-    __slots__ = ("ready", "outputs", "load", "reply", "died")
+    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died")
     READY_FIELD_NUMBER: _ClassVar[int]
-    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     DIED_FIELD_NUMBER: _ClassVar[int]
     ready: CoreReady
-    outputs: CoreStepOutputs
+    step_tokens: CoreStepTokens
     load: CoreLoad
     reply: CoreReply
+    refused: CoreRefusal
     died: str
-    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., outputs: _Optional[_Union[CoreStepOutputs, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., died: _Optional[str] = ...) -> None: ...
+    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ...) -> None: ...
 
-class CoreStepOutputs(_message.Message):
-    __slots__ = ("outputs", "running_request_ids", "running_num_new_tokens", "running_token_ids", "running_texts", "running_num_prompt_tokens", "running_num_output_tokens", "running_num_cached_tokens", "running_queue_ms", "running_ttft_ms")
-    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_TEXTS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
-    RUNNING_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
-    outputs: _containers.RepeatedCompositeFieldContainer[CoreRequestOutput]
-    running_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    running_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
-    running_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    running_texts: _containers.RepeatedScalarFieldContainer[str]
-    running_num_prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
-    running_num_output_tokens: _containers.RepeatedScalarFieldContainer[int]
-    running_num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    running_queue_ms: _containers.RepeatedScalarFieldContainer[float]
-    running_ttft_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[CoreRequestOutput, _Mapping]]] = ..., running_request_ids: _Optional[_Iterable[str]] = ..., running_num_new_tokens: _Optional[_Iterable[int]] = ..., running_token_ids: _Optional[_Iterable[int]] = ..., running_texts: _Optional[_Iterable[str]] = ..., running_num_prompt_tokens: _Optional[_Iterable[int]] = ..., running_num_output_tokens: _Optional[_Iterable[int]] = ..., running_num_cached_tokens: _Optional[_Iterable[int]] = ..., running_queue_ms: _Optional[_Iterable[float]] = ..., running_ttft_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+class CoreStepTokens(_message.Message):
+    __slots__ = ("ticket", "time", "request_ids", "token_ids", "num_cached_tokens", "first_scheduled_times", "finished", "logprobs", "failed")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SCHEDULED_TIMES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    time: float
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    first_scheduled_times: _containers.RepeatedScalarFieldContainer[float]
+    finished: _containers.RepeatedCompositeFieldContainer[CoreFinish]
+    logprobs: _containers.RepeatedCompositeFieldContainer[CoreRequestLogprobs]
+    failed: _containers.RepeatedCompositeFieldContainer[CoreFailure]
+    def __init__(self, ticket: _Optional[int] = ..., time: _Optional[float] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., first_scheduled_times: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[_Union[CoreFinish, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[CoreRequestLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[CoreFailure, _Mapping]]] = ...) -> None: ...
+
+class CoreFinish(_message.Message):
+    __slots__ = ("request_id", "reason", "stop_token_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    reason: str
+    stop_token_id: int
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+
+class CoreRequestLogprobs(_message.Message):
+    __slots__ = ("request_id", "logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    logprobs: _generation_pb2.TokenLogprob
+    def __init__(self, request_id: _Optional[str] = ..., logprobs: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ...) -> None: ...
+
+class CoreFailure(_message.Message):
+    __slots__ = ("request_id", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class CoreProcessed(_message.Message):
+    __slots__ = ("ticket", "stopped_request_ids", "failed_request_ids")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    stopped_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    failed_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ticket: _Optional[int] = ..., stopped_request_ids: _Optional[_Iterable[str]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CoreRefusal(_message.Message):
+    __slots__ = ("request_id", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
