@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.llm import LLM
+from splitserve.experiments.cpu import cpu_seconds
 from splitserve.experiments.loadgen import send_workload
 from splitserve.experiments.offline import FULL, QUICK
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
@@ -48,13 +49,6 @@ WARMUP = WorkloadConfig(
     output_len=LengthDist("fixed", 4),
     seed=12345,
 )
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a live process has used so far (Linux /proc; its threads included)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def engine_core_pid(worker_pid: int) -> int:

@@ -58,6 +58,7 @@ import splitserve.engine  # noqa: E402
 from splitserve.common.sampling_params import SamplingParams  # noqa: E402
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from splitserve.engine.engine import Engine  # noqa: E402
+from splitserve.experiments.cpu import cpu_seconds  # noqa: E402
 
 MAX_MODEL_LEN = 512  # the tiny Llama's context
 NUM_LOGIT_BANKS = 8  # the stub cycles through this many random logit tensors
@@ -186,13 +187,13 @@ def time_async(engine: Engine, batch: int, steps: int) -> dict[str, float]:
         async def consume(prompt: list[int]) -> int:
             return sum([len(out.new_token_ids) async for out in aengine.generate(prompt, params)])
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         counts = await asyncio.gather(*(consume(p) for p in prompts))
-        wall_ms = (time.perf_counter() - start) * 1e3
+        wall_ms, cpu_ms = (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
         await aengine.shutdown()
         if counts != [steps] * batch:
             raise RuntimeError("a stream lost tokens")
-        return wall_ms, steps_between(before, engine.step_stats.snapshot())
+        return wall_ms, steps_between(before, engine.step_stats.snapshot()), {"process_cpu_ms": cpu_ms}
 
     return per_step(*asyncio.run(run()))
 
@@ -203,9 +204,9 @@ def steps_between(before: dict, after: dict) -> tuple[int, float]:
     return num_steps, sum(after[k].seconds - before[k].seconds for k in after)
 
 
-def per_step(wall_ms: float, steps: tuple[int, float]) -> dict[str, float]:
-    """ms per step of wall time, of time inside step(), and between steps (the loop's commands,
-    waits for the GIL, idling for the consumers)."""
+def per_step(wall_ms: float, steps: tuple[int, float], cpu_ms: dict[str, float]) -> dict[str, float]:
+    """ms per step of wall time, of time inside step(), between steps (the loop's commands, waits
+    for the GIL or for the consumers), and of each process's CPU time."""
     num_steps, seconds = steps
     wall, inside = wall_ms / num_steps, seconds * 1e3 / num_steps
     return {
@@ -213,6 +214,7 @@ def per_step(wall_ms: float, steps: tuple[int, float]) -> dict[str, float]:
         "step_ms": round(inside, 4),
         "between_steps_ms": round(wall - inside, 4),
         "steps": num_steps,
+        **{name: round(ms / num_steps, 4) for name, ms in cpu_ms.items()},
     }
 
 
@@ -236,13 +238,17 @@ def time_core(model: str, batch: int, steps: int, forward_ms: float) -> dict[str
         async def consume(prompt: list[int]) -> int:
             return sum([len(out.new_token_ids) async for out in client.generate(prompt, params)])
 
-        start = time.perf_counter()
+        start, cpu, core_cpu = time.perf_counter(), time.process_time(), cpu_seconds(client.pid)
         counts = await asyncio.gather(*(consume(p) for p in prompts))
         wall_ms = (time.perf_counter() - start) * 1e3
+        cpu_ms = {
+            "core_cpu_ms": (cpu_seconds(client.pid) - core_cpu) * 1e3,
+            "serving_cpu_ms": (time.process_time() - cpu) * 1e3,
+        }
         await client.shutdown()  # then load() is the core's final state
         if counts != [steps] * batch:
             raise RuntimeError("a stream lost tokens")
-        return wall_ms, steps_between(before, client.load().steps)
+        return wall_ms, steps_between(before, client.load().steps), cpu_ms
 
     return per_step(*asyncio.run(run()))
 
@@ -296,8 +302,8 @@ def print_table(title: str, rows: list[dict]) -> None:
     print(title)
     print(
         "| batch | step() wall median | step() CPU median | step() CPU p90 | loop CPU median | loop CPU p90 "
-        "| loop wall median | loop wall p90 | total CPU mean | AsyncEngine wall (between steps) "
-        "| core process wall (between steps) |"
+        "| loop wall median | loop wall p90 | total CPU mean | AsyncEngine wall (between steps; CPU) "
+        "| core process wall (between steps; CPU core + serving) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -312,10 +318,13 @@ def print_table(title: str, rows: list[dict]) -> None:
 
 
 def _serving(m: dict | None) -> str:
+    """wall (between steps; CPU per step: the process's, or the core's + the serving process's)"""
     if m is None:
         return "-"
-    between = f" ({m['between_steps_ms']:.3f})" if "between_steps_ms" in m else ""
-    return f"{m['ms_per_step']:.3f}{between}"
+    if "between_steps_ms" not in m:  # a baseline from before these columns
+        return f"{m['ms_per_step']:.3f}"
+    cpu = f"{m['core_cpu_ms']:.2f} + {m['serving_cpu_ms']:.2f}" if "core_cpu_ms" in m else f"{m['process_cpu_ms']:.2f}"
+    return f"{m['ms_per_step']:.3f} ({m['between_steps_ms']:.3f}; CPU {cpu})"
 
 
 def main() -> None:

@@ -177,6 +177,11 @@ class EngineCoreClient:
     def exitcode(self) -> int | None:
         return self._process.exitcode
 
+    @property
+    def pid(self) -> int | None:
+        """The core process's."""
+        return self._process.pid
+
     # -- HandoffPort's reports ------------------------------------------------------------------------
     def load(self) -> EngineLoad:
         """The engine's load as of at most 100 ms ago (the core reports it when it changes)."""

@@ -139,7 +139,7 @@ def test_a_dead_core_fails_every_stream_and_sets_died(tiny_llama_dir):
         streams = [client.generate([i + 1, i + 2], params) for i in range(3)]
         for stream in streams:
             await anext(stream)
-        os.kill(client._process.pid, signal.SIGKILL)
+        os.kill(client.pid, signal.SIGKILL)
         for stream in streams:
             with pytest.raises(EngineDead):
                 await _collect(stream)
