@@ -215,3 +215,18 @@ def test_a_killed_rank_takes_its_worker_down_cleanly(tiny_llama_dir):
         assert _follower_pids(other.proc.pid)  # the survivor's rank is untouched
     finally:
         stop_cluster(children)
+
+
+@pytest.mark.integration
+def test_a_tensor_parallel_worker_steps_in_its_engine_core(tiny_llama_dir):
+    """--engine-process with two ranks: the core process leads the follower rank; the output equals
+    the single-rank engine's, and every block comes back."""
+    children = start_cluster(1, engine_argv(tiny_llama_dir), tp_sizes={"unified": 2}, worker_argv=["--engine-process"])
+    try:
+        gateway, worker = children
+        s = stub(gateway.address)
+        got = [tokens(s, greedy_request(p, 10)) for p in PROMPTS]
+        assert got == _generate(_llm(tiny_llama_dir, 1), SamplingParams(temperature=0.0, max_tokens=10))
+        assert wait_all_free([worker.address])
+    finally:
+        stop_cluster(children)
