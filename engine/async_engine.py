@@ -110,10 +110,7 @@ class AsyncEngine:
 
     def abort_label(self, label: str) -> int:
         """Abort every request carrying the client's id label; returns how many."""
-        request_ids = self._streams.labelled(label)
-        for rid in request_ids:
-            self.abort(rid)
-        return len(request_ids)
+        return self._streams.abort_label(label)
 
     def num_requests(self) -> int:
         return len(self._streams)

@@ -136,7 +136,9 @@ class EngineCoreClient:
             yield out
 
     def abort(self, request_id: str) -> None:
-        self._untrack(request_id)  # tokens the core computed meanwhile are dropped
+        final = self._untrack(request_id)  # tokens the core computed meanwhile are dropped
+        if final is not None:  # a stream still read (an abort by the client's id) ends with it
+            self._streams.dispatch([final])
         if self._streams.error is None:
             try:
                 self._send(pb.CoreCommand(abort_request_id=request_id))
@@ -145,10 +147,7 @@ class EngineCoreClient:
 
     def abort_label(self, label: str) -> int:
         """Abort every request carrying the client's id label; returns how many."""
-        request_ids = self._streams.labelled(label)
-        for request_id in request_ids:
-            self.abort(request_id)
-        return len(request_ids)
+        return self._streams.abort_label(label)
 
     def num_requests(self) -> int:
         return len(self._streams)
@@ -214,10 +213,12 @@ class EngineCoreClient:
         with self._processing:
             self._processor.add(record, time.monotonic())
 
-    def _untrack(self, request_id: str) -> None:
-        if self._records.pop(request_id, None) is not None:
-            with self._processing:
-                self._processor.forget(request_id)
+    def _untrack(self, request_id: str) -> RequestOutput | None:
+        """Stop processing a request's tokens; its final output, if it had none yet."""
+        if self._records.pop(request_id, None) is None:
+            return None
+        with self._processing:
+            return self._processor.abort(request_id)
 
     def _process_step(self, loop: asyncio.AbstractEventLoop, msg: pb.CoreStepTokens) -> None:
         """On the reader: a step's outputs to their streams, and the step acknowledged to the core."""

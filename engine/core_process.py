@@ -193,7 +193,7 @@ class PipeOutputs(OutputSink):
     """The step tokens leave for the serving process, which processes them (engine/core_client.py)
     and acknowledges each step with the requests to finish; the engine waits for an acknowledgement
     only where an output thread would be waited for (a stop string must end its request within one
-    step). The serving process tracks its requests itself: add and forget have nothing to do here."""
+    step). The serving process tracks its requests itself: add and abort have nothing to do here."""
 
     def __init__(self, send: Callable[[pb.CoreEvent], None], report: Callable[[list[tuple[str, RequestStatus]]], None]):
         self._send, self._report = send, report
@@ -205,8 +205,8 @@ class PipeOutputs(OutputSink):
     def add(self, request: OutputRequest, arrival: float) -> None:
         pass
 
-    def forget(self, request_id: str) -> None:
-        pass
+    def abort(self, request_id: str) -> None:
+        pass  # aborts come from the serving process, which ended the stream
 
     def submit(self, step: StepTokens) -> int:
         self._num_submitted += 1

@@ -223,7 +223,7 @@ class Engine:
         False if it is unknown or already done."""
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
-        self._output_sink().forget(request_id)
+        self._output_sink().abort(request_id)  # its stream ends (an inline caller gets nothing)
         if request is None and self._release_unclaimed(request_id):  # finished and held, nobody sending yet
             return True
         return request is not None

@@ -2,7 +2,7 @@
 
 Per request: incremental detokenization, stop strings, logprobs formatting, timings and the
 RequestOutput itself. OutputProcessor keeps its own per-request state and is fed in step order
-(`add` when a request arrives, `process` after each step, `forget` when one is aborted). It runs
+(`add` when a request arrives, `process` after each step, `abort` when one is aborted). It runs
 inline (a bare Engine.step returns its outputs) or on its own thread, OutputThread (what
 AsyncEngine uses, as vLLM v1's output processor and SGLang's detokenizer manager run apart from
 their schedulers): the step loop hands over the token ids and starts the next step at once.
@@ -69,8 +69,24 @@ class OutputProcessor:
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt)
         self._tracked[request.request_id] = _Tracked(request, detokenizer, arrival)
 
-    def forget(self, request_id: str) -> None:
-        self._tracked.pop(request_id, None)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """An aborted request's final output (finish reason abort), or None if it already had one;
+        tokens the engine computed for it meanwhile are dropped."""
+        t = self._tracked.pop(request_id, None)
+        if t is None:
+            return None
+        request = t.request
+        return RequestOutput(
+            request_id=request_id,
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason=FinishReason.ABORT,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=t.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            timings=_timings(t),
+        )
 
     def num_tracked(self) -> int:
         return len(self._tracked)
@@ -178,8 +194,9 @@ class OutputSink(ABC):
         """A request arrived: its outputs will be asked for."""
 
     @abstractmethod
-    def forget(self, request_id: str) -> None:
-        """A request was aborted: drop its state; later tokens of it are dropped."""
+    def abort(self, request_id: str) -> None:
+        """A request was aborted: its final output (finish reason abort) is delivered after what is
+        queued; later tokens of it are dropped."""
 
     @abstractmethod
     def submit(self, step: StepTokens) -> int:
@@ -230,8 +247,8 @@ class OutputThread(OutputSink):
     def add(self, request: OutputRequest, arrival: float) -> None:
         self._put(lambda p: p.add(request, arrival), None)
 
-    def forget(self, request_id: str) -> None:
-        self._put(lambda p: p.forget(request_id), None)
+    def abort(self, request_id: str) -> None:
+        self._put(lambda p: ProcessedStep(outputs=[out] if (out := p.abort(request_id)) else []), None)
 
     def call(self, fn: Callable[[OutputProcessor], ProcessedStep]) -> ProcessedStep:
         """Run fn(processor) after what is queued and return its result instead of delivering it."""
@@ -268,7 +285,7 @@ class OutputThread(OutputSink):
                 result = fn(self._processor)
                 if future is not None:
                     future.set_result(result)
-                elif isinstance(result, ProcessedStep):
+                elif isinstance(result, ProcessedStep):  # a step's, or an abort's
                     if result.to_finish:
                         self._report(result.to_finish)
                     if result.outputs:

@@ -75,9 +75,12 @@ class Streams:
         for mailbox in self._mailboxes.values():
             mailbox.put(error)
 
-    def labelled(self, label: str) -> list[str]:
-        """The open requests carrying the client's id label."""
-        return [rid for rid, lab in self._labels.items() if lab == label]
+    def abort_label(self, label: str) -> int:
+        """Abort every open request carrying the client's id label; returns how many."""
+        request_ids = [rid for rid, lab in self._labels.items() if lab == label]
+        for request_id in request_ids:
+            self._abort(request_id)
+        return len(request_ids)
 
     def __len__(self) -> int:
         return len(self._mailboxes)

@@ -11,6 +11,7 @@ from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
 from splitserve.engine.llm import LLM
+from splitserve.engine.request import FinishReason
 
 pytestmark = pytest.mark.unit
 
@@ -126,6 +127,31 @@ def test_async_engine_streams_and_cancel_frees_blocks(engine):
 
     asyncio.run(main())
     assert _all_free(engine)
+
+
+def test_abort_by_the_clients_id_ends_its_streams(engine):
+    """The Abort RPC's path (abort_label): each stream with that label ends with finish reason abort
+    and the tokens it got (it hung before: nothing ever reached it again), and its blocks are freed."""
+
+    async def main():
+        aengine = AsyncEngine(engine)
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        streams = [aengine.generate([i + 1, 2, 3], params, label="lbl") for i in range(2)]
+        firsts = [await anext(s) for s in streams]
+        assert aengine.abort_label("lbl") == 2
+        for first, stream in zip(firsts, streams):
+            rest = await asyncio.wait_for(_drain(stream), 10)
+            last = rest[-1]
+            assert last.finished and last.finish_reason is FinishReason.ABORT and len(rest) < 100
+            assert last.num_output_tokens == len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest)
+        await aengine.shutdown()
+
+    asyncio.run(main())
+    assert _all_free(engine)
+
+
+async def _drain(stream) -> list:
+    return [out async for out in stream]
 
 
 def test_async_engine_rejects_bad_input(engine):

@@ -108,6 +108,13 @@ def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
         decoded = load.steps[StepKind.DECODE].num_tokens - before[StepKind.DECODE].num_tokens
         assert decoded < 100  # not run to its 240 tokens
 
+        # an abort by the client's id (the Abort RPC) ends the stream with finish reason abort
+        stream = client.generate([5, 6], SamplingParams(temperature=0, max_tokens=240, ignore_eos=True), label="lbl")
+        await anext(stream)
+        assert client.abort_label("lbl") == 1
+        last = (await asyncio.wait_for(_collect(stream), 10))[-1]
+        assert last.finished and last.finish_reason is FinishReason.ABORT and last.num_output_tokens < 100
+
         # the prefix index's snapshot: the prompts' full blocks are cached
         hashes, _ = await client.kv_snapshot()
         assert len(hashes) >= 1

@@ -117,7 +117,7 @@ def test_stop_strings_on_the_output_thread_end_within_one_step_with_the_inline_t
     assert _all_free(engine)
 
 
-def test_an_aborted_request_streams_nothing_more_and_others_keep_their_text(engine):
+def test_an_aborted_request_ends_with_an_abort_output_and_others_keep_their_text(engine):
     want = _inline(engine, [_greedy()] * len(PROMPTS))
     collected = _Collector()
     engine.start_output_thread(collected)
@@ -131,8 +131,10 @@ def test_an_aborted_request_streams_nothing_more_and_others_keep_their_text(engi
         engine.wait_for_outputs()
     finally:
         engine.stop_output_thread()
-    aborted = collected.of(ids[1])
+    *aborted, final = collected.of(ids[1])
     assert len(aborted) <= 5 and not any(o.finished for o in aborted)
+    assert final.finished and final.finish_reason is FinishReason.ABORT and not final.new_token_ids
+    assert final.num_output_tokens == len(aborted)
     assert _text(aborted) == _text(want[1])[: len(_text(aborted))]
     for i in (0, 2, 3):
         assert _text(collected.of(ids[i])) == _text(want[i])
@@ -203,7 +205,9 @@ def test_processor_drops_tokens_after_a_stop_and_of_forgotten_requests(engine):
                 assert out.stop_reason == stop and out.finish_reason is FinishReason.STOP
                 assert done.to_finish == [("a", RequestStatus.FINISHED_STOPPED)]
         if step == 4:
-            processor.forget("b")
+            final = processor.abort("b")
+            assert final is not None and final.finish_reason is FinishReason.ABORT and final.num_output_tokens == 5
+            assert processor.abort("b") is None  # one final output
     assert finished_at is not None and streamed["a"] == tok.decode(ids).split(stop)[0]
     assert streamed["b"] == tok.decode(ids[:5])[: len(streamed["b"])]
     assert processor.num_tracked() == 0
