@@ -61,7 +61,7 @@ class EngineCoreClient:
     def __init__(self, process: BaseProcess, conn: Connection, ready: pb.CoreReady, tokenizer: Tokenizer) -> None:
         self._process, self._conn = process, conn
         self._send_lock = threading.Lock()  # the event loop and the reader (acknowledgements) send
-        # Output processing, on the reader thread; the event loop adds and forgets requests: one lock.
+        # Output processing, on the reader thread; the event loop adds and aborts requests: one lock.
         self._processor = OutputProcessor(tokenizer)
         self._processing = threading.Lock()
         self._records: dict[str, _Record] = {}
@@ -90,10 +90,10 @@ class EngineCoreClient:
         )
         process.start()
         child_conn.close()  # ours is the only other end: the core sees EOF when this process is gone
-        tokenizer = open_model(config.model).tokenizer  # while the core loads
         # A core nobody shut down ends with this process: before multiprocessing's exit handler joins
         # its children (handlers run last registered first), or that join would wait for ever.
         atexit.register(_end_orphan, process)
+        tokenizer = open_model(config.model).tokenizer  # while the core loads
         return cls(process, conn, _wait_ready(process, conn), tokenizer)
 
     # -- AsyncEngine's serving calls ------------------------------------------------------------------
