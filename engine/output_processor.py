@@ -73,20 +73,7 @@ class OutputProcessor:
         """An aborted request's final output (finish reason abort), or None if it already had one;
         tokens the engine computed for it meanwhile are dropped."""
         t = self._tracked.pop(request_id, None)
-        if t is None:
-            return None
-        request = t.request
-        return RequestOutput(
-            request_id=request_id,
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason=FinishReason.ABORT,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=t.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            timings=_timings(t),
-        )
+        return None if t is None else _ended(t)
 
     def num_tracked(self) -> int:
         return len(self._tracked)
@@ -149,22 +136,28 @@ class OutputProcessor:
 
     def _failure(self, t: _Tracked, error: Exception | str) -> RequestOutput:
         """The final output of a request the engine failed on (it was stopped, its blocks freed)."""
-        request = t.request
-        self._tracked.pop(request.request_id, None)
+        self._tracked.pop(t.request.request_id, None)
         if isinstance(error, Exception):
             error = f"{type(error).__name__}: {error}"
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=[],
-            new_text="",
-            finished=True,
-            finish_reason=FinishReason.ABORT,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=t.num_output_tokens,
-            timings=_timings(t),
-            error=f"the engine failed on this request ({error}); it was stopped and its KV blocks freed; "
-            "the worker goes on",
-        )
+        message = f"the engine failed on this request ({error}); it was stopped and its KV blocks freed; "
+        return _ended(t, message + "the worker goes on")
+
+
+def _ended(t: _Tracked, error: str | None = None) -> RequestOutput:
+    """The final output of a request stopped before it finished: aborted, or failed (error)."""
+    request = t.request
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=t.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        timings=_timings(t),
+        error=error,
+    )
 
 
 def _timings(t: _Tracked) -> RequestTimings:
