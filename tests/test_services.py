@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_helpers import all_blocks_free, collect, engine_argv, greedy_request, stub, tokens
+from cluster_helpers import all_blocks_free, collect, engine_argv, greedy_request, stub, tokens, wait_all_free
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.sampling_params import SamplingParams
@@ -191,6 +191,25 @@ def test_no_worker_is_unavailable_and_queue_limit_is_resource_exhausted(cluster,
     finally:
         small.terminate()
         small.wait(10)
+
+
+def test_abort_by_the_clients_id_ends_the_workers_stream(cluster):
+    """Worker.Abort, for callers that cannot cancel a stream: the stream with that id ends with finish
+    reason abort (it stayed open for ever before), its blocks are freed, the worker serves on."""
+    worker = cluster[1]
+    w = wpb_grpc.WorkerStub(grpc.insecure_channel(worker.address))
+    request = wpb.WorkerGenerateRequest(
+        request_id="abort-me",
+        prompt_token_ids=[5, 6, 7],
+        stopping=pb.StoppingCriteria(max_tokens=240, ignore_eos=True),
+    )
+    stream = w.Generate(request, timeout=60)
+    next(stream)
+    assert w.Abort(wpb.AbortRequest(request_id="abort-me"), timeout=5).aborted
+    rest = list(stream)  # ends (a hang here fails by the call's timeout)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT and len(rest) < 200
+    assert not w.Abort(wpb.AbortRequest(request_id="abort-me"), timeout=5).aborted  # nothing left by that id
+    assert wait_all_free([worker.address])
 
 
 def test_killed_worker_fails_in_flight_requests_and_traffic_moves(tiny_llama_dir):
