@@ -104,10 +104,14 @@ def make_engine(model: str, batch: int, forward_ms: float = 0.0) -> Engine:
     return engine
 
 
-def add_requests(engine: Engine, batch: int, num_steps: int) -> None:
+def make_prompts(vocab_size: int, batch: int) -> list[list[int]]:
+    """batch prompts of 4-19 tokens (block boundaries fall on different steps), the same every run."""
     rng = random.Random(SEED)
-    for _ in range(batch):
-        prompt = [rng.randrange(1, engine.vocab_size) for _ in range(rng.randrange(4, 20))]
+    return [[rng.randrange(1, vocab_size) for _ in range(rng.randrange(4, 20))] for _ in range(batch)]
+
+
+def add_requests(engine: Engine, batch: int, num_steps: int) -> None:
+    for prompt in make_prompts(engine.vocab_size, batch):
         engine.add_request(prompt, SamplingParams(temperature=0, ignore_eos=True, max_tokens=num_steps + 8))
 
 
@@ -176,8 +180,7 @@ def time_async(engine: Engine, batch: int, steps: int) -> dict[str, float]:
     from the first add to the last output. ms per step = wall time / steps run."""
     from splitserve.engine.async_engine import AsyncEngine
 
-    rng = random.Random(SEED)
-    prompts = [[rng.randrange(1, engine.vocab_size) for _ in range(rng.randrange(4, 20))] for _ in range(batch)]
+    prompts = make_prompts(engine.vocab_size, batch)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps)
 
     async def run() -> tuple[float, int]:
@@ -227,8 +230,7 @@ def time_core(model: str, batch: int, steps: int, forward_ms: float) -> dict[str
     client = EngineCoreClient.launch(
         engine_config(model, batch), prepare=functools.partial(install_stub, batch, forward_ms)
     )
-    rng = random.Random(SEED)
-    prompts = [[rng.randrange(1, client.vocab_size) for _ in range(rng.randrange(4, 20))] for _ in range(batch)]
+    prompts = make_prompts(client.vocab_size, batch)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps)
 
     async def run() -> tuple[float, int]:

@@ -46,7 +46,6 @@ class AsyncEngine:
         self._stopped: asyncio.Future[None] | None = None  # resolved when the step thread has ended
         self._watch: asyncio.Task | None = None  # ends the step thread if the event loop goes away
         self.died = asyncio.Event()  # the step loop raised: this engine serves nothing more
-        engine.runner.on_ranks_lost(self._steps.fail)  # a tensor-parallel rank exited
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:

@@ -282,6 +282,7 @@ class EngineCoreClient:
             try:
                 event = pb.CoreEvent.FromString(self._conn.recv_bytes())
             except (EOFError, OSError):  # the core exited (or we closed the pipe at shutdown)
+                self._process.join(timeout=1.0)  # it is exiting: its status says how (not on the loop)
                 post_to_loop(loop, self._lost)
                 return
             kind = event.WhichOneof("event")
@@ -303,7 +304,6 @@ class EngineCoreClient:
 
     def _lost(self) -> None:
         """On the event loop: the core's end of the pipe closed."""
-        self._process.join(timeout=1.0)  # it is exiting: its status says how
         status = self._process.exitcode
         why = self._death or f"the engine core process exited (status {status})"
         error = EngineDead(f"this worker's engine died: {why}; retry the request on another worker")

@@ -34,13 +34,12 @@ from multiprocessing.connection import Connection
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_wire import load_to_proto, params_from_proto, step_tokens_to_proto
-from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import engine_load
 from splitserve.engine.output_processor import OutputProcessor, OutputRequest, OutputSink, ProcessedStep
 from splitserve.engine.outputs import StepTokens
 from splitserve.engine.request import Request, RequestStatus
-from splitserve.engine.step_loop import StepLoop
+from splitserve.engine.step_loop import StepLoop, load_engine
 from splitserve.protos.v1 import engine_core_pb2 as pb
 
 log = logging.getLogger("splitserve.engine")
@@ -58,18 +57,11 @@ def run_engine_core(
     before serving: benchmarks swap the forward for a stub there."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the serving process, which shuts us down
-    engine = on_passing_thread(_load, config)  # the step loop's OpenMP pool is then the only one
+    engine = load_engine(config)
     if prepare is not None:
         prepare(engine)
     core = EngineCore(engine, conn)
     sys.exit(core.serve())
-
-
-def _load(config: EngineConfig) -> Engine:
-    engine = Engine(config)
-    report = engine.warm_up()
-    log.info("warm-up before serving: %d steps in %.2f s", report.num_steps, report.seconds)
-    return engine
 
 
 class EngineCore:
@@ -80,7 +72,6 @@ class EngineCore:
         self._send_lock = threading.Lock()  # the output thread, the step loop and the reader all send
         self._last_load: pb.CoreLoad | None = None
         self.outputs = PipeOutputs(self._send, engine.finish_for_outputs)
-        engine.runner.on_ranks_lost(self.steps.fail)  # a tensor-parallel rank exited
 
     def serve(self) -> int:
         """Serve until shut down or orphaned; the exit status."""

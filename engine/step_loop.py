@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.model_runner import bind_thread
 from splitserve.engine.output_processor import OutputSink
@@ -33,9 +35,25 @@ class EngineDead(RuntimeError):
     """The engine loop died: this engine runs nothing more (retry elsewhere)."""
 
 
+def load_engine(config: EngineConfig) -> Engine:
+    """The engine, loaded and warmed up for a step loop: every kernel variant a step can hit is
+    compiled before serving starts (until then nothing is routed here and health is never SERVING,
+    so no request waits on a compile). On a thread that ends, so that the step loop's OpenMP pool is
+    the process's only one (engine/cpu_threads.py)."""
+    return on_passing_thread(_load_and_warm_up, config)
+
+
+def _load_and_warm_up(config: EngineConfig) -> Engine:
+    engine = Engine(config)
+    report = engine.warm_up()
+    log.info("warm-up before serving: %d steps in %.2f s", report.num_steps, report.seconds)
+    return engine
+
+
 class StepLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        engine.runner.on_ranks_lost(self.fail)  # a tensor-parallel rank exited: the loop dies
         # (fn, args): deque appends and pops are atomic, so any thread may post
         self._commands: deque[tuple[Callable, tuple]] = deque()
         self._wakeup = threading.Event()  # new commands for an idle loop

@@ -99,7 +99,7 @@ elif case == "serial":
     print(left_by_a_live_thread(serial_torch_ops))
 else:
     from splitserve.engine.config import CacheConfig, EngineConfig
-    from splitserve.worker.server import load_engine
+    from splitserve.engine.step_loop import load_engine
     before = count()
     load_engine(EngineConfig(model=case, dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)))
     print(settled(before))

@@ -30,9 +30,8 @@ from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSe
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_client import EngineCoreClient
-from splitserve.engine.cpu_threads import on_passing_thread
-from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import EngineReports, HandoffPort
+from splitserve.engine.step_loop import load_engine
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.worker.kv_events import KVEventPublisher
@@ -131,21 +130,6 @@ async def _open_rank_endpoints(config: WorkerConfig, port: HandoffPort) -> None:
 
 class EngineDied(RuntimeError):
     """The engine loop raised; the worker left the cluster and must exit non-zero (to be restarted)."""
-
-
-def load_engine(config: EngineConfig) -> Engine:
-    """The engine, loaded and warmed up: every kernel variant a step can hit is compiled before the
-    server starts (until then nothing is routed here and health is never SERVING, so no request waits
-    on a compile). On a thread that ends, so that the step thread's OpenMP pool is the process's only
-    one (engine/cpu_threads.py)."""
-    return on_passing_thread(_load_engine, config)
-
-
-def _load_engine(config: EngineConfig) -> Engine:
-    core = Engine(config)
-    report = core.warm_up()
-    log.info("warm-up before serving: %d steps in %.2f s", report.num_steps, report.seconds)
-    return core
 
 
 def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient, EngineReports]:
