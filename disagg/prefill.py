@@ -8,6 +8,7 @@ handoff: disagg/handoff.py).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
@@ -28,6 +29,8 @@ from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.ranks import Message
 from splitserve.engine.request import Request
 from splitserve.worker.metrics import WorkerMetrics
+
+log = logging.getLogger("splitserve.prefill")
 
 
 async def prefill_and_send(
@@ -163,7 +166,13 @@ async def _send(
     """The send under its span (a child of the Prefill call's: this task inherits its context)."""
     attributes = {"splitserve.num_blocks": len(block_ids), "splitserve.streamed": step is not None}
     with stage("prefill.kv_send", attributes) as span:
-        done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s, step)
+        started = time.monotonic()
+        try:
+            done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s, step)
+        except Exception as e:  # the decode worker recomputes; this side's log says why and how long it took
+            elapsed = time.monotonic() - started
+            log.warning("request %s: KV send failed after %.2f s (%s: %s)", request_id, elapsed, type(e).__name__, e)
+            raise
         span.set_attributes({"splitserve.num_bytes": done.num_bytes, "splitserve.transfer_ms": done.seconds * 1e3})
     return done
 

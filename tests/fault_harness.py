@@ -445,7 +445,9 @@ def settle_and_check(run: Run, want: list[list[int]]) -> Report:
     check_idle(cluster, report, current, run.cfg.settle_s, "after the load")
     report.probes = probe(run)
     check_outcomes(report, want, report.probes)
-    check_idle(cluster, report, current, 15.0, "after the probes", tally=False)
+    # As long as after the load: a probe's blocks may wait out a lease (30 s) or a failed send's timeouts;
+    # one still busy after 15 s is noted (the CI run that saw it held 4 blocks of one request then).
+    check_idle(cluster, report, current, run.cfg.settle_s, "after the probes", tally=False, slow_s=15.0)
     check_gateway(cluster, report)
     report.info = counters(cluster, current)
     report.tracebacks = traceback_summary(run.log.lines)

@@ -102,9 +102,14 @@ def _describe(o: Outcome) -> str:
     )
 
 
-def check_idle(cluster, report: Report, workers: list, timeout_s: float, when: str, tally: bool = True) -> None:
-    """Every worker's pool all free, nothing running, waiting, awaiting KV or held (within timeout_s)."""
-    deadline = time.monotonic() + timeout_s
+def check_idle(
+    cluster, report: Report, workers: list, timeout_s: float, when: str, tally: bool = True, slow_s: float | None = None
+) -> None:
+    """Every worker's pool all free, nothing running, waiting, awaiting KV or held (within timeout_s).
+    slow_s: a worker still busy then but idle by timeout_s gets a note (what it held then, when it
+    went idle), so a run that passes still says which waits were long."""
+    start = time.monotonic()
+    deadline, slow = start + timeout_s, {}
     while True:
         busy = {}
         for child in workers:
@@ -115,25 +120,36 @@ def check_idle(cluster, report: Report, workers: list, timeout_s: float, when: s
                 continue
             if not load_is_idle(r):
                 busy[child.name] = (child, r)
-        if not busy or time.monotonic() > deadline:
+        now = time.monotonic()
+        if slow_s is not None and now - start > slow_s:
+            for name, (_child, r) in busy.items():
+                slow.setdefault(name, (now - start, _load_text(r)))
+            for name in set(slow) - set(busy):
+                seen_s, what = slow.pop(name)
+                report.notes.append(f"{name} still busy {seen_s:.0f} s {when} ({what}); idle after {now - start:.1f} s")
+        if not busy or now > deadline:
             break
         time.sleep(0.2)
     for child, r in busy.values():
-        if isinstance(r, wpb.LoadReport):
-            if tally:  # the table counts the first check's leaks only
-                report.leaked_blocks += r.num_total_blocks - r.num_free_blocks
-                report.held_blocks += r.num_held_blocks
-                report.held_requests += r.num_held_requests
-            r = (
-                f"free {r.num_free_blocks}/{r.num_total_blocks} blocks, running {r.num_running}, waiting "
-                f"{r.num_waiting}, awaiting_kv {r.num_awaiting_kv}, held {r.num_held_blocks} blocks of "
-                f"{r.num_held_requests} requests"
-            )
+        if isinstance(r, wpb.LoadReport) and tally:  # the table counts the first check's leaks only
+            report.leaked_blocks += r.num_total_blocks - r.num_free_blocks
+            report.held_blocks += r.num_held_blocks
+            report.held_requests += r.num_held_requests
         tail = "\n  ".join(list(child.log)[-10:])
         report.failures.append(
             f"{child.name} ({child.mode}, {child.address}, pid {child.proc.pid}) not idle "
-            f"{timeout_s:.0f} s {when}: {r}; its last lines:\n  {tail}"
+            f"{timeout_s:.0f} s {when}: {_load_text(r)}; its last lines:\n  {tail}"
         )
+
+
+def _load_text(r: wpb.LoadReport | str) -> str:
+    if not isinstance(r, wpb.LoadReport):
+        return r
+    return (
+        f"free {r.num_free_blocks}/{r.num_total_blocks} blocks, running {r.num_running}, waiting "
+        f"{r.num_waiting}, awaiting_kv {r.num_awaiting_kv}, held {r.num_held_blocks} blocks of "
+        f"{r.num_held_requests} requests"
+    )
 
 
 def check_gateway(cluster, report: Report) -> None:
