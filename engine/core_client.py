@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -183,7 +184,8 @@ class EngineCoreClient:
 
     # -- HandoffPort's reports ------------------------------------------------------------------------
     def load(self) -> EngineLoad:
-        """The engine's load as of at most 100 ms ago (the core reports it when it changes)."""
+        """The engine's load: its counts as of the last step whose outputs were read (or the last abort), its
+        step totals as of at most 100 ms ago (the core's load clock)."""
         return self._load
 
     async def kv_snapshot(self) -> tuple[list[BlockHash], list[KVCacheEvent]]:
@@ -287,6 +289,9 @@ class EngineCoreClient:
                 return
             kind = event.WhichOneof("event")
             if kind == "step_tokens":
+                if event.step_tokens.HasField("load"):  # before the outputs: their reader sees it
+                    counts = load_from_proto(event.step_tokens.load)
+                    self._load = dataclasses.replace(counts, steps=self._load.steps)
                 self._process_step(loop, event.step_tokens)
             elif kind == "refused":
                 post_to_loop(loop, self._refused, event.refused)

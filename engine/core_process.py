@@ -12,7 +12,9 @@ Threads of the core process:
 - no output thread: each step's sampled tokens go onto the pipe as they are known (one CoreEvent
   per step); the serving process detokenizes, finds stop strings and builds the outputs, and acks
   each step with the requests a stop string ended,
-- the load clock: every 100 ms asks the step loop for the engine's load, sent when it changed.
+- the load clock: every 100 ms asks the step loop for the engine's load, sent when it changed
+  (its step totals too); each step's tokens carry the counts when they changed, and an abort is
+  followed by a report, so a load read once a stream has ended is already the state after it.
 
 Lifecycle: spawned -> load and warm up -> CoreReady -> commands and events -> a shutdown command,
 or the pipe closing (the serving process is gone) -> the loop stops after its step, the outputs
@@ -71,7 +73,8 @@ class EngineCore:
         self.closing = threading.Event()
         self._send_lock = threading.Lock()  # the output thread, the step loop and the reader all send
         self._last_load: pb.CoreLoad | None = None
-        self.outputs = PipeOutputs(self._send, engine.finish_for_outputs)
+        self._last_counts: pb.CoreLoad | None = None  # the load without its step totals, as last sent
+        self.outputs = PipeOutputs(self._send, engine.finish_for_outputs, self._changed_counts)
 
     def serve(self) -> int:
         """Serve until shut down or orphaned; the exit status."""
@@ -131,6 +134,7 @@ class EngineCore:
                 self.steps.post(self._add, request)
         elif kind == "abort_request_id":
             self.steps.post(self.engine.abort_request, command.abort_request_id)
+            self.steps.post(self._report_load)  # its blocks are free now, even if no step follows
         elif kind == "query":
             self.steps.post(self._answer, command.query)
         elif kind == "processed":
@@ -174,10 +178,19 @@ class EngineCore:
         self._send(pb.CoreEvent(reply=reply))
 
     def _report_load(self) -> None:
-        load = load_to_proto(engine_load(self.engine))
-        if load != self._last_load:
-            self._last_load = load
-            self._send(pb.CoreEvent(load=load))
+        load = engine_load(self.engine)
+        full = load_to_proto(load)
+        if full != self._last_load:
+            self._last_load, self._last_counts = full, load_to_proto(load, with_steps=False)
+            self._send(pb.CoreEvent(load=full))
+
+    def _changed_counts(self) -> pb.CoreLoad | None:
+        """On the step loop, after a step: the load's counts if they changed since last sent (~20 us)."""
+        counts = load_to_proto(engine_load(self.engine), with_steps=False)
+        if counts == self._last_counts:
+            return None
+        self._last_counts = counts
+        return counts
 
 
 class PipeOutputs(OutputSink):
@@ -186,8 +199,13 @@ class PipeOutputs(OutputSink):
     only where an output thread would be waited for (a stop string must end its request within one
     step). The serving process tracks its requests itself: add and abort have nothing to do here."""
 
-    def __init__(self, send: Callable[[pb.CoreEvent], None], report: Callable[[list[tuple[str, RequestStatus]]], None]):
-        self._send, self._report = send, report
+    def __init__(
+        self,
+        send: Callable[[pb.CoreEvent], None],
+        report: Callable[[list[tuple[str, RequestStatus]]], None],
+        counts: Callable[[], pb.CoreLoad | None] = lambda: None,
+    ):
+        self._send, self._report, self._counts = send, report, counts
         self._num_submitted = 0  # the step loop's
         self._num_processed = 0
         self._closed = False
@@ -201,7 +219,11 @@ class PipeOutputs(OutputSink):
 
     def submit(self, step: StepTokens) -> int:
         self._num_submitted += 1
-        self._send(pb.CoreEvent(step_tokens=step_tokens_to_proto(step, self._num_submitted)))
+        msg = step_tokens_to_proto(step, self._num_submitted)
+        counts = self._counts()
+        if counts is not None:
+            msg.load.CopyFrom(counts)
+        self._send(pb.CoreEvent(step_tokens=msg))
         return self._num_submitted
 
     def wait(self, ticket: int | None = None) -> None:

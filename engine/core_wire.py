@@ -78,8 +78,11 @@ def logprobs_from_step_proto(msg: pb.CoreStepTokens) -> dict[str, TokenLogprobs]
     return {entry.request_id: logprobs_from_proto([entry.logprobs])[0] for entry in msg.logprobs}
 
 
-def load_to_proto(load: EngineLoad) -> pb.CoreLoad:
+def load_to_proto(load: EngineLoad, with_steps: bool = True) -> pb.CoreLoad:
+    """with_steps False: the counts only (the step totals, histograms included, cost most of the encoding)."""
     fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load) if f.name != "steps"}
+    if not with_steps:
+        return pb.CoreLoad(**fields)
     steps = [pb.CoreStepTotals(kind=kind.value, **dataclasses.asdict(totals)) for kind, totals in load.steps.items()]
     return pb.CoreLoad(steps=steps, **fields)
 

@@ -125,8 +125,8 @@ def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
 
 
 async def _settled(client: EngineCoreClient, num_prefill_steps: int, timeout_s: float = 30.0):
-    """The first load reported with that many prefill steps and nothing running (the core reports
-    its load within 100 ms of a change)."""
+    """The first load reported with that many prefill steps and nothing running (the core sends its
+    step totals within 100 ms of a change)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         load = client.load()
@@ -134,6 +134,28 @@ async def _settled(client: EngineCoreClient, num_prefill_steps: int, timeout_s: 
         if done or asyncio.get_running_loop().time() > deadline:
             return load
         await asyncio.sleep(0.02)
+
+
+@pytest.mark.integration
+def test_the_load_is_current_when_a_stream_ends(tiny_llama_dir):
+    """What a GetLoad or a metrics scrape reads right after a client's stream ended (or got its first
+    token) is the state after that step, not one up to a load-clock tick old."""
+    client = EngineCoreClient.launch(_config(tiny_llama_dir))
+
+    async def main() -> None:
+        client.start()
+        seen = []
+        for i in range(6):
+            stream = client.generate([1 + i, 2, 3], SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True))
+            await anext(stream)
+            running = client.load()
+            await _collect(stream)
+            done = client.load()
+            seen.append((running.num_running, done.num_running, done.num_total_blocks - done.num_free_blocks))
+        await client.shutdown()
+        assert seen == [(1, 0, 0)] * 6
+
+    asyncio.run(main())
 
 
 @pytest.mark.integration

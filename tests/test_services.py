@@ -240,7 +240,7 @@ def test_a_killed_engine_core_takes_its_worker_down_cleanly(tiny_llama_dir):
         stream = stub.Generate(_greedy_request([4] * 20, 200), timeout=60)
         next(stream)
         busy: list = []
-        for _ in range(100):  # a core reports its load within 100 ms of a change
+        for _ in range(100):  # the load came with the first token's step (the loop is only a margin)
             busy = [w for w in workers if not _all_blocks_free(w.address)]
             if busy:
                 break

@@ -189,7 +189,7 @@ class CoreEvent(_message.Message):
     def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ...) -> None: ...
 
 class CoreStepTokens(_message.Message):
-    __slots__ = ("ticket", "time", "request_ids", "token_ids", "num_cached_tokens", "first_scheduled_times", "finished", "logprobs", "failed")
+    __slots__ = ("ticket", "time", "request_ids", "token_ids", "num_cached_tokens", "first_scheduled_times", "finished", "logprobs", "failed", "load")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     TIME_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class CoreStepTokens(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     ticket: int
     time: float
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -208,7 +209,8 @@ class CoreStepTokens(_message.Message):
     finished: _containers.RepeatedCompositeFieldContainer[CoreFinish]
     logprobs: _containers.RepeatedCompositeFieldContainer[CoreRequestLogprobs]
     failed: _containers.RepeatedCompositeFieldContainer[CoreFailure]
-    def __init__(self, ticket: _Optional[int] = ..., time: _Optional[float] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., first_scheduled_times: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[_Union[CoreFinish, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[CoreRequestLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[CoreFailure, _Mapping]]] = ...) -> None: ...
+    load: CoreLoad
+    def __init__(self, ticket: _Optional[int] = ..., time: _Optional[float] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., first_scheduled_times: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[_Union[CoreFinish, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[CoreRequestLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[CoreFailure, _Mapping]]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ...) -> None: ...
 
 class CoreFinish(_message.Message):
     __slots__ = ("request_id", "reason", "stop_token_id")
