@@ -12,6 +12,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -29,10 +30,9 @@ from splitserve.disagg.rank_transfers import RankReceivers, Received
 from splitserve.disagg.transfer.base import Backend, KVReceiver, TransferError, TransferFailure
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
-from splitserve.engine.handoff_port import HandoffPort, Reservation
+from splitserve.engine.handoff_port import EngineFront, HandoffPort, Reservation
 from splitserve.engine.request import Request
 from splitserve.protos.v1 import worker_pb2 as pb
-from splitserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("splitserve.decode")
 
@@ -46,6 +46,20 @@ PREFILL_FAILURES = (
     HandoffProtocolError,
     TransferError,
 )
+
+
+class HandoffMetrics(Protocol):
+    """What a handoff counts (worker/metrics.py WorkerMetrics; an engine core relays them over its pipe)."""
+
+    def observe_blocks_skipped(self, num_blocks: int) -> None: ...
+
+    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None: ...
+
+    def observe_transfer_failure(self, reason: TransferFailure) -> None: ...
+
+    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None: ...
+
+    def observe_recompute_fallback(self) -> None: ...
 
 
 class PrefillClient(ABC):
@@ -67,10 +81,10 @@ class PrefillClient(ABC):
 class DecodeHandoff:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineFront,
         receiver: KVReceiver,
         client: PrefillClient,
-        metrics: WorkerMetrics | None = None,
+        metrics: HandoffMetrics | None = None,
         reserve_timeout_s: float = 10.0,
         transfer_timeout_s: float = 30.0,
     ) -> None:
@@ -88,30 +102,11 @@ class DecodeHandoff:
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs; raises HandoffError if it cannot start."""
         rid, engine = request.request_id, self.engine
+        assert isinstance(engine, AsyncEngine), "an engine core's outputs reach its serving process (hand_off)"
         engine.open_stream(rid, request.label)
         finished = streaming = False
         try:
-            with stage("decode.reserve") as span:  # waiting for room in the KV cache
-                reservation = await self._reserve(request)
-                span.set_attributes(
-                    {
-                        "splitserve.num_held_blocks": reservation.num_held_blocks,  # prefix hits: not sent
-                        "splitserve.num_blocks_to_land": reservation.num_blocks_to_land,
-                    }
-                )
-            ask = asyncio.create_task(self._ask(reservation, peer, wire))
-            self.landings.add(ask)  # its reservation is in flight too: a drain waits for it
-            try:
-                first, job, events, receiving = await asyncio.shield(ask)
-                stages = StageClock(first)
-            except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
-                ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
-                raise
-            finally:
-                if ask.done():  # else _land_if_asked lets go of it, once its landing (if any) is tracked
-                    self.landings.discard(ask)
-            landing = self._start_landing(reservation, first, job, events, receiving)
-            out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
+            out, stages, landing = await self.hand_off(request, peer, wire)
             if out is None:  # aborted meanwhile
                 return
             finished = out.finished
@@ -132,6 +127,37 @@ class DecodeHandoff:
         finally:
             if not streaming:
                 engine.close_stream(rid, finished)
+
+    async def hand_off(
+        self, request: Request, peer: str, wire: pb.WorkerGenerateRequest | None = None
+    ) -> tuple[RequestOutput | None, StageClock, asyncio.Task[float]]:
+        """Reserve, ask the prefill worker, start the landing and accept the first token: its output
+        (None if the request is gone, or if outputs are processed in another process: an engine
+        core's), the stage clock, and the landing (it ends when the KV landed). Raises HandoffError
+        if the handoff cannot start; a caller cancelled before the first token still receives
+        whatever the prefill worker announced, and drops it."""
+        with stage("decode.reserve") as span:  # waiting for room in the KV cache
+            reservation = await self._reserve(request)
+            span.set_attributes(
+                {
+                    "splitserve.num_held_blocks": reservation.num_held_blocks,  # prefix hits: not sent
+                    "splitserve.num_blocks_to_land": reservation.num_blocks_to_land,
+                }
+            )
+        ask = asyncio.create_task(self._ask(reservation, peer, wire))
+        self.landings.add(ask)  # its reservation is in flight too: a drain waits for it
+        try:
+            first, job, events, receiving = await asyncio.shield(ask)
+            stages = StageClock(first)
+        except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
+            ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
+            raise
+        finally:
+            if ask.done():  # else _land_if_asked lets go of it, once its landing (if any) is tracked
+                self.landings.discard(ask)
+        landing = self._start_landing(reservation, first, job, events, receiving)
+        out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
+        return out, stages, landing
 
     def _land_if_asked(self, reservation: Reservation, ask: asyncio.Task) -> None:
         """The caller left while asking; if the blocks were announced anyway, receive and discard them."""

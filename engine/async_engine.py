@@ -26,13 +26,15 @@ from splitserve.engine.cpu_threads import on_passing_thread
 from splitserve.engine.engine import Engine, PromptInput, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.step_loop import EngineDead, StepLoop
-from splitserve.engine.streams import RequestFailed, Streams, post_to_loop
+from splitserve.engine.streams import RequestFailed, Streams, answer_call, post_to_loop, set_exception, set_result
 
 T = TypeVar("T")
 __all__ = ["AsyncEngine", "EngineDead", "RequestFailed"]
 
 
 class AsyncEngine:
+    outputs_here = True  # its output thread processes the steps' tokens in this process (EngineFront)
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         # Adds, aborts and calls for the step thread, applied in order between steps; a call's future
@@ -100,7 +102,7 @@ class AsyncEngine:
         future: asyncio.Future[T] = loop.create_future()
         self._calls.add(future)
         future.add_done_callback(self._calls.discard)
-        self.post(_answer, loop, future, fn, args)
+        self.post(answer_call, loop, future, fn, args)
         return await future
 
     def abort(self, request_id: str) -> None:
@@ -168,7 +170,7 @@ class AsyncEngine:
     def _die(self, error: EngineDead) -> None:
         self._streams.fail_all(error)
         for future in list(self._calls):  # their commands were dropped with the loop
-            _set_exception(future, error)
+            set_exception(future, error)
         self.died.set()  # the server reads it, leaves the cluster, exits
 
     # -- the step thread ----------------------------------------------------------------------------
@@ -176,30 +178,8 @@ class AsyncEngine:
         error = self._steps.run(closing, lambda outputs: post_to_loop(loop, self._streams.dispatch, outputs))
         if error is not None:
             post_to_loop(loop, self._die, error)
-        post_to_loop(loop, _set_result, stopped, None)
+        post_to_loop(loop, set_result, stopped, None)
 
     def _add(self, request: Request) -> None:
         if request.request_id in self._streams:  # not cancelled before it got here
             self.engine.add_request(request)
-
-
-def _answer(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable, args: tuple) -> None:
-    """On the step thread: run a call unless its caller stopped waiting, and resolve its future."""
-    if future.cancelled():
-        return
-    try:
-        result = fn(*args)
-    except Exception as e:  # the caller gets it; the loop goes on
-        post_to_loop(loop, _set_exception, future, e)
-    else:
-        post_to_loop(loop, _set_result, future, result)
-
-
-def _set_result(future: asyncio.Future, result: Any) -> None:
-    if not future.done():
-        future.set_result(result)
-
-
-def _set_exception(future: asyncio.Future, error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

@@ -22,6 +22,7 @@ import atexit
 import dataclasses
 import itertools
 import logging
+import math
 import multiprocessing
 import threading
 import time
@@ -36,7 +37,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.wire import kv_events_from_proto
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core_process import run_engine_core
+from splitserve.engine.core_process import HandoffsSetup, run_engine_core
 from splitserve.engine.core_wire import (
     finishes_from_proto,
     load_from_proto,
@@ -69,6 +70,8 @@ class EngineCoreClient:
         self.block_size, self.max_model_len, self.vocab_size = ready.block_size, ready.max_model_len, ready.vocab_size
         self.tensor_parallel_size, self.num_kv_heads = ready.tensor_parallel_size, ready.num_kv_heads
         self._load = load_from_proto(ready.load)  # replaced whole by the reader (a racy read is a whole one)
+        # What the core's handoffs observe (a decode worker's metrics count it), on the reader thread
+        self.on_observed: Callable[[pb.CoreHandoffObservation], None] | None = None
         self._streams = Streams(self.abort)
         self._ids = itertools.count()
         self._call_ids = itertools.count(1)
@@ -80,14 +83,20 @@ class EngineCoreClient:
         self.died = asyncio.Event()  # the core died: this engine serves nothing more
 
     @classmethod
-    def launch(cls, config: EngineConfig, prepare: Callable[[Engine], None] | None = None) -> EngineCoreClient:
+    def launch(
+        cls,
+        config: EngineConfig,
+        prepare: Callable[[Engine], None] | None = None,
+        handoffs: HandoffsSetup | None = None,
+    ) -> EngineCoreClient:
         """Spawn the core, and wait while it loads and warms up (blocking: before serving starts).
-        prepare(engine) runs in the core after warm-up (a module-level function: it is pickled)."""
+        prepare(engine) runs in the core after warm-up (a module-level function: it is pickled);
+        handoffs makes a decode worker's KV handoffs there (disagg/core_decode.py)."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
         conn, child_conn = context.Pipe()
         level = logging.getLogger().getEffectiveLevel()
         process = context.Process(
-            target=run_engine_core, args=(config, child_conn, level, prepare), name="splitserve-engine-core"
+            target=run_engine_core, args=(config, child_conn, level, prepare, handoffs), name="splitserve-engine-core"
         )
         process.start()
         child_conn.close()  # ours is the only other end: the core sees EOF when this process is gone
@@ -114,8 +123,11 @@ class EngineCoreClient:
         request_id: str | None = None,
         priority: int = 0,
         label: str = "",
+        handoff: pb.CoreHandoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Token ids in, outputs out (ValueError: refused, here or by the core)."""
+        """Token ids in, outputs out (ValueError: refused, here or by the core). handoff: a decode
+        worker's request, whose prompt's KV the core gets from that prefill worker (CoreRefused:
+        the handoff could not start)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         add = pb.CoreAddRequest(
             request_id=request_id,
@@ -123,6 +135,7 @@ class EngineCoreClient:
             params=params_to_proto(params),
             priority=priority,
             label=label,
+            handoff=handoff,
         )
         self.start()
         self._streams.open(request_id, label)
@@ -261,14 +274,17 @@ class EngineCoreClient:
             if record is None:  # aborted here: the processor drops its token
                 requests.append(_gone(request_id))
                 continue
-            if record.first_scheduled_time is None:
+            if record.first_scheduled_time is None and not math.isnan(scheduled):  # NaN: a handoff's first token
                 record.num_cached_tokens, record.first_scheduled_time = num_cached, scheduled
             requests.append(record)
         return requests
 
     def _refused(self, refusal: pb.CoreRefusal) -> None:
         self._untrack(refusal.request_id)
-        self._streams.fail(refusal.request_id, ValueError(refusal.error))
+        error = (
+            CoreRefused(refusal.code, refusal.error, refusal.failed_peer) if refusal.code else ValueError(refusal.error)
+        )
+        self._streams.fail(refusal.request_id, error)
 
     # -- the pipe -------------------------------------------------------------------------------------
     def _send(self, command: pb.CoreCommand) -> None:
@@ -301,6 +317,8 @@ class EngineCoreClient:
                 post_to_loop(loop, self._answer, event.reply)
             elif kind == "died":
                 self._death = event.died
+            elif kind == "observed" and self.on_observed is not None:
+                self.on_observed(event.observed)
 
     def _answer(self, reply: pb.CoreReply) -> None:
         future = self._replies.get(reply.call_id)
@@ -319,6 +337,16 @@ class EngineCoreClient:
         if not self._shutting_down:
             log.error("%s", why)
             self.died.set()  # the server reads it, leaves the cluster, exits
+
+
+class CoreRefused(Exception):
+    """The core ended a request before its first token for a reason other than its input (a decode
+    worker's handoff: no room for its KV, or its prefill worker failed): the gRPC status code's name
+    for the client, and the worker to blame, if any."""
+
+    def __init__(self, code: str, message: str, failed_peer: str = "") -> None:
+        super().__init__(message)
+        self.code, self.message, self.failed_peer = code, message, failed_peer
 
 
 @dataclass(slots=True)

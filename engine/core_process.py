@@ -20,8 +20,12 @@ Lifecycle: spawned -> load and warm up -> CoreReady -> commands and events -> a 
 or the pipe closing (the serving process is gone) -> the loop stops after its step, the outputs
 computed are sent -> exit 0. A step loop that dies sends `died` and exits 1.
 
-Every message is protobuf (protos/v1/engine_core.proto). The one pickle is the EngineConfig the
-spawn hands over at start, from the parent that made it.
+A decode worker's core also runs its KV handoffs (disagg/core_decode.py, the `handoffs` the spawn
+is given): an add that carries a CoreHandoff goes to them instead of the queue, and a handoff that
+cannot start refuses its request with a status code and the prefill worker to blame.
+
+Every message is protobuf (protos/v1/engine_core.proto). The only pickles are what the spawn hands
+over at start, from the parent that made them: the EngineConfig, and the handoffs' setup.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import Protocol
 
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_wire import load_to_proto, params_from_proto, step_tokens_to_proto
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import engine_load
-from splitserve.engine.output_processor import OutputProcessor, OutputRequest, OutputSink, ProcessedStep
+from splitserve.engine.output_processor import OutputRequest, OutputSink
 from splitserve.engine.outputs import StepTokens
 from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.step_loop import StepLoop, load_engine
@@ -48,12 +53,33 @@ log = logging.getLogger("splitserve.engine")
 
 LOAD_INTERVAL_S = 0.1
 
+# How the core's parts send events to the serving process (thread-safe)
+Send = Callable[[pb.CoreEvent], None]
+
+
+class CoreHandoffs(Protocol):
+    """Requests whose prompt's KV comes from another worker (a decode worker's: disagg/core_decode.py)."""
+
+    def start(self, request: Request, handoff: pb.CoreHandoff) -> None:
+        """From the command reader: hand the request off (it joins the engine once its KV landed)."""
+
+    def abort(self, request_id: str) -> None:
+        """From the command reader: the serving process aborted it (the engine is told too)."""
+
+    def close(self) -> None:
+        """The core is stopping."""
+
+
+# What the spawn is given to make the core's handoffs once the engine is up (pickled: a dataclass)
+HandoffsSetup = Callable[[Engine, StepLoop, Send], CoreHandoffs]
+
 
 def run_engine_core(
     config: EngineConfig,
     conn: Connection,
     log_level: int = logging.INFO,
     prepare: Callable[[Engine], None] | None = None,
+    handoffs: HandoffsSetup | None = None,
 ) -> None:
     """The core process's main (a multiprocessing spawn target). prepare(engine) runs after warm-up,
     before serving: benchmarks swap the forward for a stub there."""
@@ -62,16 +88,17 @@ def run_engine_core(
     engine = load_engine(config)
     if prepare is not None:
         prepare(engine)
-    core = EngineCore(engine, conn)
+    core = EngineCore(engine, conn, handoffs)
     sys.exit(core.serve())
 
 
 class EngineCore:
-    def __init__(self, engine: Engine, conn: Connection) -> None:
+    def __init__(self, engine: Engine, conn: Connection, handoffs: HandoffsSetup | None = None) -> None:
         self.engine, self.conn = engine, conn
         self.steps = StepLoop(engine)
         self.closing = threading.Event()
-        self._send_lock = threading.Lock()  # the output thread, the step loop and the reader all send
+        self._send_lock = threading.Lock()  # the output thread, the step loop, the reader and handoffs send
+        self.handoffs = handoffs(engine, self.steps, self._send) if handoffs is not None else None
         self._last_load: pb.CoreLoad | None = None
         self._last_counts: pb.CoreLoad | None = None  # the load without its step totals, as last sent
         self.outputs = PipeOutputs(self._send, engine.finish_for_outputs, self._changed_counts)
@@ -82,6 +109,8 @@ class EngineCore:
         threading.Thread(target=self._read_commands, name="core-commands", daemon=True).start()
         threading.Thread(target=self._load_clock, name="core-load", daemon=True).start()
         error = self.steps.run(self.closing, self.outputs)
+        if self.handoffs is not None:
+            self.handoffs.close()
         self._last_load = None
         self._report_load()  # the state it ends in (a drained worker logs its pool)
         self.engine.close()
@@ -130,9 +159,17 @@ class EngineCore:
         kind = command.WhichOneof("command")
         if kind == "add":
             request = self._request(command.add)
-            if request is not None:
+            if request is None:
+                pass
+            elif not command.add.HasField("handoff"):
                 self.steps.post(self._add, request)
+            elif self.handoffs is None:
+                self._refuse(request.request_id, "this engine core hands off no KV (not a decode worker's)")
+            else:
+                self.handoffs.start(request, command.add.handoff)
         elif kind == "abort_request_id":
+            if self.handoffs is not None:
+                self.handoffs.abort(command.abort_request_id)
             self.steps.post(self.engine.abort_request, command.abort_request_id)
             self.steps.post(self._report_load)  # its blocks are free now, even if no step follows
         elif kind == "query":
@@ -231,8 +268,8 @@ class PipeOutputs(OutputSink):
         with self._changed:
             self._changed.wait_for(lambda: self._num_processed >= ticket or self._closed)
 
-    def call(self, fn: Callable[[OutputProcessor], ProcessedStep]) -> ProcessedStep:
-        raise RuntimeError("an engine core process serves whole requests only (no prefill worker's first token)")
+    def process_now(self, step: StepTokens) -> None:
+        self.submit(step)  # a decode worker's first token: processed there, acknowledged like a step
 
     def close(self) -> None:
         with self._changed:

@@ -278,7 +278,8 @@ class Engine:
     ) -> RequestOutput | None:
         """The prefill worker's first token: append it, carry the sampler over, check stops.
 
-        Returns None if the request is gone (aborted meanwhile).
+        Returns its output; None if the request is gone (aborted meanwhile), or if outputs are
+        processed in another process (an engine core's: the token went there like a step's).
         """
         request = self.scheduler.awaiting_kv.get(request_id)
         if request is None:
@@ -294,7 +295,9 @@ class Engine:
         lookup = {request_id: logprobs} if logprobs is not None else None
         tokens = StepTokens([request], [token_id], finished, time.monotonic(), lookup)
         thread = self._output_thread
-        done = thread.call(lambda p: p.process(tokens)) if thread else self._outputs.process(tokens)
+        done = thread.process_now(tokens) if thread else self._outputs.process(tokens)
+        if done is None:
+            return None
         self._apply(done)
         return done.outputs[0] if done.outputs else None
 

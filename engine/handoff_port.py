@@ -33,14 +33,13 @@ import enum
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.kv_cache.block_io import gather_blocks
 from splitserve.engine.kv_cache.block_pool import BlockId
@@ -53,6 +52,8 @@ from splitserve.engine.step_stats import StepKind, StepTotals
 
 if TYPE_CHECKING:
     from splitserve.engine.model_runner import ModelRunner
+
+T = TypeVar("T")
 
 
 class ReservationState(enum.Enum):
@@ -108,6 +109,23 @@ class EngineLoad:
     @property
     def is_idle(self) -> bool:
         return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_held_requests)
+
+
+class EngineFront(Protocol):
+    """What a HandoffPort drives the engine through: AsyncEngine in process, or a decode worker's
+    engine core process (disagg/core_decode.py CoreFront)."""
+
+    engine: Engine
+    # Outputs are processed in this process: accept_first_token returns the first token's output
+    # (an engine core's go to its serving process, like a step's).
+    outputs_here: bool
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the step loop, between steps."""
+        ...
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """fn(*args) on the step loop, between steps, without waiting."""
 
 
 class EngineReports(Protocol):
@@ -201,7 +219,7 @@ def held_reader(
 
 
 class HandoffPort:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineFront) -> None:
         self._async = engine
         self._engine = engine.engine
 
@@ -232,11 +250,12 @@ class HandoffPort:
     async def accept_first_token(
         self, reservation: Reservation, token_id: int, logprobs: TokenLogprobs | None, sampler_state: bytes | None
     ) -> RequestOutput | None:
-        """None if the request is gone (aborted meanwhile)."""
+        """None if the request is gone (aborted meanwhile), or if its output is processed in another
+        process (an engine core's)."""
         out = await self._async.call(
             self._engine.accept_first_token, reservation.request.request_id, token_id, logprobs, sampler_state
         )
-        if out is None or out.finished:
+        if out is None and self._async.outputs_here or out is not None and out.finished:
             reservation.state = ReservationState.GONE
         return out
 

@@ -200,8 +200,10 @@ class OutputSink(ABC):
         """Until the step with this ticket (default: every step so far) went through."""
 
     @abstractmethod
-    def call(self, fn: Callable[[OutputProcessor], ProcessedStep]) -> ProcessedStep:
-        """Run fn(processor) after what is queued and return its result instead of delivering it."""
+    def process_now(self, step: StepTokens) -> ProcessedStep | None:
+        """Process these tokens after what is queued and return the result instead of delivering it
+        (a decode worker's first token, whose output the handoff yields itself); None where outputs
+        are processed in another process (the tokens go there like a step's)."""
 
     @abstractmethod
     def close(self) -> None:
@@ -243,10 +245,9 @@ class OutputThread(OutputSink):
     def abort(self, request_id: str) -> None:
         self._put(lambda p: ProcessedStep(outputs=[out] if (out := p.abort(request_id)) else []), None)
 
-    def call(self, fn: Callable[[OutputProcessor], ProcessedStep]) -> ProcessedStep:
-        """Run fn(processor) after what is queued and return its result instead of delivering it."""
+    def process_now(self, step: StepTokens) -> ProcessedStep:
         future: Future[ProcessedStep] = Future()
-        self._put(fn, future)
+        self._put(lambda processor: processor.process(step), future)
         return future.result()
 
     def wait(self, ticket: int | None = None) -> None:

@@ -98,6 +98,28 @@ def post_to_loop(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> N
         pass
 
 
+def answer_call(loop: asyncio.AbstractEventLoop, future: asyncio.Future, fn: Callable, args: tuple) -> None:
+    """On the step thread: run a call unless its caller stopped waiting, and resolve its future."""
+    if future.cancelled():
+        return
+    try:
+        result = fn(*args)
+    except Exception as e:  # the caller gets it; the loop goes on
+        post_to_loop(loop, set_exception, future, e)
+    else:
+        post_to_loop(loop, set_result, future, result)
+
+
+def set_result(future: asyncio.Future, result: Any) -> None:
+    if not future.done():
+        future.set_result(result)
+
+
+def set_exception(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)
+
+
 class _Mailbox:
     """One stream's outputs on their way to its consumer, on the event loop only: what asyncio.Queue
     does for this one producer and one consumer, with less work per item (a step at 256 streams

@@ -301,6 +301,7 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         _http_port(a),
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
         _up_planner(a) if a.autoscale else None,
+        {"unified": ["--engine-process"], "decode": ["--engine-process"]} if a.engine_process else None,
     )
 
 
@@ -456,8 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--engine-process",
         action="store_true",
-        help="unified workers: run the engine's step loop in a process of its own, fed over a pipe, so "
-        "that the serving thread's per-stream work never delays a step (engine/core_process.py)",
+        help="unified and decode workers: run the engine's step loop in a process of its own, fed over a "
+        "pipe, so that the serving thread's per-stream work never delays a step (engine/core_process.py; "
+        "a decode worker's KV handoffs run there too, disagg/core_decode.py)",
     )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
@@ -541,6 +543,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
+    up.add_argument(
+        "--engine-process",
+        action="store_true",
+        help="unified and decode workers run their engine (and a decode worker its KV handoffs) in a "
+        "process of their own (`splitserve worker --engine-process`)",
+    )
     up.add_argument(
         "--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill worker (default: --tp)"
     )

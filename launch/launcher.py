@@ -117,11 +117,13 @@ def start_cluster(
     cluster: ClusterSecurity = OPEN_CLUSTER,
     http_port: int | None = 0,
     tp_sizes: dict[str, int] | None = None,
+    mode_argv: dict[str, list[str]] | None = None,
 ) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
-    worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only
-    (e.g. --router, --redis-url); env adds environment variables. worker_cpus pins worker i to the
+    worker_argv goes to workers only (e.g. --kv-transfer-timeout), mode_argv to one mode's workers
+    (e.g. {"decode": ["--engine-process"]}), gateway_argv to the gateway only (e.g. --router,
+    --redis-url); env adds environment variables. worker_cpus pins worker i to the
     cores worker_cpus[i] ("0,1"), with as many torch threads. tp_sizes gives a mode's workers that many
     tensor-parallel ranks each (--tensor-parallel-size). devices spreads workers over accelerators:
     each worker takes as many distinct devices as it has ranks, the least used first (one GPU per
@@ -154,7 +156,7 @@ def start_cluster(
             tp = tp_sizes.get(mode, 1)
             device = pick_devices(devices, tp, used) if devices else ""
             wait_for_gpu_peer(children[1:], device, timeout_s, cluster)
-            argv = engine_argv + pin + (worker_argv or [])
+            argv = engine_argv + pin + (worker_argv or []) + (mode_argv or {}).get(mode, [])
             children.append(spawn_worker(name, mode, gateway.address, argv, host, n, env, device, tp))
         for child in children[1:]:
             wait_healthy(child.address, timeout_s, child.proc, cluster)
@@ -296,8 +298,10 @@ def run_up(
     http_port: int | None = None,
     tp_sizes: dict[str, int] | None = None,
     planner: UpPlanner | None = None,
+    mode_argv: dict[str, list[str]] | None = None,
 ) -> int:
-    """planner: run the SLO planner in this process too (`--autoscale`; launch/autoscale.py)."""
+    """planner: run the SLO planner in this process too (`--autoscale`; launch/autoscale.py);
+    mode_argv: arguments for one mode's workers (`--engine-process`: unified and decode)."""
     from splitserve.launch.supervisor import Supervisor, serve_launcher
 
     access = access or UpAccess([], [], OPEN_CLUSTER, [], lambda address: "")
@@ -314,8 +318,11 @@ def run_up(
         cluster=access.cluster,
         http_port=http_port,
         tp_sizes=tp_sizes,
+        mode_argv=mode_argv,
     )
-    supervisor = Supervisor(children, engine_argv, host, devices=devices, cluster=access.cluster, tp_sizes=tp_sizes)
+    supervisor = Supervisor(
+        children, engine_argv, host, devices=devices, cluster=access.cluster, tp_sizes=tp_sizes, mode_argv=mode_argv
+    )
     admin = serve_launcher(supervisor, host, admin_port or free_port(host), access.cluster)
     print(
         f"\nsplitserve is up: gateway grpc {children[0].address} "

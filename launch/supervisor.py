@@ -82,11 +82,13 @@ class Supervisor:
         devices: list[str] | None = None,
         cluster: ClusterSecurity = OPEN_CLUSTER,
         tp_sizes: dict[str, int] | None = None,
+        mode_argv: dict[str, list[str]] | None = None,
     ) -> None:
         self.children = children
         self.cluster = cluster  # how to reach the workers it starts
         self.devices = devices or []  # new workers take the devices the fewest live workers use
         self.tp_sizes = tp_sizes or {}  # mode -> tensor-parallel ranks per worker (default 1)
+        self.mode_argv = mode_argv or {}  # mode -> arguments its workers get beside engine_argv
         self.engine_argv, self.host = engine_argv, host
         # How long a drained worker may take before it is killed; None: longer than its drain can last.
         if drain_timeout_s is None:
@@ -131,7 +133,7 @@ class Supervisor:
                     f"{mode}-{next(self._ids[mode])}",
                     mode,
                     self.children[0].address,
-                    self.engine_argv,
+                    self.engine_argv + self.mode_argv.get(mode, []),
                     self.host,
                     threads,
                     device=device,
@@ -167,7 +169,7 @@ class Supervisor:
                 child.name,
                 child.mode,
                 self.children[0].address,
-                self.engine_argv,
+                self.engine_argv + self.mode_argv.get(child.mode, []),
                 self.host,
                 threads_per_worker(self._num_ranks()),
                 device=child.device,

@@ -16,7 +16,7 @@ from splitserve.engine import model_runner, step_loop
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.engine import Engine
-from splitserve.launch import launcher, supervisor
+from splitserve.launch import cli, launcher, supervisor
 from splitserve.launch.launcher import Child, child_device, spawn_worker, start_cluster
 from splitserve.launch.supervisor import Supervisor
 
@@ -176,3 +176,21 @@ def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
     assert device == engine.runner.device and step_threads == {thread} and thread is not threading.main_thread()
     thread.join(timeout=5)  # shutdown ends it
     assert not thread.is_alive()
+
+
+def test_up_engine_process_reaches_unified_and_decode_workers_only(spawned, monkeypatch, tmp_path):
+    """`up --engine-process`: the arguments of each mode's workers, as the cluster starts and as the
+    supervisor starts more (scaling, restarts); a prefill worker gets none."""
+    got = []
+    monkeypatch.setattr(launcher, "run_up", lambda *args: got.append(args) or 0)
+    assert cli.main(["up", "--engine-process", "--secrets-dir", str(tmp_path), "--model", "m"]) == 0
+    mode_argv = got[0][-1]
+    assert mode_argv == {"unified": ["--engine-process"], "decode": ["--engine-process"]}
+    monkeypatch.setattr(supervisor, "wait_healthy", lambda *args, **kw: None)
+    monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
+    gateway = Child("gateway", "127.0.0.1:1", "127.0.0.1:2", FakeProc())
+    sup = Supervisor([gateway], ["--model", "m"], "127.0.0.1", mode_argv=mode_argv)
+    for mode in ("prefill", "decode", "unified"):
+        sup._start(mode, 1)
+    took = {name.split("-")[0]: "--engine-process" in argv for name, argv, _ in spawned}
+    assert took == {"prefill": False, "decode": True, "unified": True}

@@ -193,3 +193,48 @@ def test_killed_prefill_worker_during_transfer(faulty, tiny_llama_dir):
     assert len(tokens(s, greedy_request([5, 6, 7], 4))) == 4
     alive = [c.address for c in faulty[1:] if c.proc.poll() is None]
     assert wait_all_free(alive)
+
+
+@pytest.fixture(scope="module")
+def core_decode(tiny_llama_dir):
+    """1P1D whose decode worker steps and runs its KV handoffs in an engine core process."""
+    children = start_cluster(
+        0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1, mode_argv={"decode": ["--engine-process"]}
+    )
+    try:
+        yield children
+    finally:
+        stop_cluster(children)
+
+
+def test_a_decode_worker_with_an_engine_process_serves_like_the_engine_in_process(core_decode, tiny_llama_dir):
+    """Greedy and seeded (the sampler's state crosses from the prefill worker into the core), many at
+    once; a stream cancelled after its first token; then the prefill worker killed: the decode core
+    refuses the next request UNAVAILABLE naming it, and the gateway's retry runs it whole."""
+    gateway, prefill, decode = core_decode[0], _workers(core_decode, "prefill")[0], _workers(core_decode, "decode")[0]
+    greedy = [greedy_request(p, 16) for p in PROMPTS]
+    seeded = [greedy_request(p, 16, **SEEDED) for p in PROMPTS]
+    assert _concurrent(gateway.address, greedy) == _in_process(
+        tiny_llama_dir, PROMPTS, SamplingParams(temperature=0.0, max_tokens=16)
+    )
+    assert _concurrent(gateway.address, seeded) == _in_process(
+        tiny_llama_dir, PROMPTS, SamplingParams(max_tokens=16, **SEEDED)
+    )
+    assert wait_all_free([prefill.address, decode.address])
+    # the handoffs' metrics cross the pipe: the decode worker counts what its core received
+    landed = metric(decode.metrics, "splitserve_kv_transfer_blocks_total", direction="received")
+    assert landed == metric(prefill.metrics, "splitserve_kv_transfer_blocks_total", direction="sent") > 0
+
+    stream = stub(gateway.address).Generate(greedy_request(PROMPTS[5], 150), timeout=60)
+    next(stream)
+    stream.cancel()
+    assert wait_all_free([prefill.address, decode.address])
+
+    retries = metric(gateway.metrics, "splitserve_gateway_retries_total")
+    prefill.proc.send_signal(signal.SIGKILL)
+    prefill.proc.wait()  # the gateway still lists it (two failed health checks, a second apart, drop it)
+    want = _in_process(tiny_llama_dir, [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert tokens(stub(gateway.address), greedy_request(PROMPTS[2], 8)) == want
+    assert metric(gateway.metrics, "splitserve_gateway_retries_total") == retries + 1  # blamed on the prefill worker
+    assert metric(decode.metrics, "splitserve_kv_transfer_failures_total", reason="prefill_failed") == 1
+    assert wait_all_free([decode.address])

@@ -34,6 +34,7 @@ from splitserve.engine.sampler import TokenLogprobs
 from splitserve.engine.step_loop import EngineDead
 from splitserve.engine.step_stats import StepKind
 from splitserve.protos.v1 import engine_core_pb2 as pb
+from splitserve.worker.server import WorkerConfig
 
 
 def _config(model_dir) -> EngineConfig:
@@ -254,3 +255,16 @@ def test_the_load_crosses_the_pipe_whole(tiny_llama_dir):
     assert load.steps and any(t.num_steps for t in load.steps.values())
     assert load_from_proto(load_to_proto(load)) == load
     assert {f.name for f in dataclasses.fields(load)} >= {"steps", "num_running", "kv_usage"}
+
+
+@pytest.mark.unit
+def test_which_workers_take_an_engine_process():
+    """Unified and single-rank decode workers; a prefill worker still sends its KV from its serving
+    process, and a decode core hands off to one rank only."""
+    engine = EngineConfig()
+    assert WorkerConfig(engine, mode="unified", engine_process=True).engine_process
+    assert WorkerConfig(engine, mode="decode", engine_process=True).engine_process
+    with pytest.raises(ValueError, match="unified or decode"):
+        WorkerConfig(engine, mode="prefill", engine_process=True)
+    with pytest.raises(ValueError, match="one rank only"):
+        WorkerConfig(EngineConfig(tensor_parallel_size=2), mode="decode", engine_process=True)

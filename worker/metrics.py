@@ -17,6 +17,7 @@ from prometheus_client.utils import floatToGoString
 
 from splitserve.common.serving import LATENCY_BUCKETS
 from splitserve.engine.step_stats import STEP_SECONDS_BUCKETS, StepKind, StepTotals
+from splitserve.protos.v1 import engine_core_pb2 as cpb
 
 if TYPE_CHECKING:
     from splitserve.disagg.transfer.base import TransferFailure
@@ -235,6 +236,20 @@ class WorkerMetrics:
 
     def observe_recompute_fallback(self) -> None:
         self.kv_recomputes.labels(**self.labels).inc()
+
+    def observe_core(self, o: cpb.CoreHandoffObservation) -> None:
+        """What a handoff in this worker's engine core observed (disagg/core_decode.py ObservationRelay)."""
+        kind = o.kind
+        if kind == cpb.CORE_OBSERVATION_KIND_BLOCKS_SKIPPED:
+            self.observe_blocks_skipped(o.num_blocks)
+        elif kind == cpb.CORE_OBSERVATION_KIND_TRANSFER:
+            self.observe_transfer(o.direction, o.num_blocks, o.num_bytes, o.seconds)
+        elif kind == cpb.CORE_OBSERVATION_KIND_TRANSFER_FAILURE:
+            self.kv_failures.labels(**self.labels, reason=o.reason).inc()  # a TransferFailure's value
+        elif kind == cpb.CORE_OBSERVATION_KIND_RANK_BYTES:
+            self.observe_rank_bytes(o.direction, o.rank, o.num_bytes)
+        elif kind == cpb.CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK:
+            self.observe_recompute_fallback()
 
     def observe_finished(
         self, t: RequestTiming, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str

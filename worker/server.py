@@ -22,6 +22,7 @@ from splitserve.common.model_files import model_name
 from splitserve.common.roles import MODES, Role
 from splitserve.common.security import AccessGuard, ClusterSecurity
 from splitserve.common.serving import DRAIN_TIMEOUT_S, drain_bound_s, start_metrics_server
+from splitserve.disagg.core_decode import CoreDecodeSetup
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
 from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
@@ -58,7 +59,7 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
     kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
-    engine_process: bool = False  # unified: the step loop in a process of its own (engine/core_process.py)
+    engine_process: bool = False  # unified, decode: the step loop in a process of its own (engine/core_process.py)
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
 
     def __post_init__(self) -> None:
@@ -66,10 +67,15 @@ class WorkerConfig:
             raise ValueError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
             raise ValueError("KV transfer and reserve timeouts must be > 0")
-        if self.engine_process and self.mode != Role.UNIFIED.value:
+        if self.engine_process and self.mode == Role.PREFILL.value:
             raise ValueError(
-                "--engine-process runs with --mode unified only: prefill and decode workers move KV "
-                "blocks from the engine's own process (drop --engine-process for them)"
+                "--engine-process runs with --mode unified or decode: a prefill worker still sends its KV "
+                "from the serving process (drop --engine-process there)"
+            )
+        if self.engine_process and self.mode == Role.DECODE.value and self.engine.tensor_parallel_size > 1:
+            raise ValueError(
+                "--engine-process on a decode worker runs one rank only so far (drop --tensor-parallel-size "
+                "or --engine-process)"
             )
 
     @property
@@ -136,7 +142,11 @@ def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient,
     """The engine in this process (its step thread shares the GIL with the serving thread), or in a
     core process of its own; and the worker's view of it."""
     if config.engine_process:
-        client = EngineCoreClient.launch(config.engine)
+        handoffs = None
+        if config.role is Role.DECODE:  # the core runs the KV handoffs: the KV lands where the cache is
+            cluster, timeout_s = config.cluster, config.kv_transfer_timeout_s
+            handoffs = CoreDecodeSetup(config.public_host, timeout_s, config.kv_reserve_timeout_s, cluster)
+        client = EngineCoreClient.launch(config.engine, handoffs=handoffs)
         client.start()
         return client, client
     engine = AsyncEngine(load_engine(config.engine))
@@ -149,6 +159,8 @@ async def serve_worker(config: WorkerConfig) -> None:
     name = model_name(config.engine.model)
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
     servicer = _make_servicer(config, engine, port, metrics)
+    if isinstance(engine, EngineCoreClient):
+        engine.on_observed = metrics.observe_core  # a decode worker's handoffs run in its core
     if isinstance(port, HandoffPort):
         await _open_rank_endpoints(config, port)
     worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name

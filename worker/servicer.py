@@ -27,9 +27,10 @@ from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.prefill_client import event_to_proto, job_from_proto
 from splitserve.disagg.transfer.base import KVSender, TransferError
 from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
-from splitserve.engine.core_client import EngineCoreClient
+from splitserve.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import EngineReports, HandoffPort
+from splitserve.protos.v1 import engine_core_pb2 as cpb
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
@@ -132,10 +133,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     yield self._response(out, timing, span)
             except _ENGINE_ERRORS as e:
                 await _abort(context, span, _status_of(e), str(e))
-            except HandoffError as e:
+            except (HandoffError, CoreRefused) as e:  # CoreRefused: a HandoffError in an engine core
                 if e.failed_peer:
                     context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
-                await _abort(context, span, e.code, e.message)
+                code = e.code if isinstance(e, HandoffError) else grpc.StatusCode[e.code]
+                await _abort(context, span, code, e.message)
 
     async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
         params = sampling_params_from_proto(
@@ -145,15 +147,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         # never reach another request's blocks.
         prompt, label = list(request.prompt_token_ids), request.request_id
         if request.prefill_address:
-            if self.handoff is None:
+            if self.role is not Role.DECODE:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "this worker is not a decode worker; "
                     "send requests with a prefill_address to one started with --mode decode",
                 )
                 return  # abort raised; this keeps type checkers from assuming it returns
-            engine_request = self.handoff.engine.make_request(prompt, params, priority=request.priority, label=label)
-            stream = self.handoff.generate(engine_request, request.prefill_address, wire=request)
+            if isinstance(self.engine, EngineCoreClient):  # its core runs the handoff
+                handoff = cpb.CoreHandoff(prefill_address=request.prefill_address, wire=request.SerializeToString())
+                stream = self.engine.generate(prompt, params, priority=request.priority, label=label, handoff=handoff)
+            else:
+                assert self.handoff is not None
+                engine_request = self.engine.make_request(prompt, params, priority=request.priority, label=label)
+                stream = self.handoff.generate(engine_request, request.prefill_address, wire=request)
         elif self.role is Role.PREFILL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -26,43 +26,49 @@ from splitserve.protos.v1 import generation_pb2 as splitserve_dot_protos_dot_v1_
 from splitserve.protos.v1 import worker_pb2 as splitserve_dot_protos_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&splitserve/protos/v1/engine_core.proto\x12\rsplitserve.v1\x1a%splitserve/protos/v1/generation.proto\x1a!splitserve/protos/v1/worker.proto\"\xef\x03\n\x14\x45ngineSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x94\x01\n\x0e\x43oreAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x06params\x18\x03 \x01(\x0b\x32#.splitserve.v1.EngineSamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\r\n\x05label\x18\x05 \x01(\t\"H\n\tCoreQuery\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.splitserve.v1.CoreQueryKind\"\xd4\x01\n\x0b\x43oreCommand\x12,\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.CoreAddRequestH\x00\x12\x1a\n\x10\x61\x62ort_request_id\x18\x02 \x01(\tH\x00\x12)\n\x05query\x18\x03 \x01(\x0b\x32\x18.splitserve.v1.CoreQueryH\x00\x12\x12\n\x08shutdown\x18\x04 \x01(\x08H\x00\x12\x31\n\tprocessed\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.CoreProcessedH\x00\x42\t\n\x07\x63ommand\"\xb2\x01\n\x0e\x43oreStepTotals\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x10\n\x08num_seqs\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\x04\x12\x19\n\x11\x61ttention_tokens2\x18\x07 \x01(\x04\x12\x15\n\rbucket_counts\x18\x08 \x03(\x04\"\xb1\x03\n\x08\x43oreLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x07 \x01(\r\x12\x19\n\x11num_held_requests\x18\x08 \x01(\r\x12\x10\n\x08kv_usage\x18\t \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12\x1a\n\x12num_lease_expiries\x18\r \x01(\x04\x12\x1b\n\x13num_failed_requests\x18\x0e \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\x12,\n\x05steps\x18\x10 \x03(\x0b\x32\x1d.splitserve.v1.CoreStepTotals\"\xa5\x01\n\tCoreReady\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.splitserve.v1.CoreLoad\"_\n\tCoreReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12+\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.KVCacheEvent\"\x88\x02\n\tCoreEvent\x12)\n\x05ready\x18\x01 \x01(\x0b\x32\x18.splitserve.v1.CoreReadyH\x00\x12\x34\n\x0bstep_tokens\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.CoreStepTokensH\x00\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.CoreLoadH\x00\x12)\n\x05reply\x18\x04 \x01(\x0b\x32\x18.splitserve.v1.CoreReplyH\x00\x12-\n\x07refused\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.CoreRefusalH\x00\x12\x0e\n\x04\x64ied\x18\x05 \x01(\tH\x00\x42\x07\n\x05\x65vent\"\xc6\x02\n\x0e\x43oreStepTokens\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x03(\r\x12\x1d\n\x15\x66irst_scheduled_times\x18\x06 \x03(\x01\x12+\n\x08\x66inished\x18\x07 \x03(\x0b\x32\x19.splitserve.v1.CoreFinish\x12\x34\n\x08logprobs\x18\x08 \x03(\x0b\x32\".splitserve.v1.CoreRequestLogprobs\x12*\n\x06\x66\x61iled\x18\t \x03(\x0b\x32\x1a.splitserve.v1.CoreFailure\x12%\n\x04load\x18\n \x01(\x0b\x32\x17.splitserve.v1.CoreLoad\"^\n\nCoreFinish\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"X\n\x13\x43oreRequestLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08logprobs\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"2\n\x0b\x43oreFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"X\n\rCoreProcessed\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x1b\n\x13stopped_request_ids\x18\x02 \x03(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18\x03 \x03(\t\"0\n\x0b\x43oreRefusal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t*v\n\rCoreQueryKind\x12\x1f\n\x1b\x43ORE_QUERY_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ORE_QUERY_KIND_KV_SNAPSHOT\x10\x01\x12#\n\x1f\x43ORE_QUERY_KIND_DRAIN_KV_EVENTS\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&splitserve/protos/v1/engine_core.proto\x12\rsplitserve.v1\x1a%splitserve/protos/v1/generation.proto\x1a!splitserve/protos/v1/worker.proto\"\xef\x03\n\x14\x45ngineSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x17\n\nmax_tokens\x18\t \x01(\rH\x05\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x06\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x0f \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\xc1\x01\n\x0e\x43oreAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x33\n\x06params\x18\x03 \x01(\x0b\x32#.splitserve.v1.EngineSamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\r\n\x05label\x18\x05 \x01(\t\x12+\n\x07handoff\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.CoreHandoff\"4\n\x0b\x43oreHandoff\x12\x17\n\x0fprefill_address\x18\x01 \x01(\t\x12\x0c\n\x04wire\x18\x02 \x01(\x0c\"H\n\tCoreQuery\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.splitserve.v1.CoreQueryKind\"\xd4\x01\n\x0b\x43oreCommand\x12,\n\x03\x61\x64\x64\x18\x01 \x01(\x0b\x32\x1d.splitserve.v1.CoreAddRequestH\x00\x12\x1a\n\x10\x61\x62ort_request_id\x18\x02 \x01(\tH\x00\x12)\n\x05query\x18\x03 \x01(\x0b\x32\x18.splitserve.v1.CoreQueryH\x00\x12\x12\n\x08shutdown\x18\x04 \x01(\x08H\x00\x12\x31\n\tprocessed\x18\x05 \x01(\x0b\x32\x1c.splitserve.v1.CoreProcessedH\x00\x42\t\n\x07\x63ommand\"\xb2\x01\n\x0e\x43oreStepTotals\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\x12\x10\n\x08num_seqs\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\x04\x12\x16\n\x0e\x63ontext_tokens\x18\x06 \x01(\x04\x12\x19\n\x11\x61ttention_tokens2\x18\x07 \x01(\x04\x12\x15\n\rbucket_counts\x18\x08 \x03(\x04\"\xb1\x03\n\x08\x43oreLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_awaiting_kv\x18\x06 \x01(\r\x12\x17\n\x0fnum_held_blocks\x18\x07 \x01(\r\x12\x19\n\x11num_held_requests\x18\x08 \x01(\r\x12\x10\n\x08kv_usage\x18\t \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\n \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x0b \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0c \x01(\x04\x12\x1a\n\x12num_lease_expiries\x18\r \x01(\x04\x12\x1b\n\x13num_failed_requests\x18\x0e \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\x12,\n\x05steps\x18\x10 \x03(\x0b\x32\x1d.splitserve.v1.CoreStepTotals\"\xa5\x01\n\tCoreReady\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.splitserve.v1.CoreLoad\"_\n\tCoreReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12+\n\x06\x65vents\x18\x03 \x03(\x0b\x32\x1b.splitserve.v1.KVCacheEvent\"\xc3\x02\n\tCoreEvent\x12)\n\x05ready\x18\x01 \x01(\x0b\x32\x18.splitserve.v1.CoreReadyH\x00\x12\x34\n\x0bstep_tokens\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.CoreStepTokensH\x00\x12\'\n\x04load\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.CoreLoadH\x00\x12)\n\x05reply\x18\x04 \x01(\x0b\x32\x18.splitserve.v1.CoreReplyH\x00\x12-\n\x07refused\x18\x06 \x01(\x0b\x32\x1a.splitserve.v1.CoreRefusalH\x00\x12\x0e\n\x04\x64ied\x18\x05 \x01(\tH\x00\x12\x39\n\x08observed\x18\x07 \x01(\x0b\x32%.splitserve.v1.CoreHandoffObservationH\x00\x42\x07\n\x05\x65vent\"\xb3\x01\n\x16\x43oreHandoffObservation\x12\x30\n\x04kind\x18\x01 \x01(\x0e\x32\".splitserve.v1.CoreObservationKind\x12\x11\n\tdirection\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x0c\n\x04rank\x18\x06 \x01(\r\x12\x0e\n\x06reason\x18\x07 \x01(\t\"\xc6\x02\n\x0e\x43oreStepTokens\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x0c\n\x04time\x18\x02 \x01(\x01\x12\x13\n\x0brequest_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x03(\r\x12\x1d\n\x15\x66irst_scheduled_times\x18\x06 \x03(\x01\x12+\n\x08\x66inished\x18\x07 \x03(\x0b\x32\x19.splitserve.v1.CoreFinish\x12\x34\n\x08logprobs\x18\x08 \x03(\x0b\x32\".splitserve.v1.CoreRequestLogprobs\x12*\n\x06\x66\x61iled\x18\t \x03(\x0b\x32\x1a.splitserve.v1.CoreFailure\x12%\n\x04load\x18\n \x01(\x0b\x32\x17.splitserve.v1.CoreLoad\"^\n\nCoreFinish\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"X\n\x13\x43oreRequestLogprobs\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08logprobs\x18\x02 \x01(\x0b\x32\x1b.splitserve.v1.TokenLogprob\"2\n\x0b\x43oreFailure\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"X\n\rCoreProcessed\x12\x0e\n\x06ticket\x18\x01 \x01(\x04\x12\x1b\n\x13stopped_request_ids\x18\x02 \x03(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18\x03 \x03(\t\"S\n\x0b\x43oreRefusal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x0c\n\x04\x63ode\x18\x03 \x01(\t\x12\x13\n\x0b\x66\x61iled_peer\x18\x04 \x01(\t*v\n\rCoreQueryKind\x12\x1f\n\x1b\x43ORE_QUERY_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x43ORE_QUERY_KIND_KV_SNAPSHOT\x10\x01\x12#\n\x1f\x43ORE_QUERY_KIND_DRAIN_KV_EVENTS\x10\x02*\x8a\x02\n\x13\x43oreObservationKind\x12%\n!CORE_OBSERVATION_KIND_UNSPECIFIED\x10\x00\x12(\n$CORE_OBSERVATION_KIND_BLOCKS_SKIPPED\x10\x01\x12\"\n\x1e\x43ORE_OBSERVATION_KIND_TRANSFER\x10\x02\x12*\n&CORE_OBSERVATION_KIND_TRANSFER_FAILURE\x10\x03\x12$\n CORE_OBSERVATION_KIND_RANK_BYTES\x10\x04\x12,\n(CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.protos.v1.engine_core_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_COREQUERYKIND']._serialized_start=2925
-  _globals['_COREQUERYKIND']._serialized_end=3043
+  _globals['_COREQUERYKIND']._serialized_start=3300
+  _globals['_COREQUERYKIND']._serialized_end=3418
+  _globals['_COREOBSERVATIONKIND']._serialized_start=3421
+  _globals['_COREOBSERVATIONKIND']._serialized_end=3687
   _globals['_ENGINESAMPLINGPARAMS']._serialized_start=132
   _globals['_ENGINESAMPLINGPARAMS']._serialized_end=627
   _globals['_COREADDREQUEST']._serialized_start=630
-  _globals['_COREADDREQUEST']._serialized_end=778
-  _globals['_COREQUERY']._serialized_start=780
-  _globals['_COREQUERY']._serialized_end=852
-  _globals['_CORECOMMAND']._serialized_start=855
-  _globals['_CORECOMMAND']._serialized_end=1067
-  _globals['_CORESTEPTOTALS']._serialized_start=1070
-  _globals['_CORESTEPTOTALS']._serialized_end=1248
-  _globals['_CORELOAD']._serialized_start=1251
-  _globals['_CORELOAD']._serialized_end=1684
-  _globals['_COREREADY']._serialized_start=1687
-  _globals['_COREREADY']._serialized_end=1852
-  _globals['_COREREPLY']._serialized_start=1854
-  _globals['_COREREPLY']._serialized_end=1949
-  _globals['_COREEVENT']._serialized_start=1952
-  _globals['_COREEVENT']._serialized_end=2216
-  _globals['_CORESTEPTOKENS']._serialized_start=2219
-  _globals['_CORESTEPTOKENS']._serialized_end=2545
-  _globals['_COREFINISH']._serialized_start=2547
-  _globals['_COREFINISH']._serialized_end=2641
-  _globals['_COREREQUESTLOGPROBS']._serialized_start=2643
-  _globals['_COREREQUESTLOGPROBS']._serialized_end=2731
-  _globals['_COREFAILURE']._serialized_start=2733
-  _globals['_COREFAILURE']._serialized_end=2783
-  _globals['_COREPROCESSED']._serialized_start=2785
-  _globals['_COREPROCESSED']._serialized_end=2873
-  _globals['_COREREFUSAL']._serialized_start=2875
-  _globals['_COREREFUSAL']._serialized_end=2923
+  _globals['_COREADDREQUEST']._serialized_end=823
+  _globals['_COREHANDOFF']._serialized_start=825
+  _globals['_COREHANDOFF']._serialized_end=877
+  _globals['_COREQUERY']._serialized_start=879
+  _globals['_COREQUERY']._serialized_end=951
+  _globals['_CORECOMMAND']._serialized_start=954
+  _globals['_CORECOMMAND']._serialized_end=1166
+  _globals['_CORESTEPTOTALS']._serialized_start=1169
+  _globals['_CORESTEPTOTALS']._serialized_end=1347
+  _globals['_CORELOAD']._serialized_start=1350
+  _globals['_CORELOAD']._serialized_end=1783
+  _globals['_COREREADY']._serialized_start=1786
+  _globals['_COREREADY']._serialized_end=1951
+  _globals['_COREREPLY']._serialized_start=1953
+  _globals['_COREREPLY']._serialized_end=2048
+  _globals['_COREEVENT']._serialized_start=2051
+  _globals['_COREEVENT']._serialized_end=2374
+  _globals['_COREHANDOFFOBSERVATION']._serialized_start=2377
+  _globals['_COREHANDOFFOBSERVATION']._serialized_end=2556
+  _globals['_CORESTEPTOKENS']._serialized_start=2559
+  _globals['_CORESTEPTOKENS']._serialized_end=2885
+  _globals['_COREFINISH']._serialized_start=2887
+  _globals['_COREFINISH']._serialized_end=2981
+  _globals['_COREREQUESTLOGPROBS']._serialized_start=2983
+  _globals['_COREREQUESTLOGPROBS']._serialized_end=3071
+  _globals['_COREFAILURE']._serialized_start=3073
+  _globals['_COREFAILURE']._serialized_end=3123
+  _globals['_COREPROCESSED']._serialized_start=3125
+  _globals['_COREPROCESSED']._serialized_end=3213
+  _globals['_COREREFUSAL']._serialized_start=3215
+  _globals['_COREREFUSAL']._serialized_end=3298
 # @@protoc_insertion_point(module_scope)

@@ -14,9 +14,24 @@ class CoreQueryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORE_QUERY_KIND_UNSPECIFIED: _ClassVar[CoreQueryKind]
     CORE_QUERY_KIND_KV_SNAPSHOT: _ClassVar[CoreQueryKind]
     CORE_QUERY_KIND_DRAIN_KV_EVENTS: _ClassVar[CoreQueryKind]
+
+class CoreObservationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CORE_OBSERVATION_KIND_UNSPECIFIED: _ClassVar[CoreObservationKind]
+    CORE_OBSERVATION_KIND_BLOCKS_SKIPPED: _ClassVar[CoreObservationKind]
+    CORE_OBSERVATION_KIND_TRANSFER: _ClassVar[CoreObservationKind]
+    CORE_OBSERVATION_KIND_TRANSFER_FAILURE: _ClassVar[CoreObservationKind]
+    CORE_OBSERVATION_KIND_RANK_BYTES: _ClassVar[CoreObservationKind]
+    CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK: _ClassVar[CoreObservationKind]
 CORE_QUERY_KIND_UNSPECIFIED: CoreQueryKind
 CORE_QUERY_KIND_KV_SNAPSHOT: CoreQueryKind
 CORE_QUERY_KIND_DRAIN_KV_EVENTS: CoreQueryKind
+CORE_OBSERVATION_KIND_UNSPECIFIED: CoreObservationKind
+CORE_OBSERVATION_KIND_BLOCKS_SKIPPED: CoreObservationKind
+CORE_OBSERVATION_KIND_TRANSFER: CoreObservationKind
+CORE_OBSERVATION_KIND_TRANSFER_FAILURE: CoreObservationKind
+CORE_OBSERVATION_KIND_RANK_BYTES: CoreObservationKind
+CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK: CoreObservationKind
 
 class EngineSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
@@ -55,18 +70,28 @@ class EngineSamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class CoreAddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "label")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "label", "handoff")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: EngineSamplingParams
     priority: int
     label: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
+    handoff: CoreHandoff
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., label: _Optional[str] = ..., handoff: _Optional[_Union[CoreHandoff, _Mapping]] = ...) -> None: ...
+
+class CoreHandoff(_message.Message):
+    __slots__ = ("prefill_address", "wire")
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
+    prefill_address: str
+    wire: bytes
+    def __init__(self, prefill_address: _Optional[str] = ..., wire: _Optional[bytes] = ...) -> None: ...
 
 class CoreQuery(_message.Message):
     __slots__ = ("call_id", "kind")
@@ -173,20 +198,40 @@ class CoreReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ...) -> None: ...
 
 class CoreEvent(_message.Message):
-    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died")
+    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "observed")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     DIED_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_FIELD_NUMBER: _ClassVar[int]
     ready: CoreReady
     step_tokens: CoreStepTokens
     load: CoreLoad
     reply: CoreReply
     refused: CoreRefusal
     died: str
-    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ...) -> None: ...
+    observed: CoreHandoffObservation
+    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., observed: _Optional[_Union[CoreHandoffObservation, _Mapping]] = ...) -> None: ...
+
+class CoreHandoffObservation(_message.Message):
+    __slots__ = ("kind", "direction", "num_blocks", "num_bytes", "seconds", "rank", "reason")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: CoreObservationKind
+    direction: str
+    num_blocks: int
+    num_bytes: int
+    seconds: float
+    rank: int
+    reason: str
+    def __init__(self, kind: _Optional[_Union[CoreObservationKind, str]] = ..., direction: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CoreStepTokens(_message.Message):
     __slots__ = ("ticket", "time", "request_ids", "token_ids", "num_cached_tokens", "first_scheduled_times", "finished", "logprobs", "failed", "load")
@@ -249,9 +294,13 @@ class CoreProcessed(_message.Message):
     def __init__(self, ticket: _Optional[int] = ..., stopped_request_ids: _Optional[_Iterable[str]] = ..., failed_request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CoreRefusal(_message.Message):
-    __slots__ = ("request_id", "error")
+    __slots__ = ("request_id", "error", "code", "failed_peer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PEER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    code: str
+    failed_peer: str
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ..., code: _Optional[str] = ..., failed_peer: _Optional[str] = ...) -> None: ...
