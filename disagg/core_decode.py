@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from google.protobuf.message import DecodeError
+
 from splitserve.common.security import ClusterSecurity
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.handoff import HandoffError
@@ -104,7 +106,11 @@ class CoreDecode:
         return DecodeHandoff(front, receiver, client, ObservationRelay(self._send), *timeouts), client
 
     def start(self, request: Request, handoff: cpb.CoreHandoff) -> None:
-        wire = pb.WorkerGenerateRequest.FromString(handoff.wire)
+        try:
+            wire = pb.WorkerGenerateRequest.FromString(handoff.wire)
+        except DecodeError as e:  # never from our own serving process; refused, never a dead reader
+            self._refuse(request.request_id, f"the forwarded request does not parse ({e})", "INVALID_ARGUMENT")
+            return
         self._loop.call_soon_threadsafe(self._start, request, handoff.prefill_address, wire)
 
     def abort(self, request_id: str) -> None:

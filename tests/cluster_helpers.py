@@ -6,6 +6,7 @@ import dataclasses
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 import urllib.request
@@ -263,3 +264,11 @@ def drained_empty(child) -> bool:
         if m:
             return m.group(1) == m.group(2)
     return False
+
+
+def kill_engine_core(worker) -> None:
+    """SIGKILL the engine core process of a worker run with --engine-process (its one spawned child
+    besides multiprocessing's resource tracker)."""
+    spawned = ["pgrep", "-P", str(worker.proc.pid), "-f", "spawn_main"]
+    (core,) = [int(p) for p in subprocess.run(spawned, capture_output=True, text=True).stdout.split()]
+    os.kill(core, signal.SIGKILL)

@@ -12,6 +12,7 @@ import pytest
 from cluster_helpers import (
     engine_argv,
     greedy_request,
+    kill_engine_core,
     load,
     metric,
     stub,
@@ -210,7 +211,8 @@ def core_decode(tiny_llama_dir):
 def test_a_decode_worker_with_an_engine_process_serves_like_the_engine_in_process(core_decode, tiny_llama_dir):
     """Greedy and seeded (the sampler's state crosses from the prefill worker into the core), many at
     once; a stream cancelled after its first token; then the prefill worker killed: the decode core
-    refuses the next request UNAVAILABLE naming it, and the gateway's retry runs it whole."""
+    refuses the next request UNAVAILABLE naming it, and the gateway's retry runs it whole; last, the
+    decode worker's core killed mid-stream."""
     gateway, prefill, decode = core_decode[0], _workers(core_decode, "prefill")[0], _workers(core_decode, "decode")[0]
     greedy = [greedy_request(p, 16) for p in PROMPTS]
     seeded = [greedy_request(p, 16, **SEEDED) for p in PROMPTS]
@@ -238,3 +240,13 @@ def test_a_decode_worker_with_an_engine_process_serves_like_the_engine_in_proces
     assert metric(gateway.metrics, "splitserve_gateway_retries_total") == retries + 1  # blamed on the prefill worker
     assert metric(decode.metrics, "splitserve_kv_transfer_failures_total", reason="prefill_failed") == 1
     assert wait_all_free([decode.address])
+
+    # its engine core killed mid-stream: UNAVAILABLE, and the decode worker exits 3 (what `up` restarts)
+    stream = stub(gateway.address).Generate(greedy_request(PROMPTS[1], 200), timeout=60)
+    next(stream)
+    kill_engine_core(decode)
+    with pytest.raises(grpc.RpcError) as err:
+        for _ in stream:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert decode.proc.wait(30) == 3

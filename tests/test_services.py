@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_helpers import all_blocks_free, collect, engine_argv, greedy_request, stub, tokens, wait_all_free
+from cluster_helpers import (
+    all_blocks_free,
+    collect,
+    engine_argv,
+    greedy_request,
+    kill_engine_core,
+    stub,
+    tokens,
+    wait_all_free,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.sampling_params import SamplingParams
@@ -247,9 +255,7 @@ def test_a_killed_engine_core_takes_its_worker_down_cleanly(tiny_llama_dir):
             time.sleep(0.05)
         (victim,) = busy
         survivor = next(w for w in workers if w is not victim)
-        spawned = ["pgrep", "-P", str(victim.proc.pid), "-f", "spawn_main"]  # not the resource tracker
-        (core,) = [int(p) for p in subprocess.run(spawned, capture_output=True, text=True).stdout.split()]
-        os.kill(core, signal.SIGKILL)
+        kill_engine_core(victim)
         with pytest.raises(grpc.RpcError) as err:
             for _ in stream:
                 pass
