@@ -15,9 +15,9 @@ handoff cannot start (RESOURCE_EXHAUSTED: no room for the prompt's KV; UNAVAILAB
 worker failed before the first token), which the serving process returns to the gateway as it
 would its own HandoffError.
 
-The handoff's metrics cross the pipe too (CoreHandoffObservation, counted by the serving process's
-WorkerMetrics). Not carried over yet: its spans (the core exports no traces), and tensor-parallel
-decode workers (refused at start).
+The handoff's metrics and times cross the pipe too (CoreHandoffObservation, counted by the serving
+process's WorkerMetrics; CoreHandoffStages, for the request's stage timings). Not carried over yet:
+its spans (the core exports no traces), and tensor-parallel decode workers (refused at start).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from splitserve.disagg.transfer.torch_dist import TorchDistReceiver
 from splitserve.engine.core_process import Send
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
+from splitserve.engine.outputs import StageClock
 from splitserve.engine.request import Request
 from splitserve.engine.step_loop import StepLoop
 from splitserve.engine.streams import answer_call
@@ -144,7 +145,8 @@ class CoreDecode:
     async def _hand_off(self, request: Request, peer: str, wire: pb.WorkerGenerateRequest) -> None:
         rid = request.request_id
         try:
-            await self._handoff.hand_off(request, peer, wire)
+            _, _, landing = await self._handoff.hand_off(request, peer, wire, lambda clock: self._stages(rid, clock))
+            landing.add_done_callback(lambda task: self._landed(rid, task))
         except HandoffError as e:
             self._end(rid)
             self._refuse(rid, e.message, e.code.name, e.failed_peer or "")
@@ -158,6 +160,21 @@ class CoreDecode:
     def _refuse(self, request_id: str, message: str, code: str, failed_peer: str = "") -> None:
         refusal = cpb.CoreRefusal(request_id=request_id, error=message, code=code, failed_peer=failed_peer)
         self._send(cpb.CoreEvent(refused=refusal))
+
+    def _stages(self, request_id: str, clock: StageClock) -> None:
+        """Before the first token goes out: the prefill worker's times, for the request's stage timings."""
+        stages = cpb.CoreHandoffStages(
+            request_id=request_id,
+            prefill_queue_ms=clock.prefill_queue_ms,
+            prefill_compute_ms=clock.prefill_compute_ms,
+            first_token_time=clock.first_token_at,
+        )
+        self._send(cpb.CoreEvent(handoff_stages=stages))
+
+    def _landed(self, request_id: str, landing: asyncio.Task[float]) -> None:
+        if not landing.cancelled() and landing.exception() is None:
+            stages = cpb.CoreHandoffStages(request_id=request_id, landed_time=landing.result())
+            self._send(cpb.CoreEvent(handoff_stages=stages))
 
     def _end(self, request_id: str) -> None:
         """The handoff ended before the first token: whatever it reserved goes (an abort between steps,

@@ -31,6 +31,7 @@ from splitserve.disagg.transfer.base import Backend, KVReceiver, TransferError, 
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
 from splitserve.engine.handoff_port import EngineFront, HandoffPort, Reservation
+from splitserve.engine.outputs import StageClock
 from splitserve.engine.request import Request
 from splitserve.protos.v1 import worker_pb2 as pb
 
@@ -129,13 +130,18 @@ class DecodeHandoff:
                 engine.close_stream(rid, finished)
 
     async def hand_off(
-        self, request: Request, peer: str, wire: pb.WorkerGenerateRequest | None = None
+        self,
+        request: Request,
+        peer: str,
+        wire: pb.WorkerGenerateRequest | None = None,
+        on_first_token: Callable[[StageClock], None] | None = None,
     ) -> tuple[RequestOutput | None, StageClock, asyncio.Task[float]]:
         """Reserve, ask the prefill worker, start the landing and accept the first token: its output
         (None if the request is gone, or if outputs are processed in another process: an engine
-        core's), the stage clock, and the landing (it ends when the KV landed). Raises HandoffError
-        if the handoff cannot start; a caller cancelled before the first token still receives
-        whatever the prefill worker announced, and drops it."""
+        core's), the stage clock, and the landing (it ends when the KV landed). on_first_token(clock)
+        runs just before the first token is accepted. Raises HandoffError if the handoff cannot start;
+        a caller cancelled before the first token still receives whatever the prefill worker
+        announced, and drops it."""
         with stage("decode.reserve") as span:  # waiting for room in the KV cache
             reservation = await self._reserve(request)
             span.set_attributes(
@@ -148,7 +154,7 @@ class DecodeHandoff:
         self.landings.add(ask)  # its reservation is in flight too: a drain waits for it
         try:
             first, job, events, receiving = await asyncio.shield(ask)
-            stages = StageClock(first)
+            stages = StageClock(first.queue_ms, first.compute_ms)
         except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
             ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
             raise
@@ -156,6 +162,8 @@ class DecodeHandoff:
             if ask.done():  # else _land_if_asked lets go of it, once its landing (if any) is tracked
                 self.landings.discard(ask)
         landing = self._start_landing(reservation, first, job, events, receiving)
+        if on_first_token is not None:
+            on_first_token(stages)
         out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
         return out, stages, landing
 
@@ -396,34 +404,6 @@ def _check_pieces(job: HandoffJob, done: TransferDone, received: list[Received])
     for piece, r, crc in zip(job.pieces, received, done.checksums):
         if r.report.checksum != crc:
             raise TransferError(TransferFailure.CHECKSUM, f"KV checksum mismatch on transfer {piece.tag}")
-
-
-class StageClock:
-    """One disaggregated request's stages as the decode worker sees them (splitserve.v1.StageTimings):
-    the prefill worker's own two from its first token, then the transfer, the decode queue and the
-    first decode step from this worker's clock."""
-
-    def __init__(self, first: FirstToken) -> None:
-        self.first = first
-        self.first_token_at = time.monotonic()
-        self.landed_at: float | None = None
-        self.scheduled_at: float | None = None  # the first decode step (after the landing)
-        self.decoded_at: float | None = None  # its token
-
-    def decoded(self, first_scheduled_time: float | None) -> None:
-        if self.decoded_at is None:
-            self.decoded_at, self.scheduled_at = time.monotonic(), first_scheduled_time
-
-    def as_dict(self) -> dict[str, float]:
-        stages = {"prefill_queue_ms": self.first.queue_ms, "prefill_compute_ms": self.first.compute_ms}
-        if self.landed_at is None:
-            return stages
-        stages["kv_transfer_ms"] = (self.landed_at - self.first_token_at) * 1e3
-        if self.decoded_at is not None and self.scheduled_at is not None:
-            scheduled_at = max(self.scheduled_at, self.landed_at)  # a recomputed prompt was scheduled before
-            stages["decode_queue_ms"] = (scheduled_at - self.landed_at) * 1e3
-            stages["first_decode_step_ms"] = (self.decoded_at - scheduled_at) * 1e3
-        return stages
 
 
 def _consume_error(task: asyncio.Future) -> None:

@@ -47,7 +47,7 @@ from splitserve.engine.core_wire import (
 from splitserve.engine.engine import Engine, RequestOutput
 from splitserve.engine.handoff_port import EngineLoad
 from splitserve.engine.output_processor import OutputProcessor, OutputRequest, yield_gil
-from splitserve.engine.outputs import StepTokens
+from splitserve.engine.outputs import StageClock, StepTokens
 from splitserve.engine.request import RequestStatus
 from splitserve.engine.step_loop import EngineDead
 from splitserve.engine.streams import Streams, post_to_loop
@@ -70,6 +70,7 @@ class EngineCoreClient:
         self.block_size, self.max_model_len, self.vocab_size = ready.block_size, ready.max_model_len, ready.vocab_size
         self.tensor_parallel_size, self.num_kv_heads = ready.tensor_parallel_size, ready.num_kv_heads
         self._load = load_from_proto(ready.load)  # replaced whole by the reader (a racy read is a whole one)
+        self._clocks: dict[str, StageClock] = {}  # handed-off requests' times, from the core's reader
         # What the core's handoffs observe (a decode worker's metrics count it), on the reader thread
         self.on_observed: Callable[[pb.CoreHandoffObservation], None] | None = None
         self._streams = Streams(self.abort)
@@ -139,15 +140,31 @@ class EngineCoreClient:
         )
         self.start()
         self._streams.open(request_id, label)
-        self._track(_Record(request_id, params, list(prompt), len(prompt)))
+        record = _Record(request_id, params, list(prompt), len(prompt))
+        self._track(record)
         try:
             self._send(pb.CoreCommand(add=add))
         except EngineDead:
             self._streams.close(request_id, finished=True)
             self._untrack(request_id)
             raise
-        async for out in self._streams.read(request_id):
-            yield out
+        try:
+            async for out in self._streams.read(request_id):
+                if out.finished and handoff is not None:
+                    out.stages = self._handoff_stages(record)
+                yield out
+        finally:
+            self._clocks.pop(request_id, None)
+
+    def _handoff_stages(self, record: _Record) -> dict[str, float] | None:
+        """A handed-off request's stage timings (as a decode worker in process gives them): the core's
+        times of the handoff, and its first decode step's from the step tokens."""
+        clock = self._clocks.get(record.request_id)
+        if clock is None:
+            return None
+        if clock.landed_at is not None and record.first_step_time is not None:
+            clock.scheduled_at, clock.decoded_at = record.first_scheduled_time, record.first_step_time
+        return clock.as_dict()
 
     def abort(self, request_id: str) -> None:
         final = self._untrack(request_id)  # tokens the core computed meanwhile are dropped
@@ -276,6 +293,7 @@ class EngineCoreClient:
                 continue
             if record.first_scheduled_time is None and not math.isnan(scheduled):  # NaN: a handoff's first token
                 record.num_cached_tokens, record.first_scheduled_time = num_cached, scheduled
+                record.first_step_time = msg.time
             requests.append(record)
         return requests
 
@@ -319,6 +337,17 @@ class EngineCoreClient:
                 self._death = event.died
             elif kind == "observed" and self.on_observed is not None:
                 self.on_observed(event.observed)
+            elif kind == "handoff_stages":
+                self._clocked(event.handoff_stages)
+
+    def _clocked(self, msg: pb.CoreHandoffStages) -> None:
+        """On the reader: a handoff's times (its first token's, then its landing's)."""
+        if not msg.landed_time and msg.request_id in self._records:  # not ended meanwhile
+            self._clocks[msg.request_id] = StageClock(
+                msg.prefill_queue_ms, msg.prefill_compute_ms, msg.first_token_time
+            )
+        elif (clock := self._clocks.get(msg.request_id)) is not None:
+            clock.landed_at = msg.landed_time
 
     def _answer(self, reply: pb.CoreReply) -> None:
         future = self._replies.get(reply.call_id)
@@ -359,6 +388,7 @@ class _Record:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # set from its first step
     first_scheduled_time: float | None = None
+    first_step_time: float | None = None  # when its first step's token was known (CLOCK_MONOTONIC)
 
 
 def _gone(request_id: str) -> _Record:

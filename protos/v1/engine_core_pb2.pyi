@@ -198,7 +198,7 @@ class CoreReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ...) -> None: ...
 
 class CoreEvent(_message.Message):
-    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "observed")
+    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "observed", "handoff_stages")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +206,7 @@ class CoreEvent(_message.Message):
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     DIED_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_STAGES_FIELD_NUMBER: _ClassVar[int]
     ready: CoreReady
     step_tokens: CoreStepTokens
     load: CoreLoad
@@ -213,7 +214,22 @@ class CoreEvent(_message.Message):
     refused: CoreRefusal
     died: str
     observed: CoreHandoffObservation
-    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., observed: _Optional[_Union[CoreHandoffObservation, _Mapping]] = ...) -> None: ...
+    handoff_stages: CoreHandoffStages
+    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., observed: _Optional[_Union[CoreHandoffObservation, _Mapping]] = ..., handoff_stages: _Optional[_Union[CoreHandoffStages, _Mapping]] = ...) -> None: ...
+
+class CoreHandoffStages(_message.Message):
+    __slots__ = ("request_id", "prefill_queue_ms", "prefill_compute_ms", "first_token_time", "landed_time")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TIME_FIELD_NUMBER: _ClassVar[int]
+    LANDED_TIME_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    first_token_time: float
+    landed_time: float
+    def __init__(self, request_id: _Optional[str] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., first_token_time: _Optional[float] = ..., landed_time: _Optional[float] = ...) -> None: ...
 
 class CoreHandoffObservation(_message.Message):
     __slots__ = ("kind", "direction", "num_blocks", "num_bytes", "seconds", "rank", "reason")
