@@ -6,7 +6,7 @@ outcomes by status, wrong tokens, leaked blocks, ...) and every failure; writes 
 each run's full process log. Exits 1 if any check failed.
 
 Usage: python benchmarks/soak.py [--duration 300] [--index both|memory|redis] [--seed 0]
-       [--json runs/soak/soak.json] [--kill-interval 3] [--clients 4]
+       [--json runs/soak/soak.json] [--kill-interval 3] [--clients 4] [--engine-process]
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     p.add_argument("--kill-interval", type=float, default=3.0, help="mean seconds between worker kills")
     p.add_argument("--json", default="runs/soak/soak.json", help="report path (the logs go beside it)")
+    p.add_argument(
+        "--engine-process", action="store_true", help="decode workers step and hand off in an engine core process"
+    )
     a = p.parse_args(argv)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_clients=a.clients,
                 kill_interval_s=a.kill_interval,
                 log_path=str(log),
+                decode_engine_process=a.engine_process,
             )
             reports.append(run_soak(cfg))
     print(format_table(reports))

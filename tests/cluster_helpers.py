@@ -125,10 +125,12 @@ class Cluster:
         redis: bool = False,
         worker_argv: list[str] | None = None,
         env: dict[str, str] | None = None,
+        mode_argv: dict[str, list[str]] | None = None,
     ) -> None:
         from redis_helpers import RedisServer
 
         self.model, self.worker_argv, self.env = str(model), worker_argv or [], env or {}
+        self.mode_argv = mode_argv or {}  # arguments of one mode's workers (restarts get them too)
         self.redis = RedisServer().start() if redis else None
         try:
             children = start_cluster(
@@ -139,6 +141,7 @@ class Cluster:
                 worker_argv=self.worker_argv,
                 env=self.env,
                 gateway_argv=["--redis-url", self.redis.url] if self.redis else [],
+                mode_argv=self.mode_argv,
             )
         except BaseException:
             if self.redis:
@@ -186,7 +189,7 @@ class Cluster:
 
     def restart(self, old: Child, same_address: bool) -> Child:
         """The same role again; on old's ports when same_address. Returns once the gateway lists it."""
-        argv = engine_argv(self.model) + self.worker_argv
+        argv = engine_argv(self.model) + self.worker_argv + self.mode_argv.get(old.mode, [])
         if same_address:  # the worker's argparse keeps the last --port: the new process takes old's ports
             argv += ["--port", old.address.rsplit(":", 1)[1], "--metrics-port", old.metrics.rsplit(":", 1)[1]]
         new = spawn_worker(

@@ -78,6 +78,7 @@ class SoakConfig:
     kv_transfer_timeout_s: float = 5.0  # workers' --kv-transfer-timeout: failures surface within seconds
     settle_s: float = 40.0  # after the load, how long pools may take to empty (prefill leases: 30 s)
     log_path: str | None = None  # every process's output also goes here
+    decode_engine_process: bool = False  # decode workers step and hand off in an engine core (--engine-process)
 
     def __post_init__(self) -> None:
         if not 0 <= self.reused_id_share <= 1 or not 0 <= self.cancel_share + self.short_deadline_share <= 1:
@@ -87,7 +88,7 @@ class SoakConfig:
 
     @property
     def label(self) -> str:
-        return "redis" if self.redis else "memory"
+        return ("redis" if self.redis else "memory") + (" decode-core" if self.decode_engine_process else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -378,6 +379,7 @@ def run_soak(cfg: SoakConfig) -> Report:
             cfg.redis,
             ["--kv-transfer-timeout", str(cfg.kv_transfer_timeout_s)],
             {SEND_DELAY_ENV: str(cfg.send_delay_s)},
+            {"decode": ["--engine-process"]} if cfg.decode_engine_process else None,
         )
         phases.lap("startup")
         try:
