@@ -76,7 +76,7 @@ experiment-distserve: install
 
 # Triton kernels against torch on a CUDA GPU (exits with a message without one); see docs/kernels.md.
 bench-kernels: install
-	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/attention_kernels.py
 
 # On a CUDA host (~8 min on one H200; exits with a message without CUDA): kernel tests compiled on the
 # device, bf16/fp32 checks against transformers, no Triton compile after the warm-up, a 1P1D and a

@@ -1,6 +1,6 @@
 """What the in-process benchmarks share: the offline workload's settings (benchmarks/offline.py, and
 benchmarks/serving.py sends the same requests through the gateway) and the cost of one decode step
-at a given batch size (benchmarks/offline.py on CPU, benchmarks/kernels.py per attention backend)."""
+at a given batch size (benchmarks/offline.py on CPU, benchmarks/attention_kernels.py per attention backend)."""
 
 from __future__ import annotations
 

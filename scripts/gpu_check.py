@@ -20,7 +20,7 @@ with --json):
                  steps: fp32 greedy tokens and log-probs (sampled token and top 5) on 13 prompts (decode
                  batches padded 13 -> 16), and the bf16 decode-step time, eager and replayed, at batch
                  sizes 1, 4, 16 and 64 (context 512; host packing and logits included, no sampling)
-  bench-kernels  benchmarks/kernels.py on a reduced grid (--bench-full: all of it), with its end-to-end
+  bench-kernels  benchmarks/attention_kernels.py on a reduced grid (--bench-full: all of it), with its end-to-end
                  decode-step table (SmolLM2, both backends)
   tp-logits      (2+ GPUs) the tiny Llama in bf16 with 2 tensor-parallel ranks (cuda:0, cuda:1) against 1
                  rank: teacher-forced log-probs of the 2-rank engine as in holdout-bf16, and the two
@@ -621,7 +621,7 @@ def when_gpus(name: str, check):
 def bench_kernels(out_dir: Path, full: bool, timeout_s: float) -> Result:
     out = out_dir / "bench_kernels.json"
     grid = [] if full else ["--batches", "1,64,256", "--contexts", "4096,32768"]
-    cmd = [sys.executable, "benchmarks/kernels.py", "--json", str(out), *grid]
+    cmd = [sys.executable, "benchmarks/attention_kernels.py", "--json", str(out), *grid]
     try:
         done = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout_s)
         log = done.stdout + done.stderr

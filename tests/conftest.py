@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+# The repository's root is the `splitserve` package (pyproject's package-dir): its folders are
+# subpackages (splitserve.kernels, splitserve.engine, ...), never top-level modules. `python -m pytest`
+# puts the working directory first on sys.path, where `kernels/` shadows Hugging Face's `kernels`
+# package, which transformers 5.25 imports (and fails on ours): take the root off before anything
+# imports transformers.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
 
 # Without CUDA the Triton kernel tests run under Triton's interpreter, which Triton reads when triton
 # is first imported, and torch imports triton lazily (torch._dynamo, e.g. through transformers): so

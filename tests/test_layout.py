@@ -105,3 +105,24 @@ def test_disagg_and_worker_reach_the_engine_only_through_its_interfaces():
                 if code.lstrip().startswith(("from ", "import ")):
                     continue
                 assert not inside.search(code), f"{path.name}:{number} reaches into the engine: {line.strip()}"
+
+
+def test_no_folder_on_sys_path_shadows_an_installed_package():
+    """A script's folder comes first on sys.path (`python benchmarks/x.py`; pytest puts tests/ there):
+    a module there named like an installed package's top-level module breaks every import of that
+    package (benchmarks/kernels.py did, against Hugging Face's `kernels`, which transformers 5.25
+    imports). The root's folders are splitserve's subpackages and never on sys.path in tests
+    (conftest.py takes off the directory `python -m pytest` adds)."""
+    import importlib.metadata
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    installed = importlib.metadata.packages_distributions()
+    for folder in ("benchmarks", "scripts", "tests"):
+        clashes = sorted(p.name for p in (root / folder).glob("*.py") if p.stem in installed)
+        assert not clashes, f"{folder}/ shadows installed packages: {clashes}"
+    for sub in sorted(p.name for p in root.iterdir() if (p / "__init__.py").exists()):
+        spec = importlib.util.find_spec(sub)
+        origin = spec.origin if spec is not None else None
+        assert origin is None or Path(origin).resolve() != root / sub / "__init__.py", f"{sub} imports top-level"

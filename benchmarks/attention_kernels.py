@@ -18,7 +18,7 @@ Attention shapes are one layer of a Llama-3-8B-like model (32 query heads, 8 KV 
 between runs). The torch attention baseline is skipped when its K/V gather would not fit
 (--max-torch-kv-gib).
 
-Usage: python benchmarks/kernels.py [--shape llama3-8b|smollm2] [--batches 1,64] [--contexts 4096]
+Usage: python benchmarks/attention_kernels.py [--shape llama3-8b|smollm2] [--batches 1,64] [--contexts 4096]
        [--json PATH]   (needs CUDA)
 """
 
@@ -42,10 +42,12 @@ DTYPE = torch.bfloat16
 
 def require_cuda() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
-        sys.exit("benchmarks/kernels.py: unset TRITON_INTERPRET; the interpreter is for CPU tests, not timing")
+        sys.exit(
+            "benchmarks/attention_kernels.py: unset TRITON_INTERPRET (the interpreter is for CPU tests, not timing)"
+        )
     if not torch.cuda.is_available():
         sys.exit(
-            "benchmarks/kernels.py needs a CUDA GPU (torch sees none); the kernels' CPU tests are "
+            "benchmarks/attention_kernels.py needs a CUDA GPU (torch sees none); the kernels' CPU tests are "
             "`python -m pytest tests/test_kernels.py` under the Triton interpreter"
         )
 
