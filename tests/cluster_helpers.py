@@ -275,3 +275,17 @@ def kill_engine_core(worker) -> None:
     spawned = ["pgrep", "-P", str(worker.proc.pid), "-f", "spawn_main"]
     (core,) = [int(p) for p in subprocess.run(spawned, capture_output=True, text=True).stdout.split()]
     os.kill(core, signal.SIGKILL)
+
+
+def kill_engine_core_mid_stream(worker, stream) -> None:
+    """SIGKILL worker's engine core while stream reads from it: the stream ends UNAVAILABLE and the
+    worker leaves with exit code 3 (what `up` restarts)."""
+    kill_engine_core(worker)
+    try:
+        for _ in stream:
+            pass
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+    else:
+        raise AssertionError("the stream ended OK after its engine core was killed")
+    assert worker.proc.wait(30) == 3
