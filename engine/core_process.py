@@ -141,6 +141,7 @@ class EngineCore:
 
     def _stop(self) -> None:
         self.closing.set()
+        self.outputs.close()  # a step loop waiting for an acknowledgement (a stop string's) goes on
         self.steps.wake()
 
     def _read_commands(self) -> None:

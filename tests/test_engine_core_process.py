@@ -268,3 +268,32 @@ def test_which_workers_take_an_engine_process():
         WorkerConfig(engine, mode="prefill", engine_process=True)
     with pytest.raises(ValueError, match="one rank only"):
         WorkerConfig(EngineConfig(tensor_parallel_size=2), mode="decode", engine_process=True)
+
+
+@pytest.mark.unit
+def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_an_ack(tiny_llama_dir):
+    """With a stop string in the batch the step loop waits for the serving process's acknowledgement
+    of the step before last. If that process dies meanwhile (its pipe closes), the core must still
+    stop, not wait for ever as an orphan. The core runs on a thread here, over a real pipe."""
+    import multiprocessing
+    import threading
+
+    from splitserve.engine.core_process import EngineCore
+    from splitserve.engine.step_loop import load_engine
+
+    ours, theirs = multiprocessing.Pipe()
+    core = EngineCore(load_engine(_config(tiny_llama_dir)), theirs)
+    serving = threading.Thread(target=core.serve, daemon=True)
+    serving.start()
+    assert pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event") == "ready"
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=["never in this output"])
+    add = pb.CoreAddRequest(request_id="r", prompt_token_ids=[1, 2, 3], params=params_to_proto(params))
+    ours.send_bytes(pb.CoreCommand(add=add).SerializeToString())
+    steps = 0
+    while steps < 2:  # never acknowledged: the loop now waits for the first step's acknowledgement
+        assert ours.poll(10), "the core sent no step"
+        steps += pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event") == "step_tokens"
+    assert not ours.poll(0.5)  # it waits: no third step
+    ours.close()
+    serving.join(10)
+    assert not serving.is_alive(), "the core still waits for an acknowledgement nobody will send"
