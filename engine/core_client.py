@@ -162,8 +162,12 @@ class EngineCoreClient:
         clock = self._clocks.get(record.request_id)
         if clock is None:
             return None
-        if clock.landed_at is not None and record.first_step_time is not None:
-            clock.scheduled_at, clock.decoded_at = record.first_scheduled_time, record.first_step_time
+        scheduled_at, decoded_at = record.first_scheduled_time, record.first_step_time
+        if clock.landed_at is not None and scheduled_at is not None and decoded_at is not None:
+            # The core stamps the landing on its handoff thread, which may get the GIL only after the
+            # step loop scheduled (even decoded) the admitted request: it had landed by its schedule.
+            clock.landed_at = min(clock.landed_at, scheduled_at)
+            clock.scheduled_at, clock.decoded_at = scheduled_at, decoded_at
         return clock.as_dict()
 
     def abort(self, request_id: str) -> None:

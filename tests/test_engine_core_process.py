@@ -297,3 +297,21 @@ def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_a
     ours.close()
     serving.join(10)
     assert not serving.is_alive(), "the core still waits for an acknowledgement nobody will send"
+
+
+@pytest.mark.unit
+def test_a_handoffs_stages_when_its_landing_is_stamped_after_its_first_decode_step():
+    """The core stamps a landing on its handoff thread, which may run after the step loop already
+    scheduled and decoded the admitted request (a CI run saw first_decode_step_ms <= 0): the stages
+    still add up, the landing counted as done by the schedule."""
+    from types import SimpleNamespace
+
+    from splitserve.engine.core_client import _Record
+    from splitserve.engine.outputs import StageClock
+
+    clock = StageClock(1.0, 20.0, first_token_at=100.0)
+    clock.landed_at = 100.060
+    record = _Record("r", SamplingParams(), [1], 1, first_scheduled_time=100.050, first_step_time=100.055)
+    stages = EngineCoreClient._handoff_stages(SimpleNamespace(_clocks={"r": clock}), record)  # type: ignore[arg-type]
+    want = dict(prefill_queue_ms=1.0, prefill_compute_ms=20.0, kv_transfer_ms=50.0, decode_queue_ms=0.0)
+    assert stages == pytest.approx(want | {"first_decode_step_ms": 5.0})
