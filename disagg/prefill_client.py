@@ -37,7 +37,10 @@ def channel_to_proto(channel: ChannelSpec) -> pb.KVChannel:
 
 
 def channel_from_proto(msg: pb.KVChannel) -> ChannelSpec:
-    return ChannelSpec(msg.store_address, msg.key, msg.secret, _FROM_PROTO[msg.backend])
+    backend = _FROM_PROTO.get(msg.backend)
+    if backend is None:  # an open enum: a newer peer's value
+        raise ValueError(f"KV backend {msg.backend} is unknown to this worker (known: {sorted(_FROM_PROTO)})")
+    return ChannelSpec(msg.store_address, msg.key, msg.secret, backend)
 
 
 def job_to_proto(job: HandoffJob, wire: pb.WorkerGenerateRequest) -> pb.PrefillRequest:

@@ -278,6 +278,10 @@ def test_a_channel_keeps_its_backend_across_the_handoff_rpc_and_the_rank_pipes()
         assert channel_from_wire(*decode(encode(1, *channel_to_wire(spec))).arrays) == spec
     old = pb.KVChannel(store_address="a:1", key="k", secret=b"s")  # a decode worker from before the field
     assert channel_from_proto(old).backend is Backend.GLOO
+    # a backend this worker does not know (a newer peer's): the caller's error, not a KeyError (a Prefill
+    # call ended UNKNOWN in one process; in an engine core it would have ended the command reader)
+    with pytest.raises(ValueError, match="KV backend 99"):
+        channel_from_proto(pb.KVChannel(store_address="a:1", key="k", secret=b"s", backend=99))
     report = PieceReport(123, 2**64 - 5, 0.25)  # a checksum past int64: its bits survive the pipe
     assert report_from_wire(decode(encode(1, *report_to_wire(report))).arrays) == report
 
