@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-interval", type=float, default=3.0, help="mean seconds between worker kills")
     p.add_argument("--json", default="runs/soak/soak.json", help="report path (the logs go beside it)")
     p.add_argument(
-        "--engine-process", action="store_true", help="decode workers step and hand off in an engine core process"
+        "--engine-process", action="store_true", help="every worker steps and moves its KV in an engine core process"
     )
     a = p.parse_args(argv)
     out = Path(a.json)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                 num_clients=a.clients,
                 kill_interval_s=a.kill_interval,
                 log_path=str(log),
-                decode_engine_process=a.engine_process,
+                engine_process=a.engine_process,
             )
             reports.append(run_soak(cfg))
     print(format_table(reports))

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,23 +22,42 @@ from splitserve.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, Send
 from splitserve.disagg.plan import check_fits
 from splitserve.disagg.rank_transfers import PieceReport, connect_piece, send_order, send_piece
 from splitserve.disagg.transfer.base import KVSender, TransferError, TransferFailure
-from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import RequestOutput
-from splitserve.engine.handoff_port import HandoffPort
+from splitserve.engine.handoff_port import EngineFront, HandoffPort
 from splitserve.engine.layer_progress import LayerProgress
 from splitserve.engine.ranks import Message
 from splitserve.engine.request import Request
-from splitserve.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("splitserve.prefill")
 
 
+class PromptFront(EngineFront, Protocol):
+    """The engine a prefill worker computes prompts on: AsyncEngine in process, or its engine core's
+    step loop (disagg/core_handoffs.py CoreFront)."""
+
+    def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Add a validated request and stream its outputs."""
+        ...
+
+
+class SendMetrics(Protocol):
+    """What a send counts (worker/metrics.py WorkerMetrics; an engine core relays them over its pipe)."""
+
+    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None: ...
+
+    def observe_transfer_failure(self, reason: TransferFailure) -> None: ...
+
+    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None: ...
+
+    def observe_streamed_send(self) -> None: ...
+
+
 async def prefill_and_send(
-    engine: AsyncEngine,
+    engine: PromptFront,
     request: Request,
     sender: KVSender,
     job: HandoffJob,
-    metrics: WorkerMetrics | None = None,
+    metrics: SendMetrics | None = None,
     send_delay_s: float = 0.0,
     stream: bool = False,
 ) -> AsyncIterator[HandoffEvent]:
@@ -145,7 +164,7 @@ def _consume_error(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def _run_prompt(engine: AsyncEngine, request: Request) -> RequestOutput:
+async def _run_prompt(engine: PromptFront, request: Request) -> RequestOutput:
     final = None
     async for out in engine.generate_request(request):
         final = out
@@ -159,7 +178,7 @@ async def _send(
     job: HandoffJob,
     request_id: str,
     block_ids: Sequence[int],
-    metrics: WorkerMetrics | None,
+    metrics: SendMetrics | None,
     send_delay_s: float,
     step: StreamedStep | None,
 ) -> TransferDone:
@@ -183,7 +202,7 @@ async def _send_held(
     job: HandoffJob,
     request_id: str,
     block_ids: Sequence[int],
-    metrics: WorkerMetrics | None,
+    metrics: SendMetrics | None,
     send_delay_s: float,
     step: StreamedStep | None,
 ) -> TransferDone:
@@ -220,7 +239,7 @@ async def _send_held(
     return done
 
 
-def _reports(results: list, metrics: WorkerMetrics | None) -> list[PieceReport]:
+def _reports(results: list, metrics: SendMetrics | None) -> list[PieceReport]:
     """The pieces' reports, or the first failure raised (each counted once per handoff)."""
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, TransferError):

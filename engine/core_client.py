@@ -53,6 +53,7 @@ from splitserve.engine.step_loop import EngineDead
 from splitserve.engine.streams import Streams, post_to_loop
 from splitserve.model.loader import open_model
 from splitserve.protos.v1 import engine_core_pb2 as pb
+from splitserve.protos.v1 import worker_pb2 as wpb
 
 log = logging.getLogger("splitserve.engine")
 
@@ -71,6 +72,8 @@ class EngineCoreClient:
         self.tensor_parallel_size, self.num_kv_heads = ready.tensor_parallel_size, ready.num_kv_heads
         self._load = load_from_proto(ready.load)  # replaced whole by the reader (a racy read is a whole one)
         self._clocks: dict[str, StageClock] = {}  # handed-off requests' times, from the core's reader
+        # A prefill worker's calls run in the core: each one's events (PrefillResponse) or its error
+        self._prefills: dict[str, asyncio.Queue[wpb.PrefillResponse | BaseException]] = {}
         # What the core's handoffs observe (a decode worker's metrics count it), on the reader thread
         self.on_observed: Callable[[pb.CoreHandoffObservation], None] | None = None
         self._streams = Streams(self.abort)
@@ -92,7 +95,7 @@ class EngineCoreClient:
     ) -> EngineCoreClient:
         """Spawn the core, and wait while it loads and warms up (blocking: before serving starts).
         prepare(engine) runs in the core after warm-up (a module-level function: it is pickled);
-        handoffs makes a decode worker's KV handoffs there (disagg/core_decode.py)."""
+        handoffs makes a prefill or decode worker's KV handoffs there (disagg/core_prefill.py, core_decode.py)."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
         conn, child_conn = context.Pipe()
         level = logging.getLogger().getEffectiveLevel()
@@ -156,6 +159,48 @@ class EngineCoreClient:
         finally:
             self._clocks.pop(request_id, None)
 
+    async def prefill(
+        self, prompt: Sequence[int], params: SamplingParams, call: wpb.PrefillRequest
+    ) -> AsyncIterator[wpb.PrefillResponse]:
+        """A prefill worker's Prefill call, run in the core (disagg/core_prefill.py): its events as the
+        call streams them, through its TransferDone. ValueError: refused for its input; CoreRefused:
+        failed (the status code's name says how); leaving early aborts it."""
+        request_id = f"req-{next(self._ids)}"
+        add = pb.CoreAddRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params_to_proto(params),
+            priority=call.request.priority,
+            label=call.request.request_id,
+            prefill=pb.CorePrefill(wire=call.SerializeToString()),
+        )
+        if self._streams.error is not None:
+            raise self._streams.error
+        self.start()
+        events = self._prefills[request_id] = asyncio.Queue()
+        finished = False
+        try:
+            self._send(pb.CoreCommand(add=add))
+            while not finished:
+                event = await events.get()
+                if isinstance(event, BaseException):
+                    finished = True
+                    raise event
+                finished = event.HasField("transfer_done")
+                yield event
+        finally:
+            self._prefills.pop(request_id, None)
+            if not finished and self._streams.error is None:
+                try:
+                    self._send(pb.CoreCommand(abort_request_id=request_id))
+                except EngineDead:
+                    pass
+
+    def _prefilled(self, event: pb.CorePrefillEvent) -> None:
+        events = self._prefills.get(event.request_id)
+        if events is not None:
+            events.put_nowait(wpb.PrefillResponse.FromString(event.response))
+
     def _handoff_stages(self, record: _Record) -> dict[str, float] | None:
         """A handed-off request's stage timings (as a decode worker in process gives them): the core's
         times of the handoff, and its first decode step's from the step tokens."""
@@ -185,7 +230,7 @@ class EngineCoreClient:
         return self._streams.abort_label(label)
 
     def num_requests(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + len(self._prefills)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -307,6 +352,8 @@ class EngineCoreClient:
             CoreRefused(refusal.code, refusal.error, refusal.failed_peer) if refusal.code else ValueError(refusal.error)
         )
         self._streams.fail(refusal.request_id, error)
+        if (prefill := self._prefills.get(refusal.request_id)) is not None:
+            prefill.put_nowait(error)
 
     # -- the pipe -------------------------------------------------------------------------------------
     def _send(self, command: pb.CoreCommand) -> None:
@@ -343,6 +390,8 @@ class EngineCoreClient:
                 self.on_observed(event.observed)
             elif kind == "handoff_stages":
                 self._clocked(event.handoff_stages)
+            elif kind == "prefill_event":
+                post_to_loop(loop, self._prefilled, event.prefill_event)
 
     def _clocked(self, msg: pb.CoreHandoffStages) -> None:
         """On the reader: a handoff's times (its first token's, then its landing's)."""
@@ -364,6 +413,8 @@ class EngineCoreClient:
         why = self._death or f"the engine core process exited (status {status})"
         error = EngineDead(f"this worker's engine died: {why}; retry the request on another worker")
         self._streams.fail_all(error)
+        for prefill in self._prefills.values():
+            prefill.put_nowait(error)
         for future in self._replies.values():
             if not future.done():
                 future.set_exception(error)

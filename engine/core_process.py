@@ -20,9 +20,10 @@ Lifecycle: spawned -> load and warm up -> CoreReady -> commands and events -> a 
 or the pipe closing (the serving process is gone) -> the loop stops after its step, the outputs
 computed are sent -> exit 0. A step loop that dies sends `died` and exits 1.
 
-A decode worker's core also runs its KV handoffs (disagg/core_decode.py, the `handoffs` the spawn
-is given): an add that carries a CoreHandoff goes to them instead of the queue, and a handoff that
-cannot start refuses its request with a status code and the prefill worker to blame.
+A decode or prefill worker's core also runs its KV handoffs (the `handoffs` the spawn is given):
+an add that carries a CoreHandoff (disagg/core_decode.py: receive the prompt's KV) or a CorePrefill
+(disagg/core_prefill.py: compute the prompt, send its KV) goes to them instead of the queue, and a
+handoff that cannot start or fails refuses its request with a status code and the worker to blame.
 
 Every message is protobuf (protos/v1/engine_core.proto). The only pickles are what the spawn hands
 over at start, from the parent that made them: the EngineConfig, and the handoffs' setup.
@@ -58,13 +59,18 @@ Send = Callable[[pb.CoreEvent], None]
 
 
 class CoreHandoffs(Protocol):
-    """Requests whose prompt's KV comes from another worker (a decode worker's: disagg/core_decode.py)."""
+    """Requests whose KV moves between workers: a decode worker's, whose prompt's KV comes from a
+    prefill worker (disagg/core_decode.py), or a prefill worker's Prefill calls, whose KV goes to
+    a decode worker (disagg/core_prefill.py)."""
 
-    def start(self, request: Request, handoff: pb.CoreHandoff) -> None:
-        """From the command reader: hand the request off (it joins the engine once its KV landed)."""
+    def start(self, request: Request, add: pb.CoreAddRequest) -> None:
+        """From the command reader: an add carrying a handoff or a prefill (a wrong one is refused)."""
 
     def abort(self, request_id: str) -> None:
         """From the command reader: the serving process aborted it (the engine is told too)."""
+
+    def on_step(self, step: StepTokens) -> None:
+        """On the step loop, before the step's tokens leave: the outputs the core makes itself."""
 
     def close(self) -> None:
         """The core is stopping."""
@@ -72,6 +78,14 @@ class CoreHandoffs(Protocol):
 
 # What the spawn is given to make the core's handoffs once the engine is up (pickled: a dataclass)
 HandoffsSetup = Callable[[Engine, StepLoop, Send], CoreHandoffs]
+
+
+def refusal(request_id: str, message: str, code: str = "", failed_peer: str = "") -> pb.CoreEvent:
+    """A request ended before it streamed: code "" for its own input (ValueError in the serving
+    process), else a gRPC status code's name and the worker to blame, if any (CoreRefused there)."""
+    return pb.CoreEvent(
+        refused=pb.CoreRefusal(request_id=request_id, error=message, code=code, failed_peer=failed_peer)
+    )
 
 
 def run_engine_core(
@@ -101,7 +115,8 @@ class EngineCore:
         self.handoffs = handoffs(engine, self.steps, self._send) if handoffs is not None else None
         self._last_load: pb.CoreLoad | None = None
         self._last_counts: pb.CoreLoad | None = None  # the load without its step totals, as last sent
-        self.outputs = PipeOutputs(self._send, engine.finish_for_outputs, self._changed_counts)
+        tap = self.handoffs.on_step if self.handoffs is not None else None
+        self.outputs = PipeOutputs(self._send, engine.finish_for_outputs, self._changed_counts, tap)
 
     def serve(self) -> int:
         """Serve until shut down or orphaned; the exit status."""
@@ -162,12 +177,12 @@ class EngineCore:
             request = self._request(command.add)
             if request is None:
                 pass
-            elif not command.add.HasField("handoff"):
+            elif not (command.add.HasField("handoff") or command.add.HasField("prefill")):
                 self.steps.post(self._add, request)
             elif self.handoffs is None:
-                self._refuse(request.request_id, "this engine core hands off no KV (not a decode worker's)")
+                self._refuse(request.request_id, "this engine core moves no KV (not a prefill or decode worker's)")
             else:
-                self.handoffs.start(request, command.add.handoff)
+                self._start_handoff(request, command.add)
         elif kind == "abort_request_id":
             if self.handoffs is not None:
                 self.handoffs.abort(command.abort_request_id)
@@ -187,14 +202,28 @@ class EngineCore:
         try:
             params = params_from_proto(add.params)
             return self.engine.make_request(
-                list(add.prompt_token_ids), params, add.request_id, add.priority, label=add.label
+                list(add.prompt_token_ids),
+                params,
+                add.request_id,
+                add.priority,
+                stop_after_prefill=add.HasField("prefill"),  # it keeps its blocks for the decode worker
+                label=add.label,
             )
         except ValueError as e:
             self._refuse(add.request_id, str(e))
             return None
 
     def _refuse(self, request_id: str, message: str) -> None:
-        self._send(pb.CoreEvent(refused=pb.CoreRefusal(request_id=request_id, error=message)))
+        self._send(refusal(request_id, message))
+
+    def _start_handoff(self, request: Request, add: pb.CoreAddRequest) -> None:
+        assert self.handoffs is not None
+        try:
+            self.handoffs.start(request, add)
+        except Exception as e:  # a bug: this request ends, the reader reads on (else the core would stop)
+            log.exception("request %s: its handoff did not start", request.request_id)
+            message = f"the KV handoff did not start ({type(e).__name__}: {e})"
+            self._send(refusal(request.request_id, message, "INTERNAL"))
 
     def _load_clock(self) -> None:
         while not self.closing.wait(LOAD_INTERVAL_S):
@@ -242,8 +271,9 @@ class PipeOutputs(OutputSink):
         send: Callable[[pb.CoreEvent], None],
         report: Callable[[list[tuple[str, RequestStatus]]], None],
         counts: Callable[[], pb.CoreLoad | None] = lambda: None,
+        tap: Callable[[StepTokens], None] | None = None,
     ):
-        self._send, self._report, self._counts = send, report, counts
+        self._send, self._report, self._counts, self._tap = send, report, counts, tap
         self._num_submitted = 0  # the step loop's
         self._num_processed = 0
         self._closed = False
@@ -256,6 +286,8 @@ class PipeOutputs(OutputSink):
         pass  # aborts come from the serving process, which ended the stream
 
     def submit(self, step: StepTokens) -> int:
+        if self._tap is not None:  # outputs made here (a prefill worker's prompts) first
+            self._tap(step)
         self._num_submitted += 1
         msg = step_tokens_to_proto(step, self._num_submitted)
         counts = self._counts()

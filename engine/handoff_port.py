@@ -112,8 +112,8 @@ class EngineLoad:
 
 
 class EngineFront(Protocol):
-    """What a HandoffPort drives the engine through: AsyncEngine in process, or a decode worker's
-    engine core process (disagg/core_decode.py CoreFront)."""
+    """What a HandoffPort drives the engine through: AsyncEngine in process, or a prefill or decode worker's
+    engine core process (disagg/core_handoffs.py CoreFront)."""
 
     engine: Engine
     # Outputs are processed in this process: accept_first_token returns the first token's output

@@ -269,12 +269,33 @@ def drained_empty(child) -> bool:
     return False
 
 
-def kill_engine_core(worker) -> None:
-    """SIGKILL the engine core process of a worker run with --engine-process (its one spawned child
-    besides multiprocessing's resource tracker)."""
+def engine_core_pids(worker) -> list[int]:
+    """The engine core process of a worker run with --engine-process (its spawned children besides
+    multiprocessing's resource tracker: one, once it started its core)."""
     spawned = ["pgrep", "-P", str(worker.proc.pid), "-f", "spawn_main"]
-    (core,) = [int(p) for p in subprocess.run(spawned, capture_output=True, text=True).stdout.split()]
-    os.kill(core, signal.SIGKILL)
+    return [int(p) for p in subprocess.run(spawned, capture_output=True, text=True).stdout.split()]
+
+
+def engine_core_pid(worker) -> int:
+    (core,) = engine_core_pids(worker)
+    return core
+
+
+def kill_engine_core(worker) -> None:
+    """SIGKILL the engine core process of a worker run with --engine-process."""
+    os.kill(engine_core_pid(worker), signal.SIGKILL)
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    """True once no process has this pid (an orphan is reaped by init once it exits)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def kill_engine_core_mid_stream(worker, stream) -> None:

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
-from cluster_helpers import Cluster, engine_config, greedy_request
+from cluster_helpers import Cluster, engine_config, engine_core_pids, greedy_request, wait_gone
 from fault_report import (
     Fault,
     Outcome,
@@ -78,7 +78,7 @@ class SoakConfig:
     kv_transfer_timeout_s: float = 5.0  # workers' --kv-transfer-timeout: failures surface within seconds
     settle_s: float = 40.0  # after the load, how long pools may take to empty (prefill leases: 30 s)
     log_path: str | None = None  # every process's output also goes here
-    decode_engine_process: bool = False  # decode workers step and hand off in an engine core (--engine-process)
+    engine_process: bool = False  # every worker steps and moves its KV in an engine core (--engine-process)
 
     def __post_init__(self) -> None:
         if not 0 <= self.reused_id_share <= 1 or not 0 <= self.cancel_share + self.short_deadline_share <= 1:
@@ -88,7 +88,7 @@ class SoakConfig:
 
     @property
     def label(self) -> str:
-        return ("redis" if self.redis else "memory") + (" decode-core" if self.decode_engine_process else "")
+        return ("redis" if self.redis else "memory") + (" engine-cores" if self.engine_process else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +179,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     restarts: list[threading.Thread] = field(default_factory=list)
     current_ids: dict[int, str] = field(default_factory=dict)  # client -> the id of its request now
+    killed_cores: list[tuple[str, int]] = field(default_factory=list)  # (worker, pid) of killed workers' cores
 
     def now(self) -> float:
         return time.monotonic() - self.log.start
@@ -284,6 +285,7 @@ def kill_loop(run: Run) -> None:
         if victim is None:
             run.notes.append(f"{run.now():.1f} s: kill {i} skipped: no prefill worker and a single decode worker ready")
             continue
+        run.killed_cores += [(victim.name, pid) for pid in engine_core_pids(victim)]
         run.cluster.kill(victim)
         run.fault(f"kill {victim.mode} {moment}", victim)
         run.restarts.append(run.thread(restart, run, victim, rng.random() < 0.5))
@@ -379,7 +381,7 @@ def run_soak(cfg: SoakConfig) -> Report:
             cfg.redis,
             ["--kv-transfer-timeout", str(cfg.kv_transfer_timeout_s)],
             {SEND_DELAY_ENV: str(cfg.send_delay_s)},
-            {"decode": ["--engine-process"]} if cfg.decode_engine_process else None,
+            {mode: ["--engine-process"] for mode in ("prefill", "decode")} if cfg.engine_process else None,
         )
         phases.lap("startup")
         try:
@@ -445,6 +447,11 @@ def settle_and_check(run: Run, want: list[list[int]]) -> Report:
     except TimeoutError as e:
         report.failures.append(f"after the faults: {e}; the gateway lists {list(cluster.listed().values())}")
     check_idle(cluster, report, current, run.cfg.settle_s, "after the load")
+    report.failures += [
+        f"the engine core (pid {pid}) of the killed {name} outlived it"
+        for name, pid in run.killed_cores
+        if not wait_gone(pid, 10.0)  # it sees its pipe close and exits at once
+    ]
     report.probes = probe(run)
     check_outcomes(report, want, report.probes)
     # As long as after the load: a probe's blocks may wait out a lease (30 s) or a failed send's timeouts;

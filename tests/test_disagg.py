@@ -11,6 +11,7 @@ import grpc
 import pytest
 from cluster_helpers import (
     engine_argv,
+    engine_core_pid,
     greedy_request,
     kill_engine_core_mid_stream,
     load,
@@ -18,6 +19,7 @@ from cluster_helpers import (
     stub,
     tokens,
     wait_all_free,
+    wait_gone,
 )
 
 from splitserve.common.sampling_params import SamplingParams
@@ -197,23 +199,31 @@ def test_killed_prefill_worker_during_transfer(faulty, tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def core_decode(tiny_llama_dir):
-    """1P1D whose decode worker steps and runs its KV handoffs in an engine core process."""
-    children = start_cluster(
-        0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1, mode_argv={"decode": ["--engine-process"]}
-    )
+def core_tiers(tiny_llama_dir):
+    """1P1D whose workers step and run their KV handoffs in engine core processes: the prefill worker
+    computes prompts and sends their KV from its core, the decode worker receives it into its own."""
+    cores = {"prefill": ["--engine-process"], "decode": ["--engine-process"]}
+    children = start_cluster(0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1, mode_argv=cores)
     try:
         yield children
     finally:
         stop_cluster(children)
 
 
-def test_a_decode_worker_with_an_engine_process_serves_like_the_engine_in_process(core_decode, tiny_llama_dir):
-    """Greedy and seeded (the sampler's state crosses from the prefill worker into the core), many at
-    once; a stream cancelled after its first token; then the prefill worker killed: the decode core
-    refuses the next request UNAVAILABLE naming it, and the gateway's retry runs it whole; last, the
-    decode worker's core killed mid-stream."""
-    gateway, prefill, decode = core_decode[0], _workers(core_decode, "prefill")[0], _workers(core_decode, "decode")[0]
+def _prefill_call(prompt: list[int], kv_layout: str) -> wpb.PrefillRequest:
+    """A Prefill call as a decode worker makes one (a channel nobody listens on: it fails before it is used)."""
+    channel = wpb.KVChannel(store_address="127.0.0.1:9", key="k", secret=b"s" * 32)
+    request = wpb.WorkerGenerateRequest(prompt_token_ids=prompt)
+    return wpb.PrefillRequest(request=request, channel=channel, kv_layout=kv_layout)
+
+
+def test_workers_with_engine_processes_serve_like_the_engine_in_process(core_tiers, tiny_llama_dir):
+    """Greedy and seeded (the sampler's state crosses from the prefill core into the decode core),
+    many at once; the KV streamed layer by layer from the prefill core; a Prefill call this worker
+    cannot serve refused INVALID_ARGUMENT; a stream cancelled after its first token; then the prefill
+    worker killed: its core exits with it, the decode core refuses the next request UNAVAILABLE
+    naming it, and the gateway's retry runs it whole; last, the decode worker's core killed mid-stream."""
+    gateway, prefill, decode = core_tiers[0], _workers(core_tiers, "prefill")[0], _workers(core_tiers, "decode")[0]
     greedy = [greedy_request(p, 16) for p in PROMPTS]
     seeded = [greedy_request(p, 16, **SEEDED) for p in PROMPTS]
     assert _concurrent(gateway.address, greedy) == _in_process(
@@ -223,9 +233,17 @@ def test_a_decode_worker_with_an_engine_process_serves_like_the_engine_in_proces
         tiny_llama_dir, PROMPTS, SamplingParams(max_tokens=16, **SEEDED)
     )
     assert wait_all_free([prefill.address, decode.address])
-    # the handoffs' metrics cross the pipe: the decode worker counts what its core received
+    # the handoffs' metrics cross both pipes: what the decode core received, the prefill core sent
     landed = metric(decode.metrics, "splitserve_kv_transfer_blocks_total", direction="received")
     assert landed == metric(prefill.metrics, "splitserve_kv_transfer_blocks_total", direction="sent") > 0
+    assert metric(prefill.metrics, "splitserve_kv_transfers_streamed_total") == 2 * len(PROMPTS)
+    assert metric(prefill.metrics, "splitserve_request_success_total", finished_reason="length") == 2 * len(PROMPTS)
+
+    prefill_stub = wpb_grpc.WorkerStub(grpc.insecure_channel(prefill.address))
+    for call, why in ((_prefill_call(PROMPTS[1], "bogus"), "KV layout mismatch"), (_prefill_call([], ""), "prompt")):
+        with pytest.raises(grpc.RpcError) as refused:
+            list(prefill_stub.Prefill(call, timeout=30))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in refused.value.details()
 
     stream = stub(gateway.address).Generate(greedy_request(PROMPTS[5], 150), timeout=60)
     next(stream)
@@ -233,6 +251,7 @@ def test_a_decode_worker_with_an_engine_process_serves_like_the_engine_in_proces
     assert wait_all_free([prefill.address, decode.address])
 
     retries = metric(gateway.metrics, "splitserve_gateway_retries_total")
+    prefill_core = engine_core_pid(prefill)
     prefill.proc.send_signal(signal.SIGKILL)
     prefill.proc.wait()  # the gateway still lists it (two failed health checks, a second apart, drop it)
     want = _in_process(tiny_llama_dir, [PROMPTS[2]], SamplingParams(temperature=0.0, max_tokens=8))[0]
@@ -240,6 +259,7 @@ def test_a_decode_worker_with_an_engine_process_serves_like_the_engine_in_proces
     assert metric(gateway.metrics, "splitserve_gateway_retries_total") == retries + 1  # blamed on the prefill worker
     assert metric(decode.metrics, "splitserve_kv_transfer_failures_total", reason="prefill_failed") == 1
     assert wait_all_free([decode.address])
+    assert wait_gone(prefill_core, 30)  # the prefill's core saw its pipe close: no orphan holds the model
 
     # its engine core killed mid-stream: UNAVAILABLE, and the decode worker exits 3 (what `up` restarts)
     stream = stub(gateway.address).Generate(greedy_request(PROMPTS[1], 200), timeout=60)

@@ -259,15 +259,14 @@ def test_the_load_crosses_the_pipe_whole(tiny_llama_dir):
 
 @pytest.mark.unit
 def test_which_workers_take_an_engine_process():
-    """Unified and single-rank decode workers; a prefill worker still sends its KV from its serving
-    process, and a decode core hands off to one rank only."""
-    engine = EngineConfig()
-    assert WorkerConfig(engine, mode="unified", engine_process=True).engine_process
-    assert WorkerConfig(engine, mode="decode", engine_process=True).engine_process
-    with pytest.raises(ValueError, match="unified or decode"):
-        WorkerConfig(engine, mode="prefill", engine_process=True)
-    with pytest.raises(ValueError, match="one rank only"):
-        WorkerConfig(EngineConfig(tensor_parallel_size=2), mode="decode", engine_process=True)
+    """Every mode; a prefill or decode core moves one rank's KV only (tensor-parallel followers'
+    moves are ordered from the serving process)."""
+    for mode in ("unified", "prefill", "decode"):
+        assert WorkerConfig(EngineConfig(), mode=mode, engine_process=True).engine_process
+    assert WorkerConfig(EngineConfig(tensor_parallel_size=2), mode="unified", engine_process=True).engine_process
+    for mode in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="one rank only"):
+            WorkerConfig(EngineConfig(tensor_parallel_size=2), mode=mode, engine_process=True)
 
 
 @pytest.mark.unit

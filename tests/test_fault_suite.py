@@ -37,16 +37,15 @@ def _coverage_gaps(report: Report) -> list[str]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    ("redis", "decode_core"),
+    ("redis", "cores"),
     [(False, False), (True, False), (False, True)],
-    ids=["memory-index", "redis-index", "memory-index-decode-engine-core"],
+    ids=["memory-index", "redis-index", "memory-index-engine-cores"],
 )
-def test_2p2d_under_load_survives_kills_redis_loss_cancels_and_deadlines(tiny_llama_dir, tmp_path, redis, decode_core):
-    """decode_core: the decode workers run --engine-process (their handoffs in the core)."""
+def test_2p2d_under_load_survives_kills_redis_loss_cancels_and_deadlines(tiny_llama_dir, tmp_path, redis, cores):
+    """cores: every worker runs --engine-process (its KV handoffs in the core; a killed worker's core
+    must not outlive it)."""
     log = tmp_path / "cluster.log"
-    cfg = SoakConfig(
-        model=str(tiny_llama_dir), seed=7, redis=redis, log_path=str(log), decode_engine_process=decode_core
-    )
+    cfg = SoakConfig(model=str(tiny_llama_dir), seed=7, redis=redis, log_path=str(log), engine_process=cores)
     report = run_soak(cfg)
     write_json([report], str(tmp_path / "report.json"))
     print(format_table([report]))

@@ -22,11 +22,12 @@ def _metrics(address: str) -> dict[str, float]:
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
 
 
-@pytest.mark.parametrize("decode_argv", [[], ["--engine-process"]], ids=["in-process", "decode-engine-core"])
-def test_stages_of_a_disaggregated_request_add_up(tiny_llama_dir, decode_argv):
-    """Also with the decode worker's handoff in its engine core: the core's times cross the pipe."""
+@pytest.mark.parametrize("core_argv", [[], ["--engine-process"]], ids=["in-process", "engine-cores"])
+def test_stages_of_a_disaggregated_request_add_up(tiny_llama_dir, core_argv):
+    """Also with both workers' handoffs in their engine cores: the cores' times cross the pipes."""
     argv = engine_argv(tiny_llama_dir)
-    children = start_cluster(0, argv, num_prefill=1, num_decode=1, mode_argv={"decode": decode_argv})
+    cores = {"prefill": core_argv, "decode": core_argv}
+    children = start_cluster(0, argv, num_prefill=1, num_decode=1, mode_argv=cores)
     try:
         chunks = collect(stub(children[0].address), greedy_request(PROMPT, 6))
         metrics = _metrics(children[0].metrics)

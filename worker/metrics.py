@@ -238,7 +238,7 @@ class WorkerMetrics:
         self.kv_recomputes.labels(**self.labels).inc()
 
     def observe_core(self, o: cpb.CoreHandoffObservation) -> None:
-        """What a handoff in this worker's engine core observed (disagg/core_decode.py ObservationRelay)."""
+        """What a handoff in this worker's engine core observed (disagg/core_handoffs.py ObservationRelay)."""
         kind = o.kind
         if kind == cpb.CORE_OBSERVATION_KIND_BLOCKS_SKIPPED:
             self.observe_blocks_skipped(o.num_blocks)
@@ -250,6 +250,8 @@ class WorkerMetrics:
             self.observe_rank_bytes(o.direction, o.rank, o.num_bytes)
         elif kind == cpb.CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK:
             self.observe_recompute_fallback()
+        elif kind == cpb.CORE_OBSERVATION_KIND_STREAMED_SEND:
+            self.observe_streamed_send()
 
     def observe_finished(
         self, t: RequestTiming, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str

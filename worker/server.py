@@ -23,6 +23,7 @@ from splitserve.common.roles import MODES, Role
 from splitserve.common.security import AccessGuard, ClusterSecurity
 from splitserve.common.serving import DRAIN_TIMEOUT_S, drain_bound_s, start_metrics_server
 from splitserve.disagg.core_decode import CoreDecodeSetup
+from splitserve.disagg.core_prefill import CorePrefillSetup
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
 from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
@@ -31,6 +32,7 @@ from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSe
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_client import EngineCoreClient
+from splitserve.engine.core_process import HandoffsSetup
 from splitserve.engine.handoff_port import EngineReports, HandoffPort
 from splitserve.engine.step_loop import load_engine
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -59,7 +61,7 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
     kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
-    engine_process: bool = False  # unified, decode: the step loop in a process of its own (engine/core_process.py)
+    engine_process: bool = False  # the step loop (and KV handoffs) in a process of its own (engine/core_process.py)
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
 
     def __post_init__(self) -> None:
@@ -67,14 +69,9 @@ class WorkerConfig:
             raise ValueError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
             raise ValueError("KV transfer and reserve timeouts must be > 0")
-        if self.engine_process and self.mode == Role.PREFILL.value:
+        if self.engine_process and self.mode != Role.UNIFIED.value and self.engine.tensor_parallel_size > 1:
             raise ValueError(
-                "--engine-process runs with --mode unified or decode: a prefill worker still sends its KV "
-                "from the serving process (drop --engine-process there)"
-            )
-        if self.engine_process and self.mode == Role.DECODE.value and self.engine.tensor_parallel_size > 1:
-            raise ValueError(
-                "--engine-process on a decode worker runs one rank only so far (drop --tensor-parallel-size "
+                f"--engine-process on a {self.mode} worker runs one rank only so far (drop --tensor-parallel-size "
                 "or --engine-process)"
             )
 
@@ -104,9 +101,8 @@ def _make_servicer(
         return WorkerServicer(engine, metrics, role, port=port)
     if role is Role.PREFILL:
         sender = TorchDistSender(config.public_host, config.kv_transfer_timeout_s)
-        delay = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
         return WorkerServicer(
-            engine, metrics, role, sender=sender, send_delay_s=delay, kv_streaming=config.kv_streaming
+            engine, metrics, role, sender=sender, send_delay_s=_send_delay_s(), kv_streaming=config.kv_streaming
         )
     if role is Role.DECODE:
         receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
@@ -121,6 +117,10 @@ def _make_servicer(
         )
         return WorkerServicer(engine, metrics, role, handoff=handoff)
     return WorkerServicer(engine, metrics, role)
+
+
+def _send_delay_s() -> float:
+    return float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
 
 
 async def _open_rank_endpoints(config: WorkerConfig, port: HandoffPort) -> None:
@@ -142,10 +142,13 @@ def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient,
     """The engine in this process (its step thread shares the GIL with the serving thread), or in a
     core process of its own; and the worker's view of it."""
     if config.engine_process:
-        handoffs = None
-        if config.role is Role.DECODE:  # the core runs the KV handoffs: the KV lands where the cache is
-            cluster, timeout_s = config.cluster, config.kv_transfer_timeout_s
-            handoffs = CoreDecodeSetup(config.public_host, timeout_s, config.kv_reserve_timeout_s, cluster)
+        # The core runs the KV handoffs: the KV leaves from and lands in the process that owns the cache.
+        handoffs: HandoffsSetup | None = None
+        timeout_s = config.kv_transfer_timeout_s
+        if config.role is Role.DECODE:
+            handoffs = CoreDecodeSetup(config.public_host, timeout_s, config.kv_reserve_timeout_s, config.cluster)
+        elif config.role is Role.PREFILL:
+            handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, _send_delay_s())
         client = EngineCoreClient.launch(config.engine, handoffs=handoffs)
         client.start()
         return client, client
@@ -160,7 +163,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
     servicer = _make_servicer(config, engine, port, metrics)
     if isinstance(engine, EngineCoreClient):
-        engine.on_observed = metrics.observe_core  # a decode worker's handoffs run in its core
+        engine.on_observed = metrics.observe_core  # a prefill or decode worker's handoffs run in its core
     if isinstance(port, HandoffPort):
         await _open_rank_endpoints(config, port)
     worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from splitserve.common.roles import Role
+from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tracing import (
     Context,
     Span,
@@ -22,7 +23,7 @@ from splitserve.common.tracing import (
 )
 from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
 from splitserve.disagg.decode import DecodeHandoff
-from splitserve.disagg.handoff import FirstToken, HandoffError
+from splitserve.disagg.handoff import HandoffError
 from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.prefill_client import event_to_proto, job_from_proto
 from splitserve.disagg.transfer.base import KVSender, TransferError
@@ -202,7 +203,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return msg
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
-        if self.role is not Role.PREFILL or self.sender is None:
+        if self.role is not Role.PREFILL or (self.sender is None and not isinstance(self.engine, EngineCoreClient)):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
@@ -215,24 +216,33 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await _abort(context, span, _status_of(e), str(e))
             except TransferError as e:
                 await _abort(context, span, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
+            except CoreRefused as e:  # the call ran in the engine core: the same codes and messages
+                await _abort(context, span, grpc.StatusCode[e.code], e.message)
 
     async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[pb.PrefillResponse]:
-        port, engine = self.handoff_port, self.engine
-        assert self.sender is not None and port is not None  # a prefill worker's (checked by Prefill)
-        assert isinstance(engine, AsyncEngine)
         r = request.request
-        job = job_from_proto(request, port.num_kv_heads)
         timing = RequestTiming(arrival=time.monotonic())
         params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-        engine_request = port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
-        async for event in prefill_and_send(
-            engine, engine_request, self.sender, job, self.metrics, self.send_delay_s, self.kv_streaming
-        ):
-            if isinstance(event, FirstToken):
+        async for response in self._prefill_events(request, params):
+            if response.HasField("first_token"):
                 timing.first_token = timing.finished = time.monotonic()
-                timing.queue_s = event.queue_ms / 1e3
-                self.metrics.observe_finished(timing, engine_request.num_prompt_tokens, 1, "length")
-            yield event_to_proto(event)
+                timing.queue_s = response.first_token.queue_ms / 1e3
+                self.metrics.observe_finished(timing, len(r.prompt_token_ids), 1, "length")
+            yield response
+
+    def _prefill_events(self, request: pb.PrefillRequest, params: SamplingParams) -> AsyncIterator[pb.PrefillResponse]:
+        """The call's events: from its engine core, or from the engine and sender in this process."""
+        r = request.request
+        if isinstance(self.engine, EngineCoreClient):
+            return self.engine.prefill(list(r.prompt_token_ids), params, request)
+        port, engine = self.handoff_port, self.engine
+        assert self.sender is not None and port is not None  # a prefill worker's (checked by Prefill)
+        job = job_from_proto(request, port.num_kv_heads)
+        engine_request = port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
+        events = prefill_and_send(
+            engine, engine_request, self.sender, job, self.metrics, self.send_delay_s, self.kv_streaming
+        )
+        return (event_to_proto(event) async for event in events)
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         if self.request_drain is None:

@@ -23,6 +23,7 @@ class CoreObservationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORE_OBSERVATION_KIND_TRANSFER_FAILURE: _ClassVar[CoreObservationKind]
     CORE_OBSERVATION_KIND_RANK_BYTES: _ClassVar[CoreObservationKind]
     CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK: _ClassVar[CoreObservationKind]
+    CORE_OBSERVATION_KIND_STREAMED_SEND: _ClassVar[CoreObservationKind]
 CORE_QUERY_KIND_UNSPECIFIED: CoreQueryKind
 CORE_QUERY_KIND_KV_SNAPSHOT: CoreQueryKind
 CORE_QUERY_KIND_DRAIN_KV_EVENTS: CoreQueryKind
@@ -32,6 +33,7 @@ CORE_OBSERVATION_KIND_TRANSFER: CoreObservationKind
 CORE_OBSERVATION_KIND_TRANSFER_FAILURE: CoreObservationKind
 CORE_OBSERVATION_KIND_RANK_BYTES: CoreObservationKind
 CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK: CoreObservationKind
+CORE_OBSERVATION_KIND_STREAMED_SEND: CoreObservationKind
 
 class EngineSamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
@@ -70,20 +72,28 @@ class EngineSamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class CoreAddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "label", "handoff")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "label", "handoff", "prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: EngineSamplingParams
     priority: int
     label: str
     handoff: CoreHandoff
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., label: _Optional[str] = ..., handoff: _Optional[_Union[CoreHandoff, _Mapping]] = ...) -> None: ...
+    prefill: CorePrefill
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., label: _Optional[str] = ..., handoff: _Optional[_Union[CoreHandoff, _Mapping]] = ..., prefill: _Optional[_Union[CorePrefill, _Mapping]] = ...) -> None: ...
+
+class CorePrefill(_message.Message):
+    __slots__ = ("wire",)
+    WIRE_FIELD_NUMBER: _ClassVar[int]
+    wire: bytes
+    def __init__(self, wire: _Optional[bytes] = ...) -> None: ...
 
 class CoreHandoff(_message.Message):
     __slots__ = ("prefill_address", "wire")
@@ -198,7 +208,7 @@ class CoreReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ...) -> None: ...
 
 class CoreEvent(_message.Message):
-    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "observed", "handoff_stages")
+    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "observed", "handoff_stages", "prefill_event")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
@@ -207,6 +217,7 @@ class CoreEvent(_message.Message):
     DIED_FIELD_NUMBER: _ClassVar[int]
     OBSERVED_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_STAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_EVENT_FIELD_NUMBER: _ClassVar[int]
     ready: CoreReady
     step_tokens: CoreStepTokens
     load: CoreLoad
@@ -215,7 +226,16 @@ class CoreEvent(_message.Message):
     died: str
     observed: CoreHandoffObservation
     handoff_stages: CoreHandoffStages
-    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., observed: _Optional[_Union[CoreHandoffObservation, _Mapping]] = ..., handoff_stages: _Optional[_Union[CoreHandoffStages, _Mapping]] = ...) -> None: ...
+    prefill_event: CorePrefillEvent
+    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., observed: _Optional[_Union[CoreHandoffObservation, _Mapping]] = ..., handoff_stages: _Optional[_Union[CoreHandoffStages, _Mapping]] = ..., prefill_event: _Optional[_Union[CorePrefillEvent, _Mapping]] = ...) -> None: ...
+
+class CorePrefillEvent(_message.Message):
+    __slots__ = ("request_id", "response")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    response: bytes
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[bytes] = ...) -> None: ...
 
 class CoreHandoffStages(_message.Message):
     __slots__ = ("request_id", "prefill_queue_ms", "prefill_compute_ms", "first_token_time", "landed_time")
