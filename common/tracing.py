@@ -18,6 +18,7 @@ in another. Tasks a step creates (the KV landing, the KV send) inherit it, as as
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
@@ -45,6 +46,8 @@ __all__ = [
     "setup_tracing",
     "stage",
     "steps_in",
+    "remote_task_context",
+    "trace_carrier",
     "trace_metadata",
     "traces_endpoint",
     "tracer",
@@ -211,6 +214,26 @@ def trace_metadata(span: Span) -> Metadata:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return tuple(carrier.items())
+
+
+def trace_carrier() -> dict[str, str]:
+    """The current trace context as W3C headers, to cross a process boundary (an engine core's pipe);
+    {} when there is none (tracing off, or outside a request)."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return {}
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+def remote_task_context(carrier: Mapping[str, str], request_id: str) -> contextvars.Context:
+    """A context to run a request's task in across a process boundary (an engine core's handoff:
+    loop.create_task(..., context=)): the span trace_carrier took as the current one, and the
+    request's id for the logs; attached in that context alone, never detached (the task's own)."""
+    parent = _extract(dict(carrier)) or otel_context.Context()
+    context = contextvars.Context()
+    context.run(otel_context.attach, otel_context.set_value(_REQUEST_ID, request_id[:64], parent))
+    return context
 
 
 def context_from_metadata(metadata: Any) -> Context | None:

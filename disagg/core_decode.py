@@ -16,9 +16,9 @@ worker failed before the first token), which the serving process returns to the 
 would its own HandoffError.
 
 The handoff's metrics and times cross the pipe too (CoreHandoffObservation, counted by the serving
-process's WorkerMetrics; CoreHandoffStages, for the request's stage timings). Not carried over yet:
-its spans (the core exports no traces), and tensor-parallel decode workers (refused at start).
-The thread, the step loop's front and the metrics relay are disagg/core_handoffs.py's.
+process's WorkerMetrics; CoreHandoffStages, for the request's stage timings), and its spans join the
+request's trace (disagg/core_handoffs.py, which also holds the thread, the step loop's front and the
+metrics relay). Not carried over yet: tensor-parallel decode workers (refused at start).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class CoreDecode:
             self._send(refusal(rid, f"the forwarded request does not parse ({e})", "INVALID_ARGUMENT"))
             return
         peer = add.handoff.prefill_address
-        self._loop.start_task(rid, lambda: self._hand_off(request, peer, wire))
+        self._loop.start_task(rid, lambda: self._hand_off(request, peer, wire), add.trace_context)
 
     def abort(self, request_id: str) -> None:
         self._loop.cancel(request_id)

@@ -4,7 +4,10 @@ prompts the core runs for itself, and their metrics relayed to the serving proce
 
 A decode worker's core (disagg/core_decode.py) receives KV; a prefill worker's
 (disagg/core_prefill.py) computes prompts and sends theirs. Either way the KV moves in the process
-that owns the cache, and the serving process keeps the gRPC streams.
+that owns the cache, and the serving process keeps the gRPC streams. Each request's handoff runs as a
+task in the trace context its add carried (the serving process's span of the call), so the spans it
+makes in the core (decode.reserve, decode.prefill_rpc, decode.kv_transfer; prefill.queue,
+prefill.compute, prefill.kv_send) join the request's trace, exported by the core itself.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
+from splitserve.common.tracing import remote_task_context
 from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.engine.core_process import Send
 from splitserve.engine.engine import Engine
@@ -118,11 +122,18 @@ class CoreLoop:
         """From another thread: run coroutine on the loop and wait for it."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
-    def start_task(self, request_id: str, coroutine_fn: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """From another thread: run coroutine_fn() as request_id's task."""
+    def start_task(
+        self,
+        request_id: str,
+        coroutine_fn: Callable[[], Coroutine[Any, Any, None]],
+        trace_context: Mapping[str, str] | None = None,
+    ) -> None:
+        """From another thread: run coroutine_fn() as request_id's task, its spans children of the
+        serving process's span that trace_context carries (and its log lines naming the request)."""
 
         def start() -> None:
-            task = self.loop.create_task(coroutine_fn())
+            context = remote_task_context(trace_context or {}, request_id)
+            task = self.loop.create_task(coroutine_fn(), context=context)
             self._tasks[request_id] = task
             task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
 

@@ -16,8 +16,8 @@ failed for it), which the serving process ends the call with, as it would in one
 (the call is gone), which aborts a prompt still computing (a send under way finishes and releases
 its blocks, as in one process). The send's metrics are relayed (ObservationRelay).
 
-Not carried over yet: the spans (the core exports no traces), and tensor-parallel prefill workers
-(refused at start: their followers' sends are ordered from the serving process).
+Its spans join the request's trace (disagg/core_handoffs.py). Not carried over yet: tensor-parallel
+prefill workers (refused at start: their followers' sends are ordered from the serving process).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class CorePrefill:
         except (DecodeError, ValueError) as e:  # never from our own serving process; refused, never a dead reader
             self._send(refusal(rid, f"the Prefill call does not parse ({e})", "INVALID_ARGUMENT"))
             return
-        self._loop.start_task(rid, lambda: self._prefill(request, job))
+        self._loop.start_task(rid, lambda: self._prefill(request, job), add.trace_context)
 
     def abort(self, request_id: str) -> None:
         self._loop.cancel(request_id)

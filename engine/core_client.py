@@ -35,9 +35,10 @@ from splitserve.common.block_hash import BlockHash
 from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
+from splitserve.common.tracing import Span, trace_carrier, tracer
 from splitserve.common.wire import kv_events_from_proto
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core_process import HandoffsSetup, run_engine_core
+from splitserve.engine.core_process import CoreTraces, HandoffsSetup, run_engine_core
 from splitserve.engine.core_wire import (
     finishes_from_proto,
     load_from_proto,
@@ -92,15 +93,19 @@ class EngineCoreClient:
         config: EngineConfig,
         prepare: Callable[[Engine], None] | None = None,
         handoffs: HandoffsSetup | None = None,
+        traces: CoreTraces | None = None,
     ) -> EngineCoreClient:
         """Spawn the core, and wait while it loads and warms up (blocking: before serving starts).
         prepare(engine) runs in the core after warm-up (a module-level function: it is pickled);
-        handoffs makes a prefill or decode worker's KV handoffs there (disagg/core_prefill.py, core_decode.py)."""
+        handoffs makes a prefill or decode worker's KV handoffs there (disagg/core_prefill.py, core_decode.py);
+        traces: where the core exports its spans (its handoffs'), as the worker does."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
         conn, child_conn = context.Pipe()
         level = logging.getLogger().getEffectiveLevel()
         process = context.Process(
-            target=run_engine_core, args=(config, child_conn, level, prepare, handoffs), name="splitserve-engine-core"
+            target=run_engine_core,
+            args=(config, child_conn, level, prepare, handoffs, traces),
+            name="splitserve-engine-core",
         )
         process.start()
         child_conn.close()  # ours is the only other end: the core sees EOF when this process is gone
@@ -140,6 +145,7 @@ class EngineCoreClient:
             priority=priority,
             label=label,
             handoff=handoff,
+            trace_context=trace_carrier(),  # the parent of the spans its handoff makes in the core
         )
         self.start()
         self._streams.open(request_id, label)
@@ -151,13 +157,28 @@ class EngineCoreClient:
             self._streams.close(request_id, finished=True)
             self._untrack(request_id)
             raise
+        decoding: Span | None = None  # a handed-off request's decode.decode span, from its landing to its end
         try:
             async for out in self._streams.read(request_id):
-                if out.finished and handoff is not None:
-                    out.stages = self._handoff_stages(record)
+                if handoff is not None:
+                    if decoding is None and out.num_output_tokens > 1:  # decoded in the batch, so it landed
+                        decoding = tracer.start_span("decode.decode", start_time=self._landed_ns(request_id))
+                    if out.finished:
+                        out.stages = self._handoff_stages(record)
+                        if decoding is not None:
+                            decoding.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
                 yield out
         finally:
             self._clocks.pop(request_id, None)
+            if decoding is not None:
+                decoding.end()
+
+    def _landed_ns(self, request_id: str) -> int | None:
+        """When a handed-off request's KV landed, on the wall clock spans use (None: not known, now)."""
+        clock = self._clocks.get(request_id)
+        if clock is None or clock.landed_at is None:
+            return None
+        return time.time_ns() - int((time.monotonic() - clock.landed_at) * 1e9)
 
     async def prefill(
         self, prompt: Sequence[int], params: SamplingParams, call: wpb.PrefillRequest
@@ -173,6 +194,7 @@ class EngineCoreClient:
             priority=call.request.priority,
             label=call.request.request_id,
             prefill=pb.CorePrefill(wire=call.SerializeToString()),
+            trace_context=trace_carrier(),  # the parent of the spans the core makes for the call
         )
         if self._streams.error is not None:
             raise self._streams.error

@@ -36,9 +36,11 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Protocol
 
+from splitserve.common.tracing import LOG_FORMAT, setup_tracing
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_wire import load_to_proto, params_from_proto, step_tokens_to_proto
@@ -88,22 +90,36 @@ def refusal(request_id: str, message: str, code: str = "", failed_peer: str = ""
     )
 
 
+@dataclass(frozen=True)
+class CoreTraces:
+    """Where the core exports its spans (common/tracing.py setup_tracing): the worker's service name
+    and --otlp-traces-endpoint (the OTEL_* variables reach the core with the rest of the environment)."""
+
+    service_name: str
+    endpoint_flag: str | None = None
+
+
 def run_engine_core(
     config: EngineConfig,
     conn: Connection,
     log_level: int = logging.INFO,
     prepare: Callable[[Engine], None] | None = None,
     handoffs: HandoffsSetup | None = None,
+    traces: CoreTraces | None = None,
 ) -> None:
     """The core process's main (a multiprocessing spawn target). prepare(engine) runs after warm-up,
     before serving: benchmarks swap the forward for a stub there."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [core]: %(message)s")
+    logging.basicConfig(level=log_level, format=LOG_FORMAT.replace("%(name)s", "%(name)s [core]"))
+    traces = traces or CoreTraces("engine-core")
+    tracing = setup_tracing(traces.service_name, traces.endpoint_flag, log_level)  # and the log lines' context
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the serving process, which shuts us down
     engine = load_engine(config)
     if prepare is not None:
         prepare(engine)
     core = EngineCore(engine, conn, handoffs)
-    sys.exit(core.serve())
+    status = core.serve()
+    tracing.shutdown()  # sends the spans still buffered
+    sys.exit(status)
 
 
 class EngineCore:

@@ -217,6 +217,7 @@ def _worker(a: argparse.Namespace) -> int:
         kv_streaming=a.kv_streaming,
         engine_process=a.engine_process,
         cluster=cluster_from_args(a),
+        otlp_traces_endpoint=a.otlp_traces_endpoint,
     )
     try:
         asyncio.run(serve_worker(config))

@@ -48,6 +48,8 @@ class Span:
     span_id: str
     parent_id: str  # "" for a root
     attributes: dict
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -90,7 +92,8 @@ def _attributes(pairs) -> dict:
 
 
 def _span(service: str, s) -> Span:
-    return Span(service, s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(), _attributes(s.attributes))
+    ids = (s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex())
+    return Span(service, s.name, *ids, _attributes(s.attributes), s.start_time_unix_nano, s.end_time_unix_nano)
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +172,31 @@ def test_an_http_client_s_traceparent_is_the_parent_of_the_gateway_span(collecto
     assert {(service, name) for service, name, _ in _tree(spans)} == {(s, n) for s, n, _ in TREE}
     (root,) = [s for s in spans if s.name == "gateway.generate"]
     assert root.parent_id == client_span
+
+
+def test_with_engine_cores_the_handoffs_spans_come_from_the_cores_into_the_same_tree(collector, tiny_llama_dir):
+    """Both workers with --engine-process: the KV handoffs run in the cores, which export their spans
+    (decode.reserve, decode.prefill_rpc, decode.kv_transfer; prefill.queue, prefill.compute,
+    prefill.kv_send) as children of their serving process's span: the same tree as in one process."""
+    sink, endpoint = collector
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    cores = {"prefill": ["--engine-process"], "decode": ["--engine-process"]}
+    children = start_cluster(0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1, env=env, mode_argv=cores)
+    try:
+        before = sink.trace_ids()
+        prompt = [(3 * j) % 300 + 1 for j in range(40)]
+        assert len(tokens(stub(children[0].address), greedy_request(prompt, 8))) == 8
+        deadline = time.monotonic() + 30
+        while not sink.trace_ids() - before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (trace_id,) = sink.trace_ids() - before
+        spans = sink.trace(trace_id, len(TREE))
+    finally:
+        stop_cluster(children)
+    assert _tree(spans) == TREE and len(spans) == len(TREE)
+    by_name = {s.name: s for s in spans}
+    for name in ("prefill.kv_send", "decode.kv_transfer"):
+        assert by_name[name].attributes["splitserve.num_blocks"] == 5
+    assert by_name["decode.decode"].attributes["splitserve.num_output_tokens"] == 8
+    decoding = by_name["decode.decode"]  # from the landing the core reported to the end of the stream
+    assert by_name["decode.kv_transfer"].start_ns <= decoding.start_ns <= decoding.end_ns

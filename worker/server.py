@@ -32,7 +32,7 @@ from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSe
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_client import EngineCoreClient
-from splitserve.engine.core_process import HandoffsSetup
+from splitserve.engine.core_process import CoreTraces, HandoffsSetup
 from splitserve.engine.handoff_port import EngineReports, HandoffPort
 from splitserve.engine.step_loop import load_engine
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -63,6 +63,7 @@ class WorkerConfig:
     kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
     engine_process: bool = False  # the step loop (and KV handoffs) in a process of its own (engine/core_process.py)
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
+    otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint: an engine core exports its spans there too
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -149,7 +150,8 @@ def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient,
             handoffs = CoreDecodeSetup(config.public_host, timeout_s, config.kv_reserve_timeout_s, config.cluster)
         elif config.role is Role.PREFILL:
             handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, _send_delay_s())
-        client = EngineCoreClient.launch(config.engine, handoffs=handoffs)
+        traces = CoreTraces(config.mode, config.otlp_traces_endpoint)  # the core's spans: its handoffs'
+        client = EngineCoreClient.launch(config.engine, handoffs=handoffs, traces=traces)
         client.start()
         return client, client
     engine = AsyncEngine(load_engine(config.engine))
