@@ -18,7 +18,8 @@ would its own HandoffError.
 The handoff's metrics and times cross the pipe too (CoreHandoffObservation, counted by the serving
 process's WorkerMetrics; CoreHandoffStages, for the request's stage timings), and its spans join the
 request's trace (disagg/core_handoffs.py, which also holds the thread, the step loop's front and the
-metrics relay). Not carried over yet: tensor-parallel decode workers (refused at start).
+metrics relay). A tensor-parallel decode worker's follower ranks are the core's children: the core
+opens their KV endpoints and orders their receives, as a serving process does in one process.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from splitserve.common.security import ClusterSecurity
-from splitserve.disagg.core_handoffs import CoreFront, CoreLoop, ObservationRelay
+from splitserve.disagg.core_handoffs import CoreFront, CoreLoop, ObservationRelay, open_endpoints
 from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.handoff import HandoffError
 from splitserve.disagg.prefill_client import GrpcPrefillClient
+from splitserve.disagg.rank_transfers import Endpoint
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver
 from splitserve.engine.core_process import Send, refusal
 from splitserve.engine.engine import Engine
@@ -65,8 +67,6 @@ class CoreDecode:
 
     def __init__(self, setup: CoreDecodeSetup, engine: Engine, steps: StepLoop, send: Send) -> None:
         self._front = CoreFront(engine, steps)
-        if HandoffPort(self._front).tensor_parallel_size != 1:
-            raise ValueError("--engine-process on a decode worker runs one rank only (drop --tensor-parallel-size)")
         self._send = send
         self._loop = CoreLoop("core-handoffs")
         self._handoff, self._client = self._loop.run(self._make_handoff(setup))
@@ -74,6 +74,8 @@ class CoreDecode:
     async def _make_handoff(self, setup: CoreDecodeSetup) -> tuple[DecodeHandoff, GrpcPrefillClient]:
         receiver = TorchDistReceiver(setup.host, setup.transfer_timeout_s)
         log.info("KV channels meet at TCPStore %s (in the engine core)", receiver.address)
+        # follower ranks (children of this core) receive their own KV heads on endpoints of their own
+        await open_endpoints(HandoffPort(self._front), Endpoint.RECEIVER, setup.host, setup.transfer_timeout_s)
         client = GrpcPrefillClient(setup.cluster.worker_channel)
         timeouts = (setup.reserve_timeout_s, setup.transfer_timeout_s)
         return DecodeHandoff(self._front, receiver, client, ObservationRelay(self._send), *timeouts), client

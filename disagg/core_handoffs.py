@@ -20,9 +20,11 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from splitserve.common.tracing import remote_task_context
+from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
 from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.engine.core_process import Send
 from splitserve.engine.engine import Engine
+from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.outputs import RequestOutput, StepTokens
 from splitserve.engine.request import Request
@@ -162,6 +164,17 @@ class CoreLoop:
         except Exception:  # the core is exiting either way
             log.exception("closing the core's handoffs failed")
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def open_endpoints(port: HandoffPort, endpoint: Endpoint, host: str, timeout_s: float) -> None:
+    """A tensor-parallel worker's follower ranks get their KV endpoints on the worker's host (once)."""
+    if port.tensor_parallel_size > 1:
+        await open_rank_endpoints(port, endpoint, host, timeout_s)
+        log.info(
+            "KV endpoints open on %d follower ranks (%s, in the engine core)",
+            port.tensor_parallel_size - 1,
+            endpoint.name.lower(),
+        )
 
 
 class ObservationRelay:

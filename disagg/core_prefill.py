@@ -16,8 +16,10 @@ failed for it), which the serving process ends the call with, as it would in one
 (the call is gone), which aborts a prompt still computing (a send under way finishes and releases
 its blocks, as in one process). The send's metrics are relayed (ObservationRelay).
 
-Its spans join the request's trace (disagg/core_handoffs.py). Not carried over yet: tensor-parallel
-prefill workers (refused at start: their followers' sends are ordered from the serving process).
+Its spans join the request's trace (disagg/core_handoffs.py). A tensor-parallel prefill worker's
+follower ranks are the core's children: the core opens their KV endpoints and orders their sends
+(streamed ones from the step loop, before the step reaches them), as a serving process does in one
+process.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from splitserve.disagg.core_handoffs import CoreFront, CoreLoop, CorePrompts, ObservationRelay
+from splitserve.disagg.core_handoffs import CoreFront, CoreLoop, CorePrompts, ObservationRelay, open_endpoints
 from splitserve.disagg.handoff import HandoffJob
 from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.prefill_client import event_to_proto, job_from_proto
+from splitserve.disagg.rank_transfers import Endpoint
 from splitserve.disagg.transfer.base import TransferError
 from splitserve.disagg.transfer.torch_dist import TorchDistSender
 from splitserve.engine.core_process import Send, refusal
@@ -67,13 +70,13 @@ class CorePrefill:
         self._prompts = CorePrompts(engine)
         self._front = CoreFront(engine, steps, self._prompts)
         port = HandoffPort(self._front)
-        if port.tensor_parallel_size != 1:
-            raise ValueError("--engine-process on a prefill worker runs one rank only (drop --tensor-parallel-size)")
         self._num_kv_heads = port.num_kv_heads
         self._setup, self._send = setup, send
         self._sender = TorchDistSender(setup.host, setup.transfer_timeout_s)
         self._relay = ObservationRelay(send)
         self._loop = CoreLoop("core-prefills")
+        # follower ranks (children of this core) send their own KV heads from endpoints of their own
+        self._loop.run(open_endpoints(port, Endpoint.SENDER, setup.host, setup.transfer_timeout_s))
 
     def start(self, request: Request, add: cpb.CoreAddRequest) -> None:
         rid = request.request_id

@@ -302,20 +302,8 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         _http_port(a),
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
         _up_planner(a) if a.autoscale else None,
-        _engine_process_argv(a, engine_argv),
+        {mode: ["--engine-process"] for mode in ("unified", "prefill", "decode")} if a.engine_process else None,
     )
-
-
-def _engine_process_argv(a: argparse.Namespace, engine_argv: list[str]) -> dict[str, list[str]] | None:
-    """`up --engine-process`: every tier but a tensor-parallel prefill or decode tier (whose workers
-    step in their serving process: their followers' KV moves are ordered from there)."""
-    if not a.engine_process:
-        return None
-    ranks = argparse.ArgumentParser(add_help=False)
-    ranks.add_argument("--tensor-parallel-size", "--tp", type=int, default=1)
-    default = ranks.parse_known_args(engine_argv)[0].tensor_parallel_size
-    tp = {"prefill": a.prefill_tp or default, "decode": a.decode_tp or default}
-    return {mode: ["--engine-process"] for mode in ("unified", "prefill", "decode") if tp.get(mode, 1) == 1}
 
 
 def _up_planner(a: argparse.Namespace) -> UpPlanner:
@@ -472,7 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run the engine's step loop in a process of its own, fed over a pipe, so that the serving "
         "thread's per-stream work never delays a step (engine/core_process.py; a prefill or decode worker's "
-        "KV handoffs run there too, disagg/core_prefill.py and disagg/core_decode.py; one rank only)",
+        "KV handoffs run there too, disagg/core_prefill.py and disagg/core_decode.py)",
     )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
@@ -560,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-process",
         action="store_true",
         help="workers run their engine (and a prefill or decode worker its KV handoffs) in a process of "
-        "their own (`splitserve worker --engine-process`; not a tensor-parallel prefill or decode tier)",
+        "their own (`splitserve worker --engine-process`)",
     )
     up.add_argument(
         "--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill worker (default: --tp)"

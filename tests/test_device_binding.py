@@ -178,18 +178,13 @@ def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
     assert not thread.is_alive()
 
 
-def test_up_engine_process_reaches_every_single_rank_tier(spawned, monkeypatch, tmp_path):
+def test_up_engine_process_reaches_every_tier(spawned, monkeypatch, tmp_path):
     """`up --engine-process`: the arguments of each mode's workers, as the cluster starts and as the
-    supervisor starts more (scaling, restarts); a tensor-parallel prefill or decode tier gets none."""
+    supervisor starts more (scaling, restarts)."""
     got = []
     monkeypatch.setattr(launcher, "run_up", lambda *args: got.append(args) or 0)
-    up = ["up", "--engine-process", "--secrets-dir", str(tmp_path), "--model", "m"]
-    assert cli.main([*up, "--decode-tp", "2"]) == 0
-    assert got[0][-1] == {"unified": ["--engine-process"], "prefill": ["--engine-process"]}
-    assert cli.main([*up, "--tp", "2", "--prefill-tp", "1"]) == 0  # --tp: the engine's, for every tier
-    assert got[1][-1] == {"unified": ["--engine-process"], "prefill": ["--engine-process"]}
-    assert cli.main(up) == 0
-    mode_argv = got[2][-1]
+    assert cli.main(["up", "--engine-process", "--secrets-dir", str(tmp_path), "--model", "m"]) == 0
+    mode_argv = got[0][-1]
     assert mode_argv == {mode: ["--engine-process"] for mode in ("unified", "prefill", "decode")}
     monkeypatch.setattr(supervisor, "wait_healthy", lambda *args, **kw: None)
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)

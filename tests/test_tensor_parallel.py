@@ -114,20 +114,25 @@ def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "sizes", [(2, 1), (1, 2), (2, 2), (4, 2)], ids=["prefill2-decode1", "prefill1-decode2", "2-2", "prefill4-decode2"]
+    "sizes",
+    [(2, 1, False), (1, 2, False), (2, 2, False), (4, 2, False), (2, 2, True)],
+    ids=["prefill2-decode1", "prefill1-decode2", "2-2", "prefill4-decode2", "2-2-engine-cores"],
 )
 def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
     """1P1D with a prefill tier of one size and a decode tier of another: output equals the unified
     in-process engine's (greedy and seeded), nothing recomputed or leaked, and each rank moved exactly
     its own pieces' bytes (tests/test_handoff_plan.py covers the plan of all nine pairs; these cover
-    each direction, equal sizes, and replicated heads on the prefill side: 4 ranks over 2 KV heads)."""
-    prefill_tp, decode_tp = sizes
+    each direction, equal sizes, and replicated heads on the prefill side: 4 ranks over 2 KV heads).
+    engine-cores: both workers run --engine-process, their cores leading the follower ranks and
+    ordering their sends and receives."""
+    prefill_tp, decode_tp, cores = sizes
     children = start_cluster(
         0,
         engine_argv(tiny_llama_dir),
         num_prefill=1,
         num_decode=1,
         tp_sizes={"prefill": prefill_tp, "decode": decode_tp},
+        mode_argv={mode: ["--engine-process"] for mode in ("prefill", "decode")} if cores else None,
     )
     try:
         gateway, prefill, decode_worker = children

@@ -70,11 +70,6 @@ class WorkerConfig:
             raise ValueError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
             raise ValueError("KV transfer and reserve timeouts must be > 0")
-        if self.engine_process and self.mode != Role.UNIFIED.value and self.engine.tensor_parallel_size > 1:
-            raise ValueError(
-                f"--engine-process on a {self.mode} worker runs one rank only so far (drop --tensor-parallel-size "
-                "or --engine-process)"
-            )
 
     @property
     def role(self) -> Role:
