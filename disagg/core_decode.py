@@ -68,7 +68,7 @@ class CoreDecode:
     def __init__(self, setup: CoreDecodeSetup, engine: Engine, steps: StepLoop, send: Send) -> None:
         self._front = CoreFront(engine, steps)
         self._send = send
-        self._loop = CoreLoop("core-handoffs")
+        self._loop = CoreLoop("core-handoffs", HandoffPort(self._front).device)
         self._handoff, self._client = self._loop.run(self._make_handoff(setup))
 
     async def _make_handoff(self, setup: CoreDecodeSetup) -> tuple[DecodeHandoff, GrpcPrefillClient]:

@@ -19,12 +19,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
+import torch
+
 from splitserve.common.tracing import remote_task_context
 from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
 from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.engine.core_process import Send
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
+from splitserve.engine.model_runner import bind_thread
 from splitserve.engine.output_processor import OutputProcessor
 from splitserve.engine.outputs import RequestOutput, StepTokens
 from splitserve.engine.request import Request
@@ -114,11 +117,17 @@ class CoreLoop:
     """The handoffs' thread and asyncio loop in the core, one task per request until the serving
     process is told how it went."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, device: torch.device) -> None:
+        """device: the engine's; the thread is bound to it (pinned staging, side streams and NCCL groups
+        are made here: unbound, they would make a CUDA context on device 0 too)."""
         self.loop = asyncio.new_event_loop()
         self._tasks: dict[str, asyncio.Task] = {}  # on the loop only
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
         self._thread.start()
+
+    def _run(self, device: torch.device) -> None:
+        bind_thread(device)
+        self.loop.run_forever()
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """From another thread: run coroutine on the loop and wait for it."""

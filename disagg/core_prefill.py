@@ -74,7 +74,7 @@ class CorePrefill:
         self._setup, self._send = setup, send
         self._sender = TorchDistSender(setup.host, setup.transfer_timeout_s)
         self._relay = ObservationRelay(send)
-        self._loop = CoreLoop("core-prefills")
+        self._loop = CoreLoop("core-prefills", port.device)
         # follower ranks (children of this core) send their own KV heads from endpoints of their own
         self._loop.run(open_endpoints(port, Endpoint.SENDER, setup.host, setup.transfer_timeout_s))
 

@@ -194,3 +194,24 @@ def test_up_engine_process_reaches_every_tier(spawned, monkeypatch, tmp_path):
         sup._start(mode, 1)
     took = {name.split("-")[0]: "--engine-process" in argv for name, argv, _ in spawned}
     assert took == {"prefill": True, "decode": True, "unified": True}
+
+
+def test_an_engine_core_s_handoff_thread_is_bound_to_the_engine_s_device(monkeypatch):
+    """A prefill or decode worker's core runs its KV handoffs on a thread of its own (pinned staging,
+    side streams, NCCL groups): bound to the engine's device, or on a multi-GPU host every core would
+    also make a CUDA context on device 0."""
+    from splitserve.disagg import core_handoffs
+
+    bound = []
+    monkeypatch.setattr(core_handoffs, "bind_thread", lambda device: bound.append((threading.current_thread(), device)))
+
+    async def where() -> threading.Thread:
+        return threading.current_thread()
+
+    loop = core_handoffs.CoreLoop("core-handoffs", torch.device("cuda", 3))
+    try:
+        handoffs_thread = loop.run(where())
+        ((thread, device),) = bound
+        assert device == torch.device("cuda", 3) and thread is handoffs_thread and thread.name == "core-handoffs"
+    finally:
+        loop.close(lambda: asyncio.sleep(0))
