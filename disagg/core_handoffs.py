@@ -25,6 +25,7 @@ from splitserve.common.tracing import remote_task_context
 from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
 from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.engine.core_process import Send
+from splitserve.engine.cpu_threads import serial_torch_ops
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.model_runner import bind_thread
@@ -127,6 +128,7 @@ class CoreLoop:
 
     def _run(self, device: torch.device) -> None:
         bind_thread(device)
+        serial_torch_ops()  # the cores belong to the step loop's forward (engine/cpu_threads.py)
         self.loop.run_forever()
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:

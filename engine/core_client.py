@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+import torch
+
 from splitserve.common.block_hash import BlockHash
 from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
@@ -71,6 +73,7 @@ class EngineCoreClient:
         self._records: dict[str, _Record] = {}
         self.block_size, self.max_model_len, self.vocab_size = ready.block_size, ready.max_model_len, ready.vocab_size
         self.tensor_parallel_size, self.num_kv_heads = ready.tensor_parallel_size, ready.num_kv_heads
+        self.num_threads = ready.num_threads  # torch's CPU threads in the core
         self._load = load_from_proto(ready.load)  # replaced whole by the reader (a racy read is a whole one)
         self._clocks: dict[str, StageClock] = {}  # handed-off requests' times, from the core's reader
         # A prefill worker's calls run in the core: each one's events (PrefillResponse) or its error
@@ -104,7 +107,7 @@ class EngineCoreClient:
         level = logging.getLogger().getEffectiveLevel()
         process = context.Process(
             target=run_engine_core,
-            args=(config, child_conn, level, prepare, handoffs, traces),
+            args=(config, child_conn, level, prepare, handoffs, traces, torch.get_num_threads()),
             name="splitserve-engine-core",
         )
         process.start()

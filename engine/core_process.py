@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Protocol
 
+import torch
+
 from splitserve.common.tracing import LOG_FORMAT, setup_tracing
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.config import EngineConfig
@@ -106,9 +108,13 @@ def run_engine_core(
     prepare: Callable[[Engine], None] | None = None,
     handoffs: HandoffsSetup | None = None,
     traces: CoreTraces | None = None,
+    num_threads: int | None = None,
 ) -> None:
     """The core process's main (a multiprocessing spawn target). prepare(engine) runs after warm-up,
-    before serving: benchmarks swap the forward for a stub there."""
+    before serving: benchmarks swap the forward for a stub there. num_threads: torch's CPU threads,
+    the serving process's (--num-threads; a spawned interpreter would take every core's otherwise)."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
     logging.basicConfig(level=log_level, format=LOG_FORMAT.replace("%(name)s", "%(name)s [core]"))
     traces = traces or CoreTraces("engine-core")
     tracing = setup_tracing(traces.service_name, traces.endpoint_flag, log_level)  # and the log lines' context
@@ -159,6 +165,7 @@ class EngineCore:
             tensor_parallel_size=e.runner.tp.size,
             num_kv_heads=e.runner.arch.num_kv_heads,
             load=load_to_proto(engine_load(e)),
+            num_threads=torch.get_num_threads(),
         )
 
     # -- the pipe -----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import os
 import signal
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -71,7 +72,13 @@ def _joined(outs: list[RequestOutput]) -> tuple:
 def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
     config = _config(tiny_llama_dir)
     in_process = AsyncEngine.from_config(config)
-    client = EngineCoreClient.launch(config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # what --num-threads 1 does: the core runs its CPU ops on as many threads
+    try:
+        client = EngineCoreClient.launch(config)
+    finally:
+        torch.set_num_threads(threads)
+    assert client.num_threads == 1
 
     async def main() -> None:
         expected = [_joined(outs) for outs in await _run_all(in_process)]

@@ -191,20 +191,22 @@ class CoreLoad(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_awaiting_kv: _Optional[int] = ..., num_held_blocks: _Optional[int] = ..., num_held_requests: _Optional[int] = ..., kv_usage: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_lease_expiries: _Optional[int] = ..., num_failed_requests: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[CoreStepTotals, _Mapping]]] = ...) -> None: ...
 
 class CoreReady(_message.Message):
-    __slots__ = ("block_size", "max_model_len", "vocab_size", "tensor_parallel_size", "num_kv_heads", "load")
+    __slots__ = ("block_size", "max_model_len", "vocab_size", "tensor_parallel_size", "num_kv_heads", "load", "num_threads")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     max_model_len: int
     vocab_size: int
     tensor_parallel_size: int
     num_kv_heads: int
     load: CoreLoad
-    def __init__(self, block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ...) -> None: ...
+    num_threads: int
+    def __init__(self, block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class CoreReply(_message.Message):
     __slots__ = ("call_id", "block_hashes", "events")
