@@ -18,7 +18,8 @@ Threads of the core process:
 
 Lifecycle: spawned -> load and warm up -> CoreReady -> commands and events -> a shutdown command,
 or the pipe closing (the serving process is gone) -> the loop stops after its step, the outputs
-computed are sent -> exit 0. A step loop that dies sends `died` and exits 1.
+computed are sent, the handoffs closed (5 s at most) -> exit 0 at once, whatever its threads still
+wait for. A step loop that dies sends `died` and exits 1.
 
 A decode or prefill worker's core also runs its KV handoffs (the `handoffs` the spawn is given):
 an add that carries a CoreHandoff (disagg/core_decode.py: receive the prompt's KV) or a CorePrefill
@@ -32,6 +33,7 @@ over at start, from the parent that made them: the EngineConfig, and the handoff
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -125,7 +127,12 @@ def run_engine_core(
     core = EngineCore(engine, conn, handoffs)
     status = core.serve()
     tracing.shutdown()  # sends the spans still buffered
-    sys.exit(status)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Not sys.exit: the interpreter's exit joins every executor thread, and a transfer thread blocked
+    # on a dead peer (a gloo connect) would keep an orphaned core alive until its timeout.
+    os._exit(status)
 
 
 class EngineCore:

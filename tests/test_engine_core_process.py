@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -317,3 +319,35 @@ def test_a_handoffs_stages_when_its_landing_is_stamped_after_its_first_decode_st
     stages = EngineCoreClient._handoff_stages(SimpleNamespace(_clocks={"r": clock}), record)  # type: ignore[arg-type]
     want = dict(prefill_queue_ms=1.0, prefill_compute_ms=20.0, kv_transfer_ms=50.0, decode_queue_ms=0.0)
     assert stages == pytest.approx(want | {"first_decode_step_ms": 5.0})
+
+
+def _stuck_transfer_thread(engine) -> None:
+    """A prepare hook (run in the core): an executor thread stuck for a minute, as a gloo connect to a
+    dead peer is until its timeout."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ThreadPoolExecutor(1).submit(time.sleep, 60)
+
+
+@pytest.mark.integration
+def test_an_orphaned_core_exits_at_once_even_with_a_transfer_thread_stuck(tiny_llama_dir):
+    """The fault suite saw a killed prefill worker's core outlive it by 25 s: the core stopped serving
+    when its pipe closed, then its interpreter's exit waited for a transfer thread blocked on a dead
+    peer. The core exits once it has stopped, whatever its threads do."""
+    import multiprocessing
+
+    from splitserve.engine.core_process import run_engine_core
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    args = (_config(tiny_llama_dir), theirs, logging.INFO, _stuck_transfer_thread)
+    core = context.Process(target=run_engine_core, args=args)
+    core.start()
+    theirs.close()
+    try:
+        assert pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event") == "ready"
+        ours.close()  # the serving process is gone
+        core.join(15)
+        assert core.exitcode == 0, "the core outlived its serving process"
+    finally:
+        core.kill()
