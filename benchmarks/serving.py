@@ -12,7 +12,7 @@ throughput (default): the offline workload of benchmarks/offline.py as concurren
     1P1D with the KV streamed layer by layer (the default) and 1P1D sending it after the first token
     (--no-kv-streaming), one pinned core per worker. Target: 1P1D within 1.1x of unified at 4k tokens.
 
-Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--engine-process] [--json PATH]
+Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--no-engine-process] [--json PATH]
        python benchmarks/serving.py --second-token [--lengths 256,1024,4096] [--repeats 3] [--json PATH]
        python benchmarks/serving.py --prefix-hit [--pairs 3] [--json PATH]
 """
@@ -129,8 +129,8 @@ def throughput(args: argparse.Namespace) -> dict:
     worker_argv = ["--kv-cache-bytes", str(KV_CACHE_BYTES)]
     if args.worker_threads:
         worker_argv += ["--num-threads", str(args.worker_threads)]  # the last --num-threads wins
-    if args.engine_process:
-        worker_argv.append("--engine-process")
+    if not args.engine_process:
+        worker_argv.append("--no-engine-process")
     children = start_cluster(1, worker_argv)
     try:
         through_gateway(children[0].address, WARMUP)
@@ -288,7 +288,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: all cores)")
     parser.add_argument(
-        "--engine-process", action="store_true", help="the worker runs its step loop in an engine core process"
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the worker runs its step loop in an engine core process (the default; --no-engine-process: in its "
+        "serving process)",
     )
     parser.add_argument("--prefix-hit", action="store_true", help="cold vs prefix-hit TTFT on 1P1D instead")
     parser.add_argument("--pairs", type=int, default=3, help="--prefix-hit: prefixes, each sent cold then hit")

@@ -302,7 +302,7 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         _http_port(a),
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
         _up_planner(a) if a.autoscale else None,
-        {mode: ["--engine-process"] for mode in ("unified", "prefill", "decode")} if a.engine_process else None,
+        None if a.engine_process else {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")},
     )
 
 
@@ -457,10 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="run the engine's step loop in a process of its own, fed over a pipe, so that the serving "
         "thread's per-stream work never delays a step (engine/core_process.py; a prefill or decode worker's "
-        "KV handoffs run there too, disagg/core_prefill.py and disagg/core_decode.py)",
+        "KV handoffs run there too, disagg/core_prefill.py and disagg/core_decode.py); the default; "
+        "--no-engine-process: step in the serving process",
     )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
@@ -546,9 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
     up.add_argument(
         "--engine-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="workers run their engine (and a prefill or decode worker its KV handoffs) in a process of "
-        "their own (`splitserve worker --engine-process`)",
+        "their own (`splitserve worker --engine-process`, the default; --no-engine-process: in the "
+        "serving process)",
     )
     up.add_argument(
         "--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill worker (default: --tp)"

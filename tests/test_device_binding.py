@@ -178,21 +178,23 @@ def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
     assert not thread.is_alive()
 
 
-def test_up_engine_process_reaches_every_tier(spawned, monkeypatch, tmp_path):
-    """`up --engine-process`: the arguments of each mode's workers, as the cluster starts and as the
-    supervisor starts more (scaling, restarts)."""
+def test_up_no_engine_process_reaches_every_tier(spawned, monkeypatch, tmp_path):
+    """Workers run engine cores by default; `up --no-engine-process`: the arguments of each mode's
+    workers, as the cluster starts and as the supervisor starts more (scaling, restarts)."""
     got = []
     monkeypatch.setattr(launcher, "run_up", lambda *args: got.append(args) or 0)
-    assert cli.main(["up", "--engine-process", "--secrets-dir", str(tmp_path), "--model", "m"]) == 0
-    mode_argv = got[0][-1]
-    assert mode_argv == {mode: ["--engine-process"] for mode in ("unified", "prefill", "decode")}
+    up = ["up", "--secrets-dir", str(tmp_path), "--model", "m"]
+    assert cli.main(up) == 0 and got[0][-1] is None
+    assert cli.main([*up, "--no-engine-process"]) == 0
+    mode_argv = got[1][-1]
+    assert mode_argv == {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")}
     monkeypatch.setattr(supervisor, "wait_healthy", lambda *args, **kw: None)
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
     gateway = Child("gateway", "127.0.0.1:1", "127.0.0.1:2", FakeProc())
     sup = Supervisor([gateway], ["--model", "m"], "127.0.0.1", mode_argv=mode_argv)
     for mode in ("prefill", "decode", "unified"):
         sup._start(mode, 1)
-    took = {name.split("-")[0]: "--engine-process" in argv for name, argv, _ in spawned}
+    took = {name.split("-")[0]: "--no-engine-process" in argv for name, argv, _ in spawned}
     assert took == {"prefill": True, "decode": True, "unified": True}
 
 

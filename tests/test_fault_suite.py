@@ -38,12 +38,12 @@ def _coverage_gaps(report: Report) -> list[str]:
 @pytest.mark.integration
 @pytest.mark.parametrize(
     ("redis", "cores"),
-    [(False, False), (True, False), (False, True)],
-    ids=["memory-index", "redis-index", "memory-index-engine-cores"],
+    [(False, True), (True, True), (False, False)],
+    ids=["memory-index", "redis-index", "memory-index-in-process"],
 )
 def test_2p2d_under_load_survives_kills_redis_loss_cancels_and_deadlines(tiny_llama_dir, tmp_path, redis, cores):
-    """cores: every worker runs --engine-process (its KV handoffs in the core; a killed worker's core
-    must not outlive it)."""
+    """cores: every worker runs its step loop and KV handoffs in an engine core (the default; a killed
+    worker's core must not outlive it); else in its serving process (--no-engine-process)."""
     log = tmp_path / "cluster.log"
     cfg = SoakConfig(model=str(tiny_llama_dir), seed=7, redis=redis, log_path=str(log), engine_process=cores)
     report = run_soak(cfg)

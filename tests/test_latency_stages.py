@@ -22,7 +22,7 @@ def _metrics(address: str) -> dict[str, float]:
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
 
 
-@pytest.mark.parametrize("core_argv", [[], ["--engine-process"]], ids=["in-process", "engine-cores"])
+@pytest.mark.parametrize("core_argv", [["--no-engine-process"], []], ids=["in-process", "engine-cores"])
 def test_stages_of_a_disaggregated_request_add_up(tiny_llama_dir, core_argv):
     """Also with both workers' handoffs in their engine cores: the cores' times cross the pipes."""
     argv = engine_argv(tiny_llama_dir)

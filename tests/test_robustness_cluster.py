@@ -116,6 +116,7 @@ def test_worker_whose_engine_loop_dies_leaves_the_cluster_and_exits(tiny_llama_d
         str(free_port("127.0.0.1")),
         "--gateway",
         children[0].address,
+        "--no-engine-process",  # the fault is patched into this process (a core's: test_engine_core_process.py)
         *engine_argv(tiny_llama_dir),
     ]
     poisoned = subprocess.Popen(

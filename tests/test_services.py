@@ -47,7 +47,7 @@ def _num_tokens(stub_, request) -> int:
 def cluster(tiny_llama_dir, request):
     """Both ways a unified worker runs its engine: in its own process, or in a core process of its
     own (--engine-process: every request crosses the pipe to the core and back)."""
-    worker_argv = ["--engine-process"] if request.param == "engine-process" else None
+    worker_argv = None if request.param == "engine-process" else ["--no-engine-process"]
     children = start_cluster(2, _engine_argv(tiny_llama_dir), worker_argv=worker_argv)
     try:
         yield children

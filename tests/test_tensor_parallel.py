@@ -115,16 +115,16 @@ def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "sizes",
-    [(2, 1, False), (1, 2, False), (2, 2, False), (4, 2, False), (2, 2, True)],
-    ids=["prefill2-decode1", "prefill1-decode2", "2-2", "prefill4-decode2", "2-2-engine-cores"],
+    [(2, 1, True), (1, 2, True), (2, 2, True), (4, 2, True), (2, 2, False)],
+    ids=["prefill2-decode1", "prefill1-decode2", "2-2", "prefill4-decode2", "2-2-in-process"],
 )
 def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
     """1P1D with a prefill tier of one size and a decode tier of another: output equals the unified
     in-process engine's (greedy and seeded), nothing recomputed or leaked, and each rank moved exactly
     its own pieces' bytes (tests/test_handoff_plan.py covers the plan of all nine pairs; these cover
     each direction, equal sizes, and replicated heads on the prefill side: 4 ranks over 2 KV heads).
-    engine-cores: both workers run --engine-process, their cores leading the follower ranks and
-    ordering their sends and receives."""
+    Both workers run engine cores (the default), which lead the follower ranks and order their sends
+    and receives; in-process: the serving processes do (--no-engine-process)."""
     prefill_tp, decode_tp, cores = sizes
     children = start_cluster(
         0,
@@ -132,7 +132,7 @@ def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
         num_prefill=1,
         num_decode=1,
         tp_sizes={"prefill": prefill_tp, "decode": decode_tp},
-        mode_argv={mode: ["--engine-process"] for mode in ("prefill", "decode")} if cores else None,
+        mode_argv=None if cores else {mode: ["--no-engine-process"] for mode in ("prefill", "decode")},
     )
     try:
         gateway, prefill, decode_worker = children
@@ -197,7 +197,13 @@ def _check_rank_bytes(prefill_metrics: str, decode_metrics: str, prefill_tp: int
 
 
 def _follower_pids(pid: int) -> list[int]:
-    # Not the resource tracker multiprocessing also starts: the spawned ranks run spawn_main.
+    """A worker's follower ranks: its engine core's spawned children (or its own, without a core)."""
+    children = _spawned(pid)
+    return [rank for child in children for rank in _spawned(child)] or children
+
+
+def _spawned(pid: int) -> list[int]:
+    # Not the resource tracker multiprocessing also starts: spawned processes run spawn_main.
     out = subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 

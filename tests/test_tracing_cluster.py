@@ -174,14 +174,16 @@ def test_an_http_client_s_traceparent_is_the_parent_of_the_gateway_span(collecto
     assert root.parent_id == client_span
 
 
-def test_with_engine_cores_the_handoffs_spans_come_from_the_cores_into_the_same_tree(collector, tiny_llama_dir):
-    """Both workers with --engine-process: the KV handoffs run in the cores, which export their spans
-    (decode.reserve, decode.prefill_rpc, decode.kv_transfer; prefill.queue, prefill.compute,
-    prefill.kv_send) as children of their serving process's span: the same tree as in one process."""
+def test_workers_without_engine_cores_make_the_same_tree(collector, tiny_llama_dir):
+    """The fixture's workers run engine cores (the default): the KV handoffs run there, and the cores
+    export their spans (decode.reserve, decode.prefill_rpc, decode.kv_transfer; prefill.queue,
+    prefill.compute, prefill.kv_send) as children of their serving process's span. Here both workers
+    step in their serving process (--no-engine-process): the same tree."""
     sink, endpoint = collector
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    cores = {"prefill": ["--engine-process"], "decode": ["--engine-process"]}
-    children = start_cluster(0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1, env=env, mode_argv=cores)
+    in_process = {"prefill": ["--no-engine-process"], "decode": ["--no-engine-process"]}
+    argv = engine_argv(tiny_llama_dir)
+    children = start_cluster(0, argv, num_prefill=1, num_decode=1, env=env, mode_argv=in_process)
     try:
         before = sink.trace_ids()
         prompt = [(3 * j) % 300 + 1 for j in range(40)]
@@ -198,5 +200,5 @@ def test_with_engine_cores_the_handoffs_spans_come_from_the_cores_into_the_same_
     for name in ("prefill.kv_send", "decode.kv_transfer"):
         assert by_name[name].attributes["splitserve.num_blocks"] == 5
     assert by_name["decode.decode"].attributes["splitserve.num_output_tokens"] == 8
-    decoding = by_name["decode.decode"]  # from the landing the core reported to the end of the stream
+    decoding = by_name["decode.decode"]  # from the landing to the end of the stream
     assert by_name["decode.kv_transfer"].start_ns <= decoding.start_ns <= decoding.end_ns

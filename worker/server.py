@@ -61,7 +61,7 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
     kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
-    engine_process: bool = False  # the step loop (and KV handoffs) in a process of its own (engine/core_process.py)
+    engine_process: bool = True  # the step loop (and KV handoffs) in a process of its own (engine/core_process.py)
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
     otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint: an engine core exports its spans there too
 
