@@ -187,11 +187,15 @@ def test_full_warm_up_on_the_triton_backend(tiny_llama_dir, monkeypatch):
 
 
 # -- the worker ----------------------------------------------------------------------------------------
-def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-core"])
+def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch, engine_process):
+    """In process, the engine's warm-up; with an engine core (the default), the core's launch, which
+    returns once the core has warmed up and said it is ready."""
     import grpc
     from grpc_health.v1 import health, health_pb2
 
     from splitserve.common.serving import free_port
+    from splitserve.engine.core_client import EngineCoreClient
     from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
     from splitserve.worker import server
 
@@ -203,6 +207,15 @@ def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch):
         events.append("warm_up")
         return real_warm_up(engine)
 
+    real_launch = EngineCoreClient.launch.__func__
+
+    def launch(cls, *args, **kwargs):
+        client = real_launch(cls, *args, **kwargs)
+        events.append("warm_up")  # the core sends CoreReady only after its warm-up
+        return client
+
+    monkeypatch.setattr(EngineCoreClient, "launch", classmethod(launch))
+
     real_set = health.aio.HealthServicer.set
 
     async def set_status(self, service, status):
@@ -212,7 +225,7 @@ def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(Engine, "warm_up", warm_up)
     monkeypatch.setattr(health.aio.HealthServicer, "set", set_status)
     engine = EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2))
-    config = server.WorkerConfig(engine=engine, port=free_port())
+    config = server.WorkerConfig(engine=engine, port=free_port(), engine_process=engine_process)
 
     async def run() -> None:
         task = asyncio.create_task(server.serve_worker(config))
