@@ -110,9 +110,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         kv_streaming: bool = False,
         port: EngineReports | None = None,
     ) -> None:
-        """engine: in process (any role), or an engine core process (unified: port is then the client)."""
+        """engine: in process (--no-engine-process; sender and handoff by role), or an engine core
+        process that runs the KV handoffs itself (port is then the client)."""
         self.engine, self.metrics, self.role = engine, metrics, role
-        # prefill and decode workers reach the engine's insides: theirs is in process (WorkerConfig checks)
+        # an engine in process is reached through its HandoffPort (a core's handoffs use their own)
         self.handoff_port = HandoffPort(engine) if isinstance(engine, AsyncEngine) else None
         reports = port or self.handoff_port
         assert reports is not None, "an engine core process reports through its client: pass port"
