@@ -217,3 +217,34 @@ def test_an_engine_core_s_handoff_thread_is_bound_to_the_engine_s_device(monkeyp
         assert device == torch.device("cuda", 3) and thread is handoffs_thread and thread.name == "core-handoffs"
     finally:
         loop.close(lambda: asyncio.sleep(0))
+
+
+def test_kv_transfer_threads_are_bound_to_the_worker_s_device(monkeypatch):
+    """The transport builds its groups and moves every transfer on threads of its own (pinned
+    staging, side streams, NCCL communicators are made there): each job runs bound to the device the
+    worker's KV is on, or on a multi-GPU host it would make a CUDA context on device 0. A real gloo
+    transfer of host tensors here (the device is only named)."""
+    from splitserve.disagg.transfer import torch_dist
+
+    bound: list[tuple[str, torch.device]] = []
+
+    def record(device: torch.device) -> None:
+        bound.append((threading.current_thread().name, device))
+
+    monkeypatch.setattr(torch_dist, "bind_thread", record)
+    device = torch.device("cuda", 3)
+
+    async def main() -> None:
+        receiver = torch_dist.TorchDistReceiver(timeout_s=20, device=device)
+        sender = torch_dist.TorchDistSender(timeout_s=20, device=device)
+        channel = receiver.channel_for("prefill-a")
+        blocks, buffer = torch.randn(2, 2, 3, 4, 2, 8), torch.empty(2, 2, 3, 4, 2, 8)
+        tag = receiver.next_tag(channel)
+        await asyncio.gather(receiver.recv(channel, tag, buffer), sender.send(channel, tag, blocks))
+        assert torch.equal(buffer, blocks)
+        receiver.close(), sender.close()
+
+    asyncio.run(main())
+    # the receiver's group, the sender's group, the receive and the send
+    assert len(bound) == 4 and {d for _, d in bound} == {device}
+    assert all(name.startswith("kv-transfer") for name, _ in bound)

@@ -61,7 +61,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -82,10 +82,13 @@ from splitserve.disagg.transfer.base import (
 from splitserve.disagg.transfer.chunks import recv_chunks, send_chunks
 from splitserve.disagg.transfer.order import IssueOrder
 from splitserve.engine.cpu_threads import serial_torch_ops
+from splitserve.engine.model_runner import bind_thread
 
 # Blocking gloo calls (group construction, whole transfers) run here; one thread per transfer in flight.
+# Each job binds its thread to the worker's CUDA device first (_bound).
 _EXECUTOR = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-transfer", initializer=serial_torch_ops)
 SENDER_RANK, RECEIVER_RANK = 0, 1
+T = TypeVar("T")
 AUTH_TAG = 0  # the handshake's nonce; KV transfers use tags from 1
 NONCE_BYTES = SECRET_BYTES = 32
 SENDER_PROOF, RECEIVER_PROOF = "auth/sender", "auth/receiver"  # store keys, under the channel's prefix
@@ -269,8 +272,16 @@ _SEND: dict[Backend, Callable[[_Link, int, torch.Tensor, Fill | None, float], in
 }
 
 
-async def _run(move: Callable[..., int], *args) -> int:
-    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, move, *args)
+async def _run(cuda: torch.device | None, move: Callable[..., int], *args) -> int:
+    return await asyncio.get_running_loop().run_in_executor(_EXECUTOR, _bound, cuda, move, *args)
+
+
+def _bound(cuda: torch.device | None, job: Callable[..., T], *args) -> T:
+    """job(*args) on this executor thread, bound to cuda first (where pinned staging, side streams
+    and NCCL communicators made in it belong; unbound, a pool thread's current device is 0)."""
+    if cuda is not None:
+        bind_thread(cuda)
+    return job(*args)
 
 
 async def _link(future: Future) -> _Link:
@@ -302,7 +313,8 @@ class TorchDistReceiver(KVReceiver):
             # The key is unguessable too, but only the secret (never in the store) is relied on.
             key, secret = secrets.token_hex(16), secrets.token_bytes(SECRET_BYTES)
             spec = ChannelSpec(self.address, key, secret, self.backend)
-            future = _EXECUTOR.submit(_accept_channel, self.store, spec, self._device, self._cuda, self.timeout_s)
+            accept = (_accept_channel, self.store, spec, self._device, self._cuda, self.timeout_s)
+            future = _EXECUTOR.submit(_bound, self._cuda, *accept)
             entry = self._channels[peer] = (spec, future)
         return entry[0]
 
@@ -326,7 +338,7 @@ class TorchDistReceiver(KVReceiver):
             message = f"the prefill worker never joined channel {channel.key}: {e}"
             raise TransferError(TransferFailure.CONNECT, message) from None
         try:
-            crc = await _run(_RECEIVE[channel.backend], link, tag, buffer, drain, self.timeout_s)
+            crc = await _run(self._cuda, _RECEIVE[channel.backend], link, tag, buffer, drain, self.timeout_s)
         except RuntimeError as e:
             raise TransferError(_reason(e), f"receiving KV on channel {channel.key} failed: {e}") from None
         return Moved(time.monotonic() - start, crc)
@@ -365,7 +377,7 @@ class TorchDistSender(KVSender):
             return
         if current is not None:  # the receiver replaced the channel: its old group is gone
             current[1].add_done_callback(_shutdown_link)
-        future = _EXECUTOR.submit(self._join, channel)
+        future = _EXECUTOR.submit(_bound, self._cuda, self._join, channel)
         self._groups[channel.address] = (channel.key, future)
 
     def use_device(self, device: torch.device) -> None:
@@ -402,7 +414,7 @@ class TorchDistSender(KVSender):
             message = f"could not join channel {channel.key} at {channel.address}: {e}"
             raise TransferError(TransferFailure.CONNECT, message) from None
         try:
-            crc = await _run(_SEND[channel.backend], link, tag, blocks, fill, self.timeout_s)
+            crc = await _run(self._cuda, _SEND[channel.backend], link, tag, blocks, fill, self.timeout_s)
         except TransferError:
             self._fail(channel)
             raise
