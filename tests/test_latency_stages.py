@@ -40,8 +40,11 @@ def test_stages_of_a_disaggregated_request_add_up(tiny_llama_dir, core_argv):
     # The first token left once the prefill worker had it: the stages before it fit in the TTFT.
     before_first = stages["gateway_queue"] + stages["prefill_queue"] + stages["prefill_compute"]
     assert before_first <= timings.ttft_ms
+    # The stages after it follow one another and end before the last token; they start when the
+    # prefill worker had the first token, not when the client got it (the KV moves while the first
+    # token travels to the client), so they may overlap the TTFT.
     after_first = stages["kv_transfer"] + stages["decode_queue"] + stages["first_decode_step"]
-    assert timings.ttft_ms + after_first <= timings.e2e_ms
+    assert before_first + after_first <= timings.e2e_ms
     for name in STAGES:
         assert metrics[f'splitserve_gateway_request_stage_seconds_count{{stage="{name}"}}'] == 1, name
     assert metrics["splitserve_gateway_time_to_first_token_seconds_count"] == 1
