@@ -313,8 +313,8 @@ class TorchDistReceiver(KVReceiver):
             # The key is unguessable too, but only the secret (never in the store) is relied on.
             key, secret = secrets.token_hex(16), secrets.token_bytes(SECRET_BYTES)
             spec = ChannelSpec(self.address, key, secret, self.backend)
-            accept = (_accept_channel, self.store, spec, self._device, self._cuda, self.timeout_s)
-            future = _EXECUTOR.submit(_bound, self._cuda, *accept)
+            store, device, cuda, timeout_s = self.store, self._device, self._cuda, self.timeout_s
+            future = _EXECUTOR.submit(_bound, cuda, _accept_channel, store, spec, device, cuda, timeout_s)
             entry = self._channels[peer] = (spec, future)
         return entry[0]
 
