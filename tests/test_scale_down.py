@@ -81,7 +81,8 @@ class FakeServicer:
     def __init__(self) -> None:
         self.draining = False
         self.num_streams = self.num_held = 0
-        self.handoff = SimpleNamespace(landings=set())
+        landings: set[str] = set()
+        self.handoffs = SimpleNamespace(landings=landings, landing=lambda: bool(landings))
         self.engine = SimpleNamespace(num_requests=lambda: self.num_streams)
         self.port = SimpleNamespace(load=lambda: SimpleNamespace(num_held_requests=self.num_held, num_awaiting_kv=0))
 
@@ -100,12 +101,12 @@ def _drain_config() -> WorkerConfig:
 def test_a_drain_waits_past_the_request_deadline_for_kv_in_flight():
     async def run() -> list[str]:
         servicer, events = FakeServicer(), []
-        servicer.handoff.landings.add("landing")
+        servicer.handoffs.landings.add("landing")
         servicer.num_held = 1
         drain = asyncio.create_task(server._drain(_drain_config(), servicer, FakeHealth(), "w:1"))
         await asyncio.sleep(0.25)  # past drain_timeout_s
         events.append(f"landing: done={drain.done()}")
-        servicer.handoff.landings.clear()
+        servicer.handoffs.landings.clear()
         await asyncio.sleep(0.1)
         events.append(f"held: done={drain.done()}")
         servicer.num_held = 0
@@ -125,5 +126,5 @@ def test_a_drain_stops_at_its_deadlines():
     streaming.num_streams = 1  # a request that never ends: cut at drain_timeout_s
     assert 0.1 <= asyncio.run(run(streaming)) < 1.0
     stuck = FakeServicer()
-    stuck.handoff.landings.add("landing")  # a transfer that never ends: cut at the drain bound
+    stuck.handoffs.landings.add("landing")  # a transfer that never ends: cut at the drain bound
     assert 1.7 <= asyncio.run(run(stuck)) < 3.0

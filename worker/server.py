@@ -37,6 +37,7 @@ from splitserve.engine.handoff_port import EngineReports, HandoffPort
 from splitserve.engine.step_loop import load_engine
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.worker.handoffs import HandoffsInCore, HandoffsInProcess, WorkerHandoffs
 from splitserve.worker.kv_events import KVEventPublisher
 from splitserve.worker.metrics import WorkerMetrics
 from splitserve.worker.servicer import WorkerServicer, engine_snapshot
@@ -92,27 +93,34 @@ class WorkerConfig:
 def _make_servicer(
     config: WorkerConfig, engine: AsyncEngine | EngineCoreClient, port: EngineReports, metrics: WorkerMetrics
 ) -> WorkerServicer:
+    return WorkerServicer(engine, metrics, port, config.role, _make_handoffs(config, engine, metrics))
+
+
+def _make_handoffs(
+    config: WorkerConfig, engine: AsyncEngine | EngineCoreClient, metrics: WorkerMetrics
+) -> WorkerHandoffs | None:
+    """A prefill or decode worker's handoffs: its engine core's, or made here for the engine in process."""
     role = config.role
+    if role is Role.UNIFIED:
+        return None
     if isinstance(engine, EngineCoreClient):
-        return WorkerServicer(engine, metrics, role, port=port)
+        return HandoffsInCore(engine)
     if role is Role.PREFILL:
         sender = TorchDistSender(config.public_host, config.kv_transfer_timeout_s)
-        return WorkerServicer(
-            engine, metrics, role, sender=sender, send_delay_s=_send_delay_s(), kv_streaming=config.kv_streaming
+        return HandoffsInProcess(
+            engine, metrics, sender=sender, send_delay_s=_send_delay_s(), kv_streaming=config.kv_streaming
         )
-    if role is Role.DECODE:
-        receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
-        log.info("KV channels meet at TCPStore %s", receiver.address)
-        handoff = DecodeHandoff(
-            engine,
-            receiver,
-            GrpcPrefillClient(config.cluster.worker_channel),
-            metrics,
-            config.kv_reserve_timeout_s,
-            config.kv_transfer_timeout_s,
-        )
-        return WorkerServicer(engine, metrics, role, handoff=handoff)
-    return WorkerServicer(engine, metrics, role)
+    receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
+    log.info("KV channels meet at TCPStore %s", receiver.address)
+    handoff = DecodeHandoff(
+        engine,
+        receiver,
+        GrpcPrefillClient(config.cluster.worker_channel),
+        metrics,
+        config.kv_reserve_timeout_s,
+        config.kv_transfer_timeout_s,
+    )
+    return HandoffsInProcess(engine, metrics, handoff=handoff)
 
 
 def _send_delay_s() -> float:
@@ -204,10 +212,8 @@ async def serve_worker(config: WorkerConfig) -> None:
     log.info("drained: %s", _pool_report(port))
     if isinstance(engine, AsyncEngine):
         engine.close()
-    if servicer.sender is not None:
-        servicer.sender.close()
-    if servicer.handoff is not None:
-        servicer.handoff.receiver.close()
+    if servicer.handoffs is not None:
+        servicer.handoffs.close()
 
 
 async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: EngineReports) -> None:
@@ -296,6 +302,6 @@ def _pool_report(port: EngineReports) -> str:
 def _moving_kv(servicer: WorkerServicer) -> bool:
     """KV still to send (prefill: held blocks) or still landing (decode: asks and transfers in flight,
     and reservations: a failed ask leaves the landings before the abort that frees its blocks runs)."""
-    landing = servicer.handoff is not None and bool(servicer.handoff.landings)
+    landing = servicer.handoffs is not None and servicer.handoffs.landing()
     load = servicer.port.load()
     return landing or bool(load.num_held_requests or load.num_awaiting_kv)

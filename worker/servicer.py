@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from splitserve.common.roles import Role
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tracing import (
     Context,
     Span,
@@ -22,19 +21,16 @@ from splitserve.common.tracing import (
     tracer,
 )
 from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
-from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.handoff import HandoffError
-from splitserve.disagg.prefill import prefill_and_send
-from splitserve.disagg.prefill_client import event_to_proto, job_from_proto
-from splitserve.disagg.transfer.base import KVSender, TransferError
+from splitserve.disagg.transfer.base import TransferError
 from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from splitserve.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.engine.engine import RequestOutput
-from splitserve.engine.handoff_port import EngineReports, HandoffPort
-from splitserve.protos.v1 import engine_core_pb2 as cpb
+from splitserve.engine.handoff_port import EngineReports
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.worker.handoffs import WorkerHandoffs
 from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 
@@ -103,24 +99,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self,
         engine: AsyncEngine | EngineCoreClient,
         metrics: WorkerMetrics,
+        port: EngineReports,
         role: Role = Role.UNIFIED,
-        sender: KVSender | None = None,
-        handoff: DecodeHandoff | None = None,
-        send_delay_s: float = 0.0,
-        kv_streaming: bool = False,
-        port: EngineReports | None = None,
+        handoffs: WorkerHandoffs | None = None,
     ) -> None:
-        """engine: in process (--no-engine-process; sender and handoff by role), or an engine core
-        process that runs the KV handoffs itself (port is then the client)."""
-        self.engine, self.metrics, self.role = engine, metrics, role
-        # an engine in process is reached through its HandoffPort (a core's handoffs use their own)
-        self.handoff_port = HandoffPort(engine) if isinstance(engine, AsyncEngine) else None
-        reports = port or self.handoff_port
-        assert reports is not None, "an engine core process reports through its client: pass port"
-        self.port: EngineReports = reports
-        self.sender, self.handoff = sender, handoff
-        self.send_delay_s = send_delay_s  # fault injection for tests: a slow prefill-side send
-        self.kv_streaming = kv_streaming  # prefill: KV sent layer by layer as computed (disagg/handoff.py)
+        """engine: in process (--no-engine-process) or an engine core process; port: the worker's view
+        of its load (HandoffPort, or the core's client); handoffs: a prefill or decode worker's."""
+        self.engine, self.metrics, self.port, self.role = engine, metrics, port, role
+        self.handoffs = handoffs
         self.draining = False
         self.request_drain: Callable[[], None] | None = None  # set by the server: starts the drain
 
@@ -156,13 +142,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     "send requests with a prefill_address to one started with --mode decode",
                 )
                 return  # abort raised; this keeps type checkers from assuming it returns
-            if isinstance(self.engine, EngineCoreClient):  # its core runs the handoff
-                handoff = cpb.CoreHandoff(prefill_address=request.prefill_address, wire=request.SerializeToString())
-                stream = self.engine.generate(prompt, params, priority=request.priority, label=label, handoff=handoff)
-            else:
-                assert self.handoff is not None
-                engine_request = self.engine.make_request(prompt, params, priority=request.priority, label=label)
-                stream = self.handoff.generate(engine_request, request.prefill_address, wire=request)
+            assert self.handoffs is not None, "a decode worker has handoffs"
+            stream = self.handoffs.decode(prompt, params, request)
         elif self.role is Role.PREFILL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -204,7 +185,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return msg
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
-        if self.role is not Role.PREFILL or (self.sender is None and not isinstance(self.engine, EngineCoreClient)):
+        if self.role is not Role.PREFILL or self.handoffs is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
@@ -224,26 +205,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         r = request.request
         timing = RequestTiming(arrival=time.monotonic())
         params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-        async for response in self._prefill_events(request, params):
+        assert self.handoffs is not None  # checked by Prefill
+        async for response in self.handoffs.prefill(request, params):
             if response.HasField("first_token"):
                 timing.first_token = timing.finished = time.monotonic()
                 timing.queue_s = response.first_token.queue_ms / 1e3
                 self.metrics.observe_finished(timing, len(r.prompt_token_ids), 1, "length")
             yield response
-
-    def _prefill_events(self, request: pb.PrefillRequest, params: SamplingParams) -> AsyncIterator[pb.PrefillResponse]:
-        """The call's events: from its engine core, or from the engine and sender in this process."""
-        r = request.request
-        if isinstance(self.engine, EngineCoreClient):
-            return self.engine.prefill(list(r.prompt_token_ids), params, request)
-        port, engine = self.handoff_port, self.engine
-        assert self.sender is not None and port is not None  # a prefill worker's (checked by Prefill)
-        job = job_from_proto(request, port.num_kv_heads)
-        engine_request = port.make_prefill_request(list(r.prompt_token_ids), params, r.priority, r.request_id)
-        events = prefill_and_send(
-            engine, engine_request, self.sender, job, self.metrics, self.send_delay_s, self.kv_streaming
-        )
-        return (event_to_proto(event) async for event in events)
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         if self.request_drain is None:
