@@ -25,6 +25,7 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
 from splitserve.engine.llm import LLM
 from splitserve.engine.request import Request
+from splitserve.worker.handoffs import HandoffsInProcess
 from splitserve.worker.server import _moving_kv
 
 pytestmark = pytest.mark.unit
@@ -288,7 +289,7 @@ def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
 
     async def main() -> None:
         prefill, decode, client, handoff = _setup(engines)
-        worker = SimpleNamespace(handoff=handoff, port=handoff.port, engine=decode)
+        worker = SimpleNamespace(handoffs=HandoffsInProcess(decode, handoff=handoff), port=handoff.port, engine=decode)
         busy, release = threading.Event(), threading.Event()
 
         def long_step() -> None:  # the decode step thread, in a step as the ask fails

@@ -70,7 +70,7 @@ class HandoffsInProcess:
     def __init__(
         self,
         engine: AsyncEngine,
-        metrics: WorkerMetrics,
+        metrics: WorkerMetrics | None = None,
         sender: KVSender | None = None,
         handoff: DecodeHandoff | None = None,
         send_delay_s: float = 0.0,
