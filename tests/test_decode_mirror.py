@@ -168,6 +168,26 @@ def test_over_budget_or_without_ids_decodes_gather_from_the_paged_cache():
     assert off._plan.mirror is None
 
 
+def test_buffers_grow_by_doubling_and_then_to_the_budget_not_block_by_block():
+    """Each growth is a new buffer per layer and a copy of the old (a stall of every decode on the
+    step): the capacity doubles, and once doubling would pass the budget it takes all the budget
+    allows, instead of reallocating at every block the sequences grow by; past the budget, the paged
+    gather."""
+    torch.manual_seed(6)
+    cluster = _Cluster(6)
+    cluster.add(0, 9)
+    cluster.add(1, 5)
+    per_token = 2 * KVH * D * 4  # K and V of one token, float32
+    backend = TorchAttention(H, KVH, D, BS, decode_mirror_bytes=2 * 40 * per_token)  # 2 slots of 40 tokens
+    shapes = []
+    for _ in range(32):  # sequence 0 from 10 to 41 tokens
+        _run(backend, cluster, [0, 1])
+        step = backend._plan.mirror
+        shapes.append(None if step is None else step.shape)
+    assert sorted(set(shapes[:31]), key=lambda shape: shape[1]) == [(2, 12), (2, 24), (2, 40)]
+    assert shapes[31] is None  # 41 tokens: 2 slots of 44 pass the budget
+
+
 def test_buffers_go_when_a_step_has_no_decodes():
     torch.manual_seed(4)
     cluster, backend = _Cluster(4), TorchAttention(H, KVH, D, BS)
