@@ -114,13 +114,14 @@ async def _receive_all(conn, repeats: int, backend: str) -> None:
     cache = _cache(side.device, fill=False)
     times: dict[tuple[int, str], list[float]] = {}
     scatters: dict[tuple[int, str], list[float]] = {}
+    cpu: dict[tuple[int, str], list[float]] = {}
     for n in SIZES:
         buffer = torch.empty(SMOLLM2_KV[:2] + (n,) + SMOLLM2_KV[3:], device=side.device)
         for r in range(repeats + 1):  # the first round warms up
             for kind in KINDS:
                 tag = receiver.next_tag(channel)
                 side.barrier.barrier().wait()
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 if kind == "raw":
                     side.raw_move(buffer, tag)
                 elif kind == "transport":
@@ -131,9 +132,10 @@ async def _receive_all(conn, repeats: int, backend: str) -> None:
                     scatters.setdefault((n, kind), []).append(scatter_s)
                 if r:
                     times.setdefault((n, kind), []).append(time.perf_counter() - start)
-    conn.send(
-        ({k: statistics.median(v) for k, v in times.items()}, {k: statistics.median(v) for k, v in scatters.items()})
-    )
+                    cpu.setdefault((n, kind), []).append(time.process_time() - start_cpu)
+    sender_cpu = conn.recv()
+    medians = [{k: statistics.median(v) for k, v in d.items()} for d in (times, scatters, cpu)]
+    conn.send((*medians, sender_cpu))
     receiver.close()
 
 
@@ -166,12 +168,14 @@ async def _send_all(conn, repeats: int, backend: str) -> None:
     host, port = channel.address.rsplit(":", 1)
     side = _Side(backend, 0, dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT))
     cache, tag = _cache(side.device, fill=True), 0
+    cpu: dict[tuple[int, str], list[float]] = {}
     for n in SIZES:
         for r in range(repeats + 1):
             for kind in KINDS:
                 tag += 1  # the receiver's next_tag, in step
                 prepared = gather_blocks(cache, _ids(n, r)) if kind not in HANDOFFS else None
                 side.barrier.barrier().wait()
+                start_cpu = time.process_time()
                 if kind == "raw":
                     side.raw_move(prepared, tag)
                 elif kind == "transport":
@@ -182,6 +186,9 @@ async def _send_all(conn, repeats: int, backend: str) -> None:
                     moved = await sender.send(channel, tag, staging.tensor, fill)
                     side.release(staging)
                     conn.send(moved.checksum)
+                if r:
+                    cpu.setdefault((n, kind), []).append(time.process_time() - start_cpu)
+    conn.send({k: statistics.median(v) for k, v in cpu.items()})
     sender.close()
 
 
@@ -201,8 +208,8 @@ def transfer(repeats: int, json_path: str | None) -> None:
             print(f"\n{backend}: not measured ({skipped})")
             report[backend] = {"skipped": skipped}
             continue
-        results, scatters = _run_pair(repeats, backend)
-        rows = [_row(n, results, scatters) for n in SIZES]
+        results, scatters, *cpu = _run_pair(repeats, backend)
+        rows = [_row(n, results, scatters, cpu) for n in SIZES]
         report[backend] = {"sizes": rows}
         _print_transfer(backend, rows, report["conditions"])
     conditions = report["conditions"]
@@ -218,8 +225,9 @@ def _skipped(backend: str) -> str | None:
     return None
 
 
-def _run_pair(repeats: int, backend: str) -> tuple[dict, dict]:
-    """Receiver (rank 1) and sender (rank 0) in two processes; the receiver's medians."""
+def _run_pair(repeats: int, backend: str) -> tuple[dict, dict, dict, dict]:
+    """Receiver (rank 1) and sender (rank 0) in two processes: the medians of the receiver's wall
+    time, its scattering, its CPU time and the sender's CPU time (both processes' every thread)."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     procs = [
@@ -245,12 +253,14 @@ def _conditions(repeats: int) -> dict:
     }
 
 
-def _row(n: int, results: dict, scatters: dict) -> dict:
+def _row(n: int, results: dict, scatters: dict, cpu: list[dict]) -> dict:
+    """One size's figures; cpu: the receiver's and the sender's CPU seconds per (size, kind)."""
     num_bytes = n * BLOCK_BYTES
     row: dict = {"blocks": n, "mib": num_bytes / 2**20}
     for kind, key in zip(KINDS, KEYS):
         seconds = results[(n, kind)]
         row[f"{key}_ms"], row[f"{key}_gbps"] = seconds * 1e3, num_bytes / seconds / 1e9
+        row[f"{key}_cpu_ms"] = sum(side[(n, kind)] for side in cpu) * 1e3
         if kind != "raw":
             row[f"{key}_vs_raw"] = results[(n, "raw")] / seconds
         if kind in HANDOFFS:
@@ -263,14 +273,15 @@ def _print_transfer(backend: str, rows: list[dict], conditions: dict) -> None:
         f"\nKV transfer over {backend}, SmolLM2 fp32 blocks ({BLOCK_BYTES / 1024:.0f} KiB each), median of "
         f"{conditions['repeats']}, two processes on {conditions['torch_threads']} threads each"
     )
-    print(f"{'blocks':>6} {'MiB':>8} {'path':<14}{'ms':>9}{'GB/s':>8}{'vs raw':>8}  of which scattering")
+    print(f"{'blocks':>6} {'MiB':>8} {'path':<14}{'ms':>9}{'GB/s':>8}{'vs raw':>8}{'CPU ms':>9}  of which scattering")
     for row in rows:
         for kind, key in zip(KINDS, KEYS):
             ms, gbps = row[f"{key}_ms"], row[f"{key}_gbps"]
             name = f"raw {backend}" if kind == "raw" else kind
             scatter = f"  {row[f'{key}_scatter_ms']:.2f} ms" if kind in HANDOFFS else ""
             line = f"{row['blocks']:>6} {row['mib']:>8.2f} {name:<14}{ms:>9.2f}{gbps:>8.2f}{row['raw_ms'] / ms:>7.2f}x"
-            print(line + scatter)
+            print(f"{line}{row[f'{key}_cpu_ms']:>9.2f}{scatter}")
+    print("CPU ms: both processes' CPU time (every thread) while the transfer ran, medians per side, summed")
 
 
 def latency(num_requests: int, prompt_len: int, output_len: int, json_path: str | None) -> None:

@@ -7,6 +7,10 @@ every request generates exactly its output length):
       until its longest output; only each request's own output length counts as useful tokens;
   (c) transformers continuous batching: the manager behind generate_batch, driven directly so each
       request gets its own max_new_tokens; sdpa attention (works on CPU), EOS disabled.
+Beside them, splitserve runs the same prompts to their first token only (a cold prefix cache
+before and after): at that pass's cost per token, the least time (a) could take for every token it
+forwards, measured in the same run; and (a)'s steps split into those with a prompt chunk and the
+decode-only ones (the engine's step_stats).
 Both engines get a KV cache that holds the whole workload, so neither preempts. Load time and one
 short warm-up generate per system are not timed. "same tokens as (a)" counts requests whose greedy
 output matches splitserve's token for token (fp32 batching noise and (b)'s padding and EOS masking
@@ -49,6 +53,7 @@ from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.engine.llm import LLM
+from splitserve.engine.step_stats import StepKind, StepTotals
 from splitserve.experiments.offline import FULL, QUICK, Settings, start_decodes, timed, timed_steps
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
 
@@ -84,6 +89,42 @@ def run_splitserve(llm: LLM, wl: list[RequestSpec]) -> list[list[int]]:
     outputs = [o.token_ids for o in llm.generate([r.prompt_token_ids for r in wl], params)]
     assert [len(o) for o in outputs] == output_lens(wl), "splitserve did not generate exactly max_tokens"
     return outputs
+
+
+def run_prefill_only(llm: LLM, wl: list[RequestSpec]) -> None:
+    """The same prompts to their first token only, from a cold prefix cache (and leaving it cold)."""
+    assert llm.engine.kv.pool.reset_prefix_cache(), "blocks still in use"
+    llm.generate([r.prompt_token_ids for r in wl], [SamplingParams(temperature=0, max_tokens=1) for _ in wl])
+    assert llm.engine.kv.pool.reset_prefix_cache(), "blocks still in use"
+
+
+def compute_bound(wl: list[RequestSpec], prefill_s: float) -> dict:
+    """The least time (a) could take if every token it forwards cost what a token of the batched
+    prefill-only pass costs (its large matmuls are this CPU's most efficient forward; a decode token
+    runs the same matmuls at a smaller batch and attends over a longer context). (a) forwards every
+    prompt token and every output token but each request's last."""
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in wl)
+    forwarded = prompt_tokens + sum(output_lens(wl)) - len(wl)
+    per_token_s = prefill_s / prompt_tokens
+    return {"prompt_tokens": prompt_tokens, "forwarded_tokens": forwarded, "seconds": forwarded * per_token_s}
+
+
+def step_split(before: dict[StepKind, StepTotals], after: dict[StepKind, StepTotals]) -> dict:
+    """Where (a)'s steps went: per kind (steps with a prompt chunk, decode-only steps), their number,
+    seconds, sequences (decode: rows) and tokens, and the mean context a decode row attends over."""
+    split = {}
+    for kind in StepKind:
+        a, b = after[kind], before[kind]
+        split[kind.value] = {
+            "steps": a.num_steps - b.num_steps,
+            "seconds": a.seconds - b.seconds,
+            "seqs": a.num_seqs - b.num_seqs,
+            "tokens": a.num_tokens - b.num_tokens,
+            "context_tokens": a.context_tokens - b.context_tokens,
+        }
+    decode = split[StepKind.DECODE.value]
+    decode["mean_context"] = decode["context_tokens"] / max(decode["seqs"], 1)
+    return split
 
 
 def run_hf_static(model, wl: list[RequestSpec], pad_id: int) -> list[list[int]]:
@@ -261,7 +302,10 @@ def throughput_table(llm: LLM, model, wl: list[RequestSpec], vocab_size: int) ->
     pad_id = model.generation_config.eos_token_id
     pad_id = pad_id[0] if isinstance(pad_id, list) else pad_id
     run_splitserve(llm, warm)
+    _, sec_p = timed(run_prefill_only, llm, wl)
+    before = llm.engine.step_stats.snapshot()
     out_a, sec_a = timed(run_splitserve, llm, wl)
+    steps_a = step_split(before, llm.engine.step_stats.snapshot())
     run_hf_static(model, warm, pad_id)
     out_b, sec_b = timed(run_hf_static, model, wl, pad_id)
     rows = {"a_splitserve": (sec_a, out_a), "b_hf_static8": (sec_b, out_b)}
@@ -276,9 +320,13 @@ def throughput_table(llm: LLM, model, wl: list[RequestSpec], vocab_size: int) ->
         name: {"seconds": sec, "useful_tokens": n, "tokens_per_s": n / sec, "identical_to_a": num_identical(out, out_a)}
         for name, (sec, out) in rows.items()
     }
+    result["prefill_only_s"] = sec_p
+    result["a_steps"] = steps_a
+    result["compute_bound"] = bound = compute_bound(wl, sec_p)
     for name in ("b_hf_static8", "c_hf_continuous"):
         if name in result:
             result[f"ratio_a_over_{name[0]}"] = result["a_splitserve"]["tokens_per_s"] / result[name]["tokens_per_s"]
+            result[f"bound_over_{name[0]}"] = result[name]["seconds"] / bound["seconds"]
     return result
 
 
@@ -344,9 +392,21 @@ def print_throughput(t: dict, wl: list[RequestSpec]) -> None:
         if key in t:
             r, same = t[key], f"{t[key]['identical_to_a']}/{len(wl)}"
             print(f"{label:<34}{r['seconds']:>10.2f}{r['tokens_per_s']:>12.1f}{same:>20}")
+    bound = t["compute_bound"]
+    print(
+        f"prefill only (same prompts, first token): {t['prefill_only_s']:.2f} s; at its cost per token, "
+        f"(a)'s {bound['forwarded_tokens']} forwarded tokens need at least {bound['seconds']:.2f} s "
+        f"((a) took {t['a_splitserve']['seconds'] / bound['seconds']:.2f}x that)"
+    )
     for key in ("b", "c"):
         if f"ratio_a_over_{key}" in t:
-            print(f"ratio (a)/({key}): {t[f'ratio_a_over_{key}']:.2f}x")
+            print(f"ratio (a)/({key}): {t[f'ratio_a_over_{key}']:.2f}x; at that bound: {t[f'bound_over_{key}']:.2f}x")
+    prefill, decode = t["a_steps"]["prefill"], t["a_steps"]["decode"]
+    print(
+        f"(a)'s steps: {prefill['steps']} with prompt chunks, {prefill['seconds']:.2f} s, {prefill['tokens']} tokens; "
+        f"{decode['steps']} decode-only, {decode['seconds']:.2f} s, {decode['seqs']} rows over "
+        f"{decode['mean_context']:.0f} tokens of context on average"
+    )
 
 
 def print_decode(rows: list[dict], s: Settings) -> None:
