@@ -184,7 +184,11 @@ def test_burst_adds_a_prefill_worker_then_drains_back_without_failures(wide_llam
                 p90 = load.ttft_p90(max(added_at, now - 6.0), now - 1.0)
                 return p90 is not None and p90 < target_s
 
-            assert _wait_for(recovered, 75.0, poll_s=1.0) is not None, (
+            # Without the second worker the backlog only grows (1.2x one worker's measured rate). With it,
+            # on 2 cores shared by 2 prefill workers, the decode worker, the gateway and this load, the
+            # margin over the arrivals is small: a fresh-clone CI run drained a 41-request backlog at
+            # ~0.6 requests/s and was still 3.96 s over the target after 75 s, with p90 falling.
+            assert _wait_for(recovered, 150.0, poll_s=1.0) is not None, (
                 f"TTFT p90 did not recover below {target_s:.2f} s with 2 prefill workers: "
                 f"{load.ttft_p90(time.monotonic() - 6.0, time.monotonic())}\n{log.getvalue()}"
             )
