@@ -268,10 +268,14 @@ class AccessGuard(grpc.aio.ServerInterceptor):
             return self._deny(handler, "internal", grpc.StatusCode.UNAUTHENTICATED, _NOT_A_MEMBER)
         if self.public_check is None or (service in OPEN_SERVICES and not self.guard_open):
             return handler
+        return _admitted(handler, lambda: self._admit(metadata))
+
+    async def _admit(self, metadata: Metadata) -> Admission:
+        assert self.public_check is not None  # only public calls are admitted
         admission = await self.public_check(metadata)
-        if admission.denial is not None:
-            return self._deny(handler, "public", *admission.denial, admission.trailing)
-        return _released(handler, admission.release) if admission.release else handler
+        if admission.denial is not None and self.on_denied is not None:
+            self.on_denied("public", admission.denial[0])
+        return admission
 
     def _deny(self, handler, kind: str, code: grpc.StatusCode, message: str, trailing: Metadata = ()):
         if self.on_denied is not None:
@@ -301,31 +305,54 @@ def _denying_handler(handler, code: grpc.StatusCode, message: str, trailing: Met
     return grpc.unary_unary_rpc_method_handler(deny_unary, **kwargs)
 
 
-def _released(handler, release: Callable[[], None]):
-    """The same handler, calling release when the call ends however it ends."""
+def _admitted(handler, admit: Callable[[], Awaitable[Admission]]):
+    """The same handler, admitting the call once its request has been parsed (grpc runs a handler only
+    then), and releasing what admission took when the call ends however it ends. Admitting in the
+    interceptor instead would take a slot for calls whose request never parses or never comes: no
+    handler runs for them, so nothing would release it."""
     kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
     if handler.unary_stream is not None:
         behavior = handler.unary_stream
 
         async def stream(request, context):
+            admission = await admit()
+            if admission.denial is not None:
+                await context.abort(*admission.denial, trailing_metadata=admission.trailing)
             try:
                 async for response in behavior(request, context):
                     yield response
             finally:
-                release()
+                if admission.release is not None:
+                    admission.release()
 
         return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
     if handler.unary_unary is not None:
         unary = handler.unary_unary
 
         async def call(request, context):
+            admission = await admit()
+            if admission.denial is not None:
+                await context.abort(*admission.denial, trailing_metadata=admission.trailing)
             try:
                 return await unary(request, context)
             finally:
-                release()
+                if admission.release is not None:
+                    admission.release()
 
         return grpc.unary_unary_rpc_method_handler(call, **kwargs)
-    release()  # streaming requests: not guarded by limits
+    if handler.stream_stream is not None:  # reflection under --guard-health: the key is checked, not limited
+        streams = handler.stream_stream
+
+        async def each(requests, context):
+            admission = await admit()
+            if admission.release is not None:
+                admission.release()
+            if admission.denial is not None:
+                await context.abort(*admission.denial, trailing_metadata=admission.trailing)
+            async for response in streams(requests, context):
+                yield response
+
+        return grpc.stream_stream_rpc_method_handler(each, **kwargs)
     return handler
 
 
