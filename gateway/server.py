@@ -56,6 +56,7 @@ class GatewayConfig:
     max_pending: int = 256  # requests in flight through this gateway before RESOURCE_EXHAUSTED
     router: str = "kv-aware"
     health_check_interval_s: float = 1.0
+    forget_unhealthy_after_s: float = 30.0  # a worker unhealthy this long is dropped (it died without deregistering)
     redis_url: str | None = None  # prefix index in Redis; None: in this process's memory
     index_heartbeat_ttl_s: float = 5.0  # a worker silent this long drops out of the prefix index
     limits: RequestLimits = field(default_factory=RequestLimits)  # request sizes, checked before tokenizing
@@ -178,7 +179,11 @@ class RegistryServicer(pb_grpc.RegistryServicer):
 async def serve_gateway(config: GatewayConfig) -> None:
     name = model_name(config.model)
     security = config.security
-    workers = WorkerSet(config.health_check_interval_s, channel_factory=security.cluster.worker_channel)
+    workers = WorkerSet(
+        config.health_check_interval_s,
+        channel_factory=security.cluster.worker_channel,
+        forget_after_s=config.forget_unhealthy_after_s,
+    )
     for address in config.workers:
         workers.add(pb.RegisterWorkerRequest(address=address, model=name))
     metrics = GatewayMetrics()
@@ -201,7 +206,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
         f"metrics http://{config.host}:{metrics_port}/metrics model {name}",
         flush=True,
     )
-    checks = asyncio.create_task(workers.run_health_checks())
+    checks = asyncio.create_task(workers.run_health_checks(prefix.remove_worker))
     purge = asyncio.create_task(prefix.run_purge(workers.is_live))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -40,6 +41,7 @@ class WorkerHandle:
     healthy: bool = True
     outstanding: int = 0  # requests this gateway has in flight on the worker; changed only by a Lease
     failures: int = 0  # consecutive failed health checks
+    unhealthy_since: float | None = None  # WorkerSet's clock when it last stopped being healthy
     load: pb.LoadReport = field(default_factory=pb.LoadReport)
 
     @property
@@ -71,6 +73,10 @@ class Lease:
         self._held.clear()
 
 
+# Called with a forgotten worker's address (the prefix index drops its blocks).
+OnForgotten = Callable[[str], Awaitable[None]]
+
+
 class WorkerSet:
     FAILURES_BEFORE_UNHEALTHY = 2
 
@@ -79,12 +85,18 @@ class WorkerSet:
         check_interval_s: float = 1.0,
         check_timeout_s: float = 1.0,
         channel_factory: Callable[..., grpc.aio.Channel] = OPEN_CLUSTER.worker_channel,
+        forget_after_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """forget_after_s: a worker unhealthy this long is dropped as if it had deregistered (it died
+        without doing so: SIGKILL, OOM); a live one registers again when its heartbeat is refused."""
         self._workers: dict[str, WorkerHandle] = {}
         self._channel = channel_factory  # (address, options) -> a channel carrying the cluster's credentials
         self._ids = itertools.count(1)
         self.check_interval_s = check_interval_s
         self.check_timeout_s = check_timeout_s
+        self.forget_after_s = forget_after_s
+        self._clock = clock
 
     def add(self, r: pb.RegisterWorkerRequest) -> WorkerHandle:
         old = self._workers.pop(r.address, None)
@@ -151,13 +163,37 @@ class WorkerSet:
 
     def mark_failed(self, handle: WorkerHandle) -> None:
         """A call to the worker failed at the transport level: stop routing to it until it recovers."""
-        handle.healthy = False
+        self._mark_unhealthy(handle)
         handle.failures = max(handle.failures, self.FAILURES_BEFORE_UNHEALTHY)
 
-    async def run_health_checks(self) -> None:
+    def mark_healthy(self, handle: WorkerHandle) -> None:
+        if not handle.healthy:
+            log.info("worker %s at %s is healthy again", handle.worker_id, handle.address)
+        handle.failures, handle.healthy, handle.unhealthy_since = 0, True, None
+
+    def _mark_unhealthy(self, handle: WorkerHandle) -> None:
+        handle.healthy = False
+        if handle.unhealthy_since is None:
+            handle.unhealthy_since = self._clock()
+
+    async def run_health_checks(self, on_forgotten: OnForgotten) -> None:
         while True:
-            await asyncio.gather(*(self._check(w) for w in self.all()))
+            await self.check_all(on_forgotten)
             await asyncio.sleep(self.check_interval_s)
+
+    async def check_all(self, on_forgotten: OnForgotten) -> None:
+        """One round of health checks; then forgets the workers unhealthy for forget_after_s or more."""
+        await asyncio.gather(*(self._check(w) for w in self.all()))
+        for handle in self.all():
+            since = handle.unhealthy_since
+            if since is not None and self._clock() - since >= self.forget_after_s and await self.remove(handle.address):
+                log.warning(
+                    "worker %s at %s unhealthy for %.0f s: forgotten (it registers again if it comes back)",
+                    handle.worker_id,
+                    handle.address,
+                    self._clock() - since,
+                )
+                await on_forgotten(handle.address)
 
     async def _check(self, handle: WorkerHandle) -> None:
         try:
@@ -171,9 +207,7 @@ class WorkerSet:
         except grpc.aio.AioRpcError:
             serving = False
         if serving:
-            if not handle.healthy:
-                log.info("worker %s at %s is healthy again", handle.worker_id, handle.address)
-            handle.failures, handle.healthy = 0, True
+            self.mark_healthy(handle)
             return
         handle.failures += 1
         if handle.failures >= self.FAILURES_BEFORE_UNHEALTHY and handle.healthy:
@@ -183,7 +217,7 @@ class WorkerSet:
                 handle.address,
                 handle.failures,
             )
-            handle.healthy = False
+            self._mark_unhealthy(handle)
 
     async def close(self) -> None:
         for handle in self.all():
