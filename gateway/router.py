@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from splitserve.common.block_hash import BlockHash
+from splitserve.common.bounded import RecentMap
 from splitserve.gateway.workers import WorkerHandle
 
 PREFILL_LOAD_WEIGHT = 0.1
@@ -104,17 +105,25 @@ class PrefixAffinityRouter(Router):
 
     name = "prefix-affinity"
 
-    def __init__(self) -> None:
+    def __init__(self, max_prompts: int = 65536) -> None:
         super().__init__()
-        self._owner: dict[tuple[int, ...], int] = {}
+        # first 16 tokens -> slot; bounded: a prompt unused for max_prompts newer ones may move
+        self._owner: RecentMap[tuple[int, ...], int] = RecentMap(max_prompts)
+        self._slots = itertools.count()
 
     def pick(self, workers, route, tier):
         if not workers:
             return None
         key = tuple(route.prompt_token_ids[:16])
-        slot = self._owner.setdefault(key, len(self._owner))
+        slot = self._owner.get(key)
+        if slot is None:
+            slot = next(self._slots)
+            self._owner.set(key, slot)
         ordered = sorted(workers, key=lambda w: w.address)
         return Decision(ordered[slot % len(ordered)], "affinity")
+
+    def num_prompts(self) -> int:
+        return len(self._owner)
 
 
 class KVAwareRouter(Router):

@@ -66,6 +66,7 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from splitserve.common.bounded import RecentMap
 from splitserve.common.dist_store import Device, gloo_device, host_store
 from splitserve.disagg.transfer import nccl
 from splitserve.disagg.transfer.base import (
@@ -292,7 +293,13 @@ async def _link(future: Future) -> _Link:
 class TorchDistReceiver(KVReceiver):
     """Decode side. Hosts the TCPStore every channel of this worker meets through."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout_s: float = 30.0,
+        device: torch.device | None = None,
+        max_failed_channels: int = 4096,
+    ) -> None:
         self.timeout_s = timeout_s
         self.store = host_store(host, timeout_s)
         self.address = f"{host}:{self.store.port}"
@@ -358,7 +365,13 @@ class TorchDistReceiver(KVReceiver):
 class TorchDistSender(KVSender):
     """Prefill side. Keeps one live group per receiver (a new key from it replaces the old)."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout_s: float = 30.0,
+        device: torch.device | None = None,
+        max_failed_channels: int = 4096,
+    ) -> None:
         self.timeout_s = timeout_s
         self._device = gloo_device(host)
         self._cuda: torch.device | None = None  # for NCCL channels
@@ -367,7 +380,8 @@ class TorchDistSender(KVSender):
         self._lock = threading.Lock()  # guards _stores (filled from executor threads)
         self._stores: dict[str, dist.TCPStore] = {}
         self._groups: dict[str, tuple[str, Future]] = {}  # receiver address -> (key, group)
-        self._dead: set[str] = set()
+        # keys of failed channels, refused as closed; bounded: receivers make a new key per channel
+        self._dead: RecentMap[str, bool] = RecentMap(max_failed_channels)
 
     def connect(self, channel: ChannelSpec) -> None:
         if channel.key in self._dead:
@@ -424,7 +438,7 @@ class TorchDistSender(KVSender):
         return Moved(time.monotonic() - start, crc)
 
     def _fail(self, channel: ChannelSpec) -> None:
-        self._dead.add(channel.key)
+        self._dead.set(channel.key, True)
         current = self._groups.get(channel.address)
         if current is not None and current[0] == channel.key:
             del self._groups[channel.address]
