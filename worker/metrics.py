@@ -23,6 +23,29 @@ if TYPE_CHECKING:
     from splitserve.disagg.transfer.base import TransferFailure
 
 PREFIX = "splitserve_"
+VLLM_PREFIX = "vllm:"
+# The series also exported under vLLM's own names with --vllm-metric-names (their splitserve_ names,
+# without the prefix, are vLLM's): what tools and schedulers built for vLLM read.
+VLLM_NAMES = frozenset(
+    {
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "request_time_per_output_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    }
+)
 _SENDS = {"prefill": "sent", "decode": "received"}  # role -> the direction of its KV transfers
 
 
@@ -142,6 +165,28 @@ def _step_families(steps: Mapping[StepKind, StepTotals], names: list[str], value
     yield histogram
 
 
+class _VllmNames:
+    """Copies of the VLLM_NAMES series of some collectors, renamed `vllm:...`, read at scrape time
+    (one source of truth: the splitserve_ series). In the Prometheus text format the names stay as
+    written; prometheus_client escapes the colon to `_` when a scraper negotiates OpenMetrics."""
+
+    def __init__(self, sources: Sequence) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self._sources:
+            for metric in source.collect():
+                name = metric.name.removeprefix(PREFIX)
+                if name in VLLM_NAMES:
+                    yield _renamed(metric, PREFIX, VLLM_PREFIX)
+
+
+def _renamed(metric: Metric, old: str, new: str) -> Metric:
+    copy = Metric(new + metric.name.removeprefix(old), metric.documentation, metric.type, metric.unit)
+    copy.samples = [s._replace(name=new + s.name.removeprefix(old)) for s in metric.samples]
+    return copy
+
+
 class WorkerMetrics:
     """Per-request latency histograms and token counters, plus the engine collector."""
 
@@ -152,7 +197,9 @@ class WorkerMetrics:
         snapshot: Callable[[], EngineSnapshot],
         registry: CollectorRegistry | None = None,
         failure_reasons: Sequence[TransferFailure] = (),
+        vllm_names: bool = False,
     ) -> None:
+        """vllm_names: also export VLLM_NAMES as vLLM names them (`vllm:` prefix, same labels)."""
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model, "role": role}
         names = list(self.labels)
@@ -199,8 +246,13 @@ class WorkerMetrics:
             "kv_transfers_streamed",
             "KV sends that went out layer by layer while the prompt's last step computed (prefill).",
         )
-        self.registry.register(_EngineCollector(snapshot, self.labels))
+        engine = _EngineCollector(snapshot, self.labels)
+        self.registry.register(engine)
         self._start_at_zero(_SENDS.get(role), failure_reasons)
+        if vllm_names:
+            per_request = (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode)
+            counts = (self.prompt_tokens, self.generation_tokens, self.request_success)
+            self.registry.register(_VllmNames((engine, *per_request, *counts)))
 
     def _start_at_zero(self, direction: str | None, failure_reasons: Sequence[TransferFailure]) -> None:
         """Create every series this worker can report, at zero, so that a rate() over a series
