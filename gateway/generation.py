@@ -6,6 +6,8 @@ A request that fails before any token went out is retried once on another plan t
 worker to blame; after that, or once tokens went out, it ends with Abort(UNAVAILABLE).
 Closing or cancelling the stream cancels the worker call, which the worker treats as an abort: the
 request's KV blocks go back to the pool on every tier.
+An HTTP request's n samples of one prompt are n generations of one SharedPrompt: it is validated
+and tokenized once, and each sample runs its own copy with its request id and seed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -25,17 +28,79 @@ from splitserve.common.tracing import Context, SpanKind, fail, request_context, 
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.planner import Planner
 from splitserve.gateway.proxy import Abort, Proxy, WorkerFailed
-from splitserve.gateway.validation import RequestValidator
+from splitserve.gateway.validation import InvalidRequest, RequestLimits, RequestValidator
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 
-__all__ = ["Abort", "GenerationCore"]
+__all__ = ["Abort", "Choice", "GenerationCore", "Refused", "SharedPrompt"]
 
 log = logging.getLogger("splitserve.gateway")
 NO_WORKER = (
     "no healthy worker can serve this model now; start one with `splitserve worker --gateway HOST:PORT` "
     "(unified, or a prefill and a decode worker) or wait for one to become healthy"
 )
+
+
+class Refused(Abort):
+    """INVALID_ARGUMENT from the validator, with its typed error (the HTTP API's error code)."""
+
+    def __init__(self, error: ValueError) -> None:
+        super().__init__(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        self.error = error
+
+    def invalid_request(self) -> InvalidRequest | None:
+        return self.error if isinstance(self.error, InvalidRequest) else None
+
+
+class SharedPrompt:
+    """One prompt with its parameters, validated and tokenized once for the choices (samples) that
+    share it. The first choice to need it starts the validation; each choice then gets its own
+    worker request, copied only once the prompt is known to fit the context (the last one to ask
+    takes the original)."""
+
+    def __init__(self, validator: RequestValidator, request: gen_pb.GenerateRequest, num_choices: int) -> None:
+        self.validator, self.request, self._num_left = validator, request, num_choices
+        self._validated: asyncio.Future[pb.WorkerGenerateRequest] | None = None
+
+    async def worker_request(self, request_id: str, seed: int | None) -> pb.WorkerGenerateRequest:
+        """Raises what the validation raised (ValueError), for every choice alike."""
+        if self._validated is None:
+            self._validated = asyncio.ensure_future(self.validator.worker_request(self.request, ""))
+            self._validated.add_done_callback(_retrieve)  # every choice may have gone before it ends
+        validated = await asyncio.shield(self._validated)  # one choice's cancellation is not the others'
+        self._num_left -= 1
+        request = validated if self._num_left == 0 else _copy(validated)
+        request.request_id = request_id
+        if seed is not None:
+            request.sampling.seed = seed
+        return request
+
+    def num_prompt_tokens(self) -> int:
+        """Once validated (a choice's stream has started); 0 before."""
+        validated = self._validated
+        if validated is None or not validated.done() or validated.cancelled() or validated.exception():
+            return 0
+        return len(validated.result().prompt_token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One sample of a SharedPrompt: what GenerationCore.generate runs for an HTTP choice."""
+
+    prompt: SharedPrompt
+    request_id: str
+    seed: int | None  # the proto's uint64; None: unseeded
+
+
+def _copy(request: pb.WorkerGenerateRequest) -> pb.WorkerGenerateRequest:
+    copy = pb.WorkerGenerateRequest()
+    copy.CopyFrom(request)
+    return copy
+
+
+def _retrieve(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # marks it retrieved: no "exception was never retrieved" at exit
 
 
 class GenerationCore:
@@ -64,6 +129,10 @@ class GenerationCore:
     def max_model_len(self) -> int:
         return self.validator.max_model_len()
 
+    @property
+    def limits(self) -> RequestLimits:
+        return self.validator.limits
+
     async def tokenize(self, request: gen_pb.TokenizeRequest, add_special_tokens: bool = True) -> list[int]:
         """The prompt's token ids, checked as a Generate prompt is; raises ValueError."""
         return await self.validator.tokenize(request, add_special_tokens)
@@ -72,12 +141,16 @@ class GenerationCore:
         """Whether a request would find a plan now: a healthy worker that streams tokens (not prefill only)."""
         return self.planner.can_serve()
 
+    def share(self, request: gen_pb.GenerateRequest, num_choices: int) -> SharedPrompt:
+        return SharedPrompt(self.validator, request, num_choices)
+
     async def generate(
-        self, request: gen_pb.GenerateRequest, deadline: float | None = None, parent: Context | None = None
+        self, request: gen_pb.GenerateRequest | Choice, deadline: float | None = None, parent: Context | None = None
     ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
-        """The client's responses; raises Abort(code, message). deadline: time.monotonic() by which the
-        request must end (the worker call's timeout), None for none. parent: the trace context the client
-        sent (the request's span is its child), None for none (the request's span starts a trace)."""
+        """The client's responses; raises Abort(code, message). request: a gRPC request, or one choice of
+        an HTTP request. deadline: time.monotonic() by which the request must end (the worker call's
+        timeout), None for none. parent: the trace context the client sent (the request's span is its
+        child), None for none (the request's span starts a trace)."""
         arrival = time.monotonic()
         code = grpc.StatusCode.OK
         request_id = request.request_id or uuid.uuid4().hex
@@ -108,7 +181,7 @@ class GenerationCore:
             span.end()
 
     async def _generate(
-        self, request: gen_pb.GenerateRequest, request_id: str, deadline: float | None, arrival: float
+        self, request: gen_pb.GenerateRequest | Choice, request_id: str, deadline: float | None, arrival: float
     ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
         """Runs with the request's span current (steps_in): the stages' spans are its children."""
         with stage("gateway.validate"):
@@ -143,8 +216,10 @@ class GenerationCore:
                 self.metrics.retries.labels(role=e.worker.role_name).inc()
                 log.warning("request %s: %s; retrying once elsewhere", worker_request.request_id, e.message)
 
-    async def _validate(self, request: gen_pb.GenerateRequest, request_id: str) -> pb.WorkerGenerateRequest:
+    async def _validate(self, request: gen_pb.GenerateRequest | Choice, request_id: str) -> pb.WorkerGenerateRequest:
         try:
+            if isinstance(request, Choice):
+                return await request.prompt.worker_request(request_id, request.seed)
             return await self.validator.worker_request(request, request_id)
         except ValueError as e:
-            raise Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+            raise Refused(e) from None

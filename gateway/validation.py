@@ -5,8 +5,9 @@ text): a request over a limit is refused by its length in bytes, before any toke
 any but a short prompt is tokenized on a thread: the event loop serves every stream, so it never
 runs for long the one step whose cost grows with the client's input. Token ids and the context are
 checked against what the healthy workers accept.
-Every check raises ValueError with a message saying what to change; the server maps it to
-INVALID_ARGUMENT.
+Every check raises an InvalidRequest (a ValueError) with a message saying what to change; the gRPC
+API answers INVALID_ARGUMENT with it, the HTTP API a 400 whose error code is the one OpenAI's API
+gives the same failure (the error's class says which: never its message).
 """
 
 from __future__ import annotations
@@ -27,6 +28,52 @@ _FRAMING_BYTES = 64 * KiB  # room in a gRPC message for the fields the limits do
 # Prompts up to this size (characters of text, bytes of chat messages) are tokenized on the event loop,
 # in well under a millisecond: they skip the thread hop and never wait for a thread behind big prompts.
 _INLINE_PROMPT_SIZE = 512
+
+
+class InvalidRequest(ValueError):
+    """A request the gateway refuses. `code`: what OpenAI's API calls the failure (its error code);
+    `param`: the field at fault, when one is."""
+
+    code = "invalid_value"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    def openai_message(self) -> str:
+        return str(self)
+
+
+class TooLong(InvalidRequest):
+    code = "string_above_max_length"
+
+
+class TooMany(InvalidRequest):
+    code = "array_above_max_length"
+
+
+class UnknownModel(InvalidRequest):
+    code = "model_not_found"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt and the tokens to generate do not fit the context. OpenAI clients (litellm,
+    langchain) key on the code and on its message's wording, which openai_message gives."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, num_prompt_tokens: int, num_completion_tokens: int, max_model_len: int) -> None:
+        super().__init__(message, "prompt" if num_completion_tokens <= 1 else "max_tokens")
+        self.num_prompt_tokens, self.num_completion_tokens = num_prompt_tokens, num_completion_tokens
+        self.max_model_len = max_model_len
+
+    def openai_message(self) -> str:
+        requested = self.num_prompt_tokens + self.num_completion_tokens
+        return (
+            f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+            f"{requested} tokens ({self.num_prompt_tokens} in the prompt, {self.num_completion_tokens} in the "
+            "completion). Please reduce the length of the prompt or completion."
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +103,7 @@ def check_sizes(request: gen_pb.GenerateRequest, limits: RequestLimits) -> None:
     check_stop_sizes(request.stopping, limits)
     num_id_bytes = len(request.request_id.encode())
     if num_id_bytes > limits.max_request_id_bytes:
-        raise ValueError(
+        raise TooLong(
             f"request_id is {num_id_bytes} bytes; at most {limits.max_request_id_bytes} are accepted: send a shorter id"
         )
 
@@ -71,29 +118,42 @@ def check_prompt_size(request: gen_pb.GenerateRequest | gen_pb.TokenizeRequest, 
     else:
         return
     if num_bytes > limits.max_prompt_bytes:
-        raise ValueError(
+        raise TooLong(
             f"{what} is {num_bytes} bytes; this gateway accepts at most {limits.max_prompt_bytes} "
-            "(send a shorter prompt, or start the gateway with a higher --max-prompt-bytes)"
+            "(send a shorter prompt, or start the gateway with a higher --max-prompt-bytes)",
+            "messages" if kind == "chat" else "prompt",
         )
 
 
 def check_stop_sizes(stopping: gen_pb.StoppingCriteria, limits: RequestLimits) -> None:
-    for what, count in (("stop strings", len(stopping.stop)), ("stop token ids", len(stopping.stop_token_ids))):
-        if count > limits.max_stops:
-            raise ValueError(
-                f"{count} {what} sent; at most {limits.max_stops} are accepted "
-                "(send fewer, or start the gateway with a higher --max-stops)"
-            )
-    sizes = [len(s.encode()) for s in stopping.stop]
+    check_num_stops(len(stopping.stop), "stop strings", limits)
+    check_num_stops(len(stopping.stop_token_ids), "stop token ids", limits)
+    check_stop_strings(stopping.stop, limits)
+
+
+def check_num_stops(count: int, what: str, limits: RequestLimits) -> None:
+    """Counted before the items are read (a client can send a million of them)."""
+    if count > limits.max_stops:
+        raise TooMany(
+            f"{count} {what} sent; at most {limits.max_stops} are accepted "
+            "(send fewer, or start the gateway with a higher --max-stops)",
+            "stop" if what == "stop strings" else "stop_token_ids",
+        )
+
+
+def check_stop_strings(stop: Sequence[str], limits: RequestLimits) -> None:
+    sizes = [len(s.encode()) for s in stop]
     if sizes and max(sizes) > limits.max_stop_bytes:
-        raise ValueError(
+        raise TooLong(
             f"a stop string is {max(sizes)} bytes; at most {limits.max_stop_bytes} are accepted "
-            "(send a shorter one, or start the gateway with a higher --max-stop-bytes)"
+            "(send a shorter one, or start the gateway with a higher --max-stop-bytes)",
+            "stop",
         )
     if sum(sizes) > limits.max_stop_total_bytes:
-        raise ValueError(
+        raise TooLong(
             f"the stop strings are {sum(sizes)} bytes together; at most {limits.max_stop_total_bytes} "
-            "are accepted (send fewer, or start the gateway with a higher --max-stop-total-bytes)"
+            "are accepted (send fewer, or start the gateway with a higher --max-stop-total-bytes)",
+            "stop",
         )
 
 
@@ -101,22 +161,31 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> Non
     """Every id below the workers' vocabulary size (skipped while it is unknown: 0)."""
     if vocab_size and token_ids and max(token_ids) >= vocab_size:
         bad = [t for t in token_ids if t >= vocab_size][:5]
-        raise ValueError(f"{what} must be in [0, {vocab_size}) (the model's vocabulary); got {bad}")
+        param = "prompt" if what.startswith("prompt") else "stop_token_ids"
+        raise InvalidRequest(f"{what} must be in [0, {vocab_size}) (the model's vocabulary); got {bad}", param)
 
 
 def check_prompt_length(num_tokens: int, max_model_len: int) -> None:
     """Checked before copying a prompt's token ids too (a client can send a million of them)."""
     if not num_tokens:
-        raise ValueError("prompt is empty; send text, token ids or chat messages")
+        raise InvalidRequest("prompt is empty; send text, token ids or chat messages", "prompt")
     if max_model_len and num_tokens >= max_model_len:
-        raise ValueError(f"prompt has {num_tokens} tokens but the model context is {max_model_len}; shorten the prompt")
+        raise ContextLengthExceeded(
+            f"prompt has {num_tokens} tokens but the model context is {max_model_len}; shorten the prompt",
+            num_tokens,
+            1,  # a request generates at least one token
+            max_model_len,
+        )
 
 
 def check_fits_context(num_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
     if max_tokens and max_model_len and num_tokens + max_tokens > max_model_len:
-        raise ValueError(
+        raise ContextLengthExceeded(
             f"prompt ({num_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model context of "
-            f"{max_model_len}; lower max_tokens"
+            f"{max_model_len}; lower max_tokens",
+            num_tokens,
+            max_tokens,
+            max_model_len,
         )
 
 
@@ -168,7 +237,7 @@ class RequestValidator:
 
     def _check_model(self, model: str) -> None:
         if model and model != self.model_name:
-            raise ValueError(f"unknown model {clip(model)!r}; this gateway serves {self.model_name!r}")
+            raise UnknownModel(f"unknown model {clip(model)!r}; this gateway serves {self.model_name!r}", "model")
 
     async def _prompt_token_ids(self, request: gen_pb.GenerateRequest) -> list[int]:
         kind, max_len = request.WhichOneof("prompt"), self.max_model_len()

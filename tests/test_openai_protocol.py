@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from splitserve.gateway.http.errors import ApiError
-from splitserve.gateway.http.protocol import parse_chat, parse_completion
+from splitserve.gateway.http.protocol import Bounds, parse_chat, parse_completion
 from splitserve.gateway.http.shaping import DONE_EVENT, ResponseShaper, TokenStrings
 from splitserve.gateway.http.streams import cancel_on_disconnect, merge, started
 from splitserve.gateway.proxy import Abort
@@ -18,14 +18,15 @@ from splitserve.protos.v1 import generation_pb2 as pb
 pytestmark = pytest.mark.unit
 
 MODEL = "m"
+BOUNDS = Bounds(MODEL, 16, 256)
 
 
 def completion(**body):
-    return parse_completion({"model": MODEL, **body}, MODEL, 16, None)
+    return parse_completion({"model": MODEL, **body}, BOUNDS, None)
 
 
 def chat(**body):
-    return parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, MODEL, 16, None)
+    return parse_chat({"messages": [{"role": "user", "content": "hi"}], **body}, BOUNDS, None)
 
 
 def refused(parse, status: int = 400, **body) -> ApiError:
@@ -50,13 +51,16 @@ def test_completion_prompt_forms(prompt, expected):
     assert kinds == expected
 
 
-def test_n_fans_out_with_seed_plus_sample_index():
+def test_n_fans_out_with_seed_plus_sample_index_sharing_one_request_per_prompt():
     parsed = completion(prompt=["a", "b"], n=3, seed=-1, temperature=0.5, max_tokens=7)
-    assert [r.sampling.seed for r in parsed.requests] == [2**64 - 1, 0, 1] * 2
-    assert [r.text for r in parsed.requests] == ["a"] * 3 + ["b"] * 3
-    assert len({r.request_id for r in parsed.requests}) == 6
+    choices = list(parsed.choices())
+    assert [seed for _, _, seed in choices] == [2**64 - 1, 0, 1] * 2
+    assert [parsed.requests[p].text for p, _, _ in choices] == ["a"] * 3 + ["b"] * 3
+    assert len({request_id for _, request_id, _ in choices}) == 6 == parsed.num_choices
+    assert len(parsed.requests) == 2
     assert all(r.sampling.temperature == 0.5 and r.stopping.max_tokens == 7 for r in parsed.requests)
-    assert not completion(prompt="a", n=2).requests[0].sampling.HasField("seed")
+    assert all(not r.sampling.HasField("seed") for r in parsed.requests)  # each choice's is set on its copy
+    assert [seed for _, _, seed in completion(prompt="a", n=2).choices()] == [None, None]
 
 
 def test_defaults_and_vllm_extras():
@@ -74,13 +78,12 @@ def test_chat_fields():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     parsed = parse_chat(
         {"messages": [{"role": "user", "content": parts}], "max_tokens": 3, "max_completion_tokens": 5},
-        MODEL,
-        16,
+        BOUNDS,
         "abc",
     )
     r = parsed.requests[0]
     assert r.chat.messages[0].content == "a\nb" and r.stopping.max_tokens == 5
-    assert parsed.response_id == "chatcmpl-abc" and r.request_id == "chatcmpl-abc-0"
+    assert parsed.response_id == "chatcmpl-abc" and next(parsed.choices())[1] == "chatcmpl-abc-0"
     assert not chat().requests[0].stopping.HasField("max_tokens")  # a chat fills the context by default
     assert chat(logprobs=True, top_logprobs=4).requests[0].logprobs == 4
     assert chat(logprobs=True).logprobs == 0 and chat().logprobs is None
@@ -101,11 +104,13 @@ def test_chat_fields():
         (completion, {"prompt": "a", "suffix": "z"}, "suffix"),
         (completion, {"prompt": "a", "best_of": 3}, "best_of"),
         (completion, {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
-        (
-            completion,
-            {"prompt": "a", "stream": True, "stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
-        ),
+        (completion, {"prompt": [1] * 256}, "prompt"),  # the context, counted before the ids are read
+        (completion, {"prompt": [[1], [1] * 300]}, "prompt"),
+        (completion, {"prompt": ["a"] * 17}, "prompt"),  # more prompts than generations, before reading them
+        (completion, {"prompt": "a", "stop": ["s"] * 257}, "stop"),
+        (completion, {"prompt": "a", "stop": "s" * 1025}, "stop"),
+        (completion, {"prompt": "a", "stop_token_ids": [1] * 257}, "stop_token_ids"),
+        (chat, {"tools": [{"type": "function"}], "tool_choice": "auto"}, "tools"),
         (chat, {"tools": [{"type": "function"}]}, "tools"),
         (chat, {"top_logprobs": 2}, "top_logprobs"),
         (chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
@@ -117,10 +122,18 @@ def test_bad_requests_name_the_field(parse, body, param):
     assert refused(parse, **body).param == param
 
 
+def test_usage_options_and_tools_ignored_without_tool_calls():
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    assert completion(prompt="a", stream=True, stream_options=options).continuous_usage
+    assert not completion(prompt="a", stream=True, stream_options={"continuous_usage_stats": True}).continuous_usage
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert chat(tools=tools, tool_choice="none").requests[0].chat.messages[0].content == "hi"
+
+
 def test_unknown_model_is_404_and_not_an_object_is_400():
     assert refused(completion, 404, prompt="a", model="gpt-9").code == "model_not_found"
     with pytest.raises(ApiError) as err:
-        parse_completion([1, 2], MODEL, 16, None)
+        parse_completion([1, 2], BOUNDS, None)
     assert err.value.status == 400
 
 

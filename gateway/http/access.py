@@ -1,8 +1,9 @@
 """API keys and the per-route counter, as one ASGI middleware around the app.
 
-The key check is the gRPC API's PublicAccess (gateway/auth.py), the same instance: a key's rate
-and concurrency limits count its calls on both APIs, and a call holds its concurrency slot until
-its answer (a whole stream) has gone out.
+The key check is the gRPC API's PublicAccess, the same instance: a key's rate and concurrency
+limits count its generations on both APIs. A call is admitted with one generation's slot and rate
+token; the routes that run more (prompts x n) extend its grant (scope[KEY_GRANT]) once the body is
+read. The call holds its slots until its answer (a whole stream) has gone out or failed.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from http import HTTPStatus
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from splitserve.common.security import Metadata
-from splitserve.gateway.auth import PublicAccess
+from splitserve.gateway.auth import KeyDenied, KeyGrant, PublicAccess
 from splitserve.gateway.http.errors import ApiError
 from splitserve.gateway.metrics import GatewayMetrics
 
 OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics"})  # like gRPC health: no key unless --guard-health
 _DENIAL_CODES = {HTTPStatus.UNAUTHORIZED: "invalid_api_key", HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_exceeded"}
+KEY_GRANT = "splitserve.key_grant"  # the scope's KeyGrant of a call admitted by its key (absent without keys)
 
 
 class AccessMiddleware:
@@ -40,20 +42,37 @@ class AccessMiddleware:
         if self.public is None or (path in OPEN_ROUTES and not self.guard_open):
             await self.app(scope, receive, counted)
             return
-        admission = await self.public(_metadata(scope))
-        if admission.denial is not None:
-            code, message = admission.denial
-            self.metrics.count_denial("public", code)
-            # the trailing metadata (retry-after) holds HTTP header names
-            error = ApiError.from_grpc(code, message, headers={k.title(): v for k, v in admission.trailing})
-            error.code = _DENIAL_CODES.get(error.status, error.code)
-            await _send_error(error, counted)
+        try:
+            grant = self.public.admit(_metadata(scope))
+        except KeyDenied as e:
+            self.metrics.count_denial("public", e.code)
+            await _send_error(denied(e), counted)
             return
         try:
-            await self.app(scope, receive, counted)
+            await self.app({**scope, KEY_GRANT: grant}, receive, counted)
         finally:
-            if admission.release is not None:
-                admission.release()
+            grant.release()
+
+
+def extend_grant(scope: Scope, num_generations: int) -> None:
+    """The call's key holds num_generations slots and tokens from now on, or ApiError (400 if they could
+    never fit its limits, else 429 with Retry-After). No key configured: nothing to count."""
+    grant: KeyGrant | None = scope.get(KEY_GRANT)
+    if grant is None:
+        return
+    try:
+        grant.extend_to(num_generations)
+    except KeyDenied as e:
+        error = denied(e)
+        error.param = "n" if error.status == HTTPStatus.BAD_REQUEST else None
+        raise error from None
+
+
+def denied(e: KeyDenied) -> ApiError:
+    # the trailing metadata (retry-after) holds HTTP header names
+    error = ApiError.from_grpc(e.code, e.message, headers={k.title(): v for k, v in e.trailing})
+    error.code = _DENIAL_CODES.get(error.status, error.code)
+    return error
 
 
 def _metadata(scope: Scope) -> Metadata:

@@ -8,6 +8,8 @@ from http import HTTPStatus
 
 import grpc
 
+from splitserve.gateway.validation import InvalidRequest
+
 # gRPC status (generation.py's Abort, the key check's denial) -> HTTP status.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: HTTPStatus.BAD_REQUEST,
@@ -64,5 +66,10 @@ class ApiError(Exception):
         return json.dumps(self.body()).encode()
 
 
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(HTTPStatus.BAD_REQUEST, message, param=param)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(HTTPStatus.BAD_REQUEST, message, param=param, code=code)
+
+
+def invalid_request(error: InvalidRequest) -> ApiError:
+    """A validator's refusal, with the code and message OpenAI's API gives the same failure."""
+    return bad_request(error.openai_message(), error.param, error.code)

@@ -1,20 +1,31 @@
-"""OpenAI request bodies -> the GenerateRequests the gateway runs (one per choice).
+"""OpenAI request bodies -> the GenerateRequests the gateway runs (one per prompt).
 
 /v1/completions: `prompt` is a string, a list of strings, token ids, or a list of token-id lists;
 /v1/chat/completions: `messages` with text content. Each prompt runs `n` times: choice i of a
 request is prompt i // n, sample i % n, and with a `seed` sample j uses seed + j (outputs differ,
-yet the same request gives the same outputs). Values are range-checked by the same validator as
-gRPC requests; here only types, the fields that have no proto counterpart, and what is refused.
+yet the same request gives the same outputs). The n choices of a prompt share its one request
+(validated and tokenized once). Values are range-checked by the same validator as gRPC requests;
+here only types, the fields that have no proto counterpart, and what is refused. Counts a client
+controls (prompts, token ids, stop strings) are checked against their limits before their items
+are read, so that a hostile body costs no more than reading it.
 """
 
 from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
-from splitserve.gateway.http.errors import ApiError, bad_request
+from splitserve.gateway.http.errors import ApiError, bad_request, invalid_request
 from splitserve.gateway.http.fields import UINT32_MAX, Fields, as_token_ids
+from splitserve.gateway.validation import (
+    InvalidRequest,
+    RequestLimits,
+    check_num_stops,
+    check_prompt_length,
+    check_stop_strings,
+)
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 
 MAX_LOGPROBS = 20  # the most alternatives a worker returns per token (SamplingParams.logprobs)
@@ -41,11 +52,12 @@ _UNSUPPORTED_BOTH: dict[str, tuple[object, ...]] = {
     "prompt_embeds": (),
 }
 _UNSUPPORTED_COMPLETIONS = {**_UNSUPPORTED_BOTH, "suffix": ("",)}
+# With tool_choice "none" the model calls no tool, so the tools sent are ignored (as OpenAI does).
+_TOOLS: dict[str, tuple[object, ...]] = {"tools": ([],), "functions": ([],)}
 _UNSUPPORTED_CHAT = {
     **_UNSUPPORTED_BOTH,
-    "tools": ([],),
+    **_TOOLS,
     "tool_choice": ("none", "auto"),
-    "functions": ([],),
     "function_call": ("none", "auto"),
     "echo": (False,),
     "add_generation_prompt": (True,),
@@ -74,24 +86,49 @@ Prompt = str | tuple[int, ...] | gen_pb.ChatMessages
 
 
 @dataclass(frozen=True, slots=True)
+class Bounds:
+    """What a body is checked against while it is read, before anything is built from it."""
+
+    served_model: str  # the model's name (what responses carry)
+    max_choices: int  # generations in one request (the gateway's --max-pending)
+    max_model_len: int = 0  # the workers' context, 0 while unknown (the validator checks it later)
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+
+@dataclass(frozen=True, slots=True)
 class ParsedRequest:
     endpoint: Endpoint
     response_id: str  # cmpl-... / chatcmpl-...
     model: str  # the served model's name (what responses carry)
     prompts: tuple[Prompt, ...]
     n: int
-    requests: tuple[gen_pb.GenerateRequest, ...]  # one per choice: prompt i // n, sample i % n
+    requests: tuple[gen_pb.GenerateRequest, ...]  # one per prompt; its n choices share it
+    seed: int | None  # sample j of each prompt uses seed + j; None: unseeded
     stream: bool
     include_usage: bool  # streaming: a last chunk with the usage
+    continuous_usage: bool  # streaming: every chunk carries its choice's usage so far (vLLM's)
     logprobs: int | None  # alternatives per token in the answers; None: no logprobs
     echo: bool  # completions: the prompt text before each choice's text
     stop: tuple[str, ...]  # stop strings (a stop_reason that is one of them stays a string)
 
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompts) * self.n
 
-def parse_completion(body: object, served_model: str, max_choices: int, request_id: str | None) -> ParsedRequest:
+    def choices(self) -> Iterator[tuple[int, str, int | None]]:
+        """(prompt index, request id, seed) of each choice, in choice order."""
+        for i in range(self.num_choices):
+            seed = None if self.seed is None else (self.seed + i % self.n) % _SEED_SPAN
+            yield i // self.n, f"{self.response_id}-{i}", seed
+
+
+Parser = Callable[[object, Bounds, str | None], ParsedRequest]
+
+
+def parse_completion(body: object, bounds: Bounds, request_id: str | None) -> ParsedRequest:
     f = Fields(body)
     f.reject_unsupported(_UNSUPPORTED_COMPLETIONS)
-    prompts = _completion_prompts(f.get("prompt"))
+    prompts = _completion_prompts(f.get("prompt"), bounds)
     logprobs = f.integer("logprobs", None, 0, MAX_LOGPROBS)
     echo = f.boolean("echo", False)
     if echo and logprobs is not None:
@@ -100,12 +137,13 @@ def parse_completion(body: object, served_model: str, max_choices: int, request_
             "echo",
         )
     max_tokens = None if f.is_null("max_tokens") else f.integer("max_tokens", 16, 1, UINT32_MAX)
-    return _parsed(f, Endpoint.COMPLETIONS, served_model, prompts, max_choices, request_id, logprobs, max_tokens, echo)
+    return _parsed(f, Endpoint.COMPLETIONS, bounds, prompts, request_id, logprobs, max_tokens, echo)
 
 
-def parse_chat(body: object, served_model: str, max_choices: int, request_id: str | None) -> ParsedRequest:
+def parse_chat(body: object, bounds: Bounds, request_id: str | None) -> ParsedRequest:
     f = Fields(body)
-    f.reject_unsupported(_UNSUPPORTED_CHAT)
+    ignored = _TOOLS if f.get("tool_choice") == "none" else {}
+    f.reject_unsupported({k: v for k, v in _UNSUPPORTED_CHAT.items() if k not in ignored})
     messages = chat_messages(f.get("messages"))
     top = f.integer("top_logprobs", None, 0, MAX_LOGPROBS)
     if top is not None and not f.boolean("logprobs", False):
@@ -114,50 +152,63 @@ def parse_chat(body: object, served_model: str, max_choices: int, request_id: st
     max_tokens = f.integer("max_completion_tokens", None, 1, UINT32_MAX)
     if max_tokens is None:
         max_tokens = f.integer("max_tokens", None, 1, UINT32_MAX)  # deprecated by OpenAI, still sent by many
-    return _parsed(f, Endpoint.CHAT, served_model, (messages,), max_choices, request_id, logprobs, max_tokens, False)
+    return _parsed(f, Endpoint.CHAT, bounds, (messages,), request_id, logprobs, max_tokens, False)
 
 
 def _parsed(
     f: Fields,
     endpoint: Endpoint,
-    served_model: str,
+    bounds: Bounds,
     prompts: tuple[Prompt, ...],
-    max_choices: int,
     request_id: str | None,
     logprobs: int | None,
     max_tokens: int | None,
     echo: bool,
 ) -> ParsedRequest:
-    model = _model(f, served_model)
-    n = _n(f, len(prompts), max_choices)
+    model = _model(f, bounds.served_model)
+    n = _n(f, len(prompts), bounds.max_choices)
     stream = f.boolean("stream", False)
-    include_usage = _include_usage(f, stream)
-    stop = f.strings("stop")
+    include_usage, continuous_usage = _usage_options(f, stream)
+    stop = _stop(f, bounds.limits)
     priority = f.integer("priority", 0, -(2**31), 2**31 - 1)
-    template = gen_pb.GenerateRequest(sampling=_sampling(f), stopping=_stopping(f, max_tokens, stop), priority=priority)
+    template = gen_pb.GenerateRequest(
+        sampling=_sampling(f), stopping=_stopping(f, max_tokens, stop, bounds.limits), priority=priority
+    )
     if logprobs is not None:
         template.logprobs = logprobs
     seed = f.integer("seed", None, -(2**63), _SEED_SPAN - 1)
     response_id = f"{endpoint.id_prefix}-{request_id or uuid.uuid4().hex}"
-    requests = tuple(
-        _choice(template, prompts[i // n], f"{response_id}-{i}", None if seed is None else seed + i % n)
-        for i in range(len(prompts) * n)
-    )
+    requests = tuple(_prompt_request(template, prompt) for prompt in prompts)
     return ParsedRequest(
-        endpoint, response_id, model, prompts, n, requests, stream, include_usage, logprobs, echo, stop
+        endpoint,
+        response_id,
+        model,
+        prompts,
+        n,
+        requests,
+        seed,
+        stream,
+        include_usage,
+        continuous_usage,
+        logprobs,
+        echo,
+        stop,
     )
 
 
-def _choice(
-    template: gen_pb.GenerateRequest, prompt: Prompt, request_id: str, seed: int | None
-) -> gen_pb.GenerateRequest:
+def _prompt_request(template: gen_pb.GenerateRequest, prompt: Prompt) -> gen_pb.GenerateRequest:
     request = gen_pb.GenerateRequest()
     request.CopyFrom(template)
-    request.request_id = request_id
-    if seed is not None:
-        request.sampling.seed = seed % _SEED_SPAN
     _set_prompt(request, prompt)
     return request
+
+
+def _checked(check: Callable[..., None], *args: object) -> None:
+    """A validator's check, its refusal as the HTTP API's 400."""
+    try:
+        check(*args)
+    except InvalidRequest as e:
+        raise invalid_request(e) from None
 
 
 def _model(f: Fields, served_model: str) -> str:
@@ -187,14 +238,24 @@ def _n(f: Fields, num_prompts: int, max_choices: int) -> int:
     return n
 
 
-def _include_usage(f: Fields, stream: bool) -> bool:
+def _usage_options(f: Fields, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats); the latter only with the former, as vLLM has it."""
     options = f.obj("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise bad_request("stream_options can only be given with stream=true", "stream_options")
-    options.reject_unsupported({"continuous_usage_stats": (False,)})
-    return options.boolean("include_usage", False)
+    include_usage = options.boolean("include_usage", False)
+    return include_usage, include_usage and options.boolean("continuous_usage_stats", False)
+
+
+def _stop(f: Fields, limits: RequestLimits) -> tuple[str, ...]:
+    value = f.get("stop")
+    if isinstance(value, list):
+        _checked(check_num_stops, len(value), "stop strings", limits)
+    stop = f.strings("stop")
+    _checked(check_stop_strings, stop, limits)
+    return stop
 
 
 def _sampling(f: Fields) -> gen_pb.SamplingParameters:
@@ -216,7 +277,12 @@ def _top_k(f: Fields) -> int:
     return 0 if top_k is None or top_k == -1 else top_k  # vLLM's -1 and 0 both mean off
 
 
-def _stopping(f: Fields, max_tokens: int | None, stop: tuple[str, ...]) -> gen_pb.StoppingCriteria:
+def _stopping(
+    f: Fields, max_tokens: int | None, stop: tuple[str, ...], limits: RequestLimits
+) -> gen_pb.StoppingCriteria:
+    value = f.get("stop_token_ids")
+    if isinstance(value, list):
+        _checked(check_num_stops, len(value), "stop token ids", limits)
     stopping = gen_pb.StoppingCriteria(
         min_tokens=f.integer("min_tokens", 0, 0, UINT32_MAX),
         stop=stop,
@@ -237,20 +303,43 @@ def _set_prompt(request: gen_pb.GenerateRequest, prompt: Prompt) -> None:
         request.chat.CopyFrom(prompt)
 
 
-def _completion_prompts(value: object) -> tuple[Prompt, ...]:
-    """A string, a list of strings, token ids, or a list of token-id lists."""
+def _completion_prompts(value: object, bounds: Bounds) -> tuple[Prompt, ...]:
+    """A string, a list of strings, token ids, or a list of token-id lists; lists are counted first."""
     if isinstance(value, str):
         return (value,)
     if isinstance(value, list) and value:
+        if not isinstance(value[0], str | list):
+            return (_token_prompt(value, bounds),)
+        _check_num_prompts(len(value), bounds.max_choices)
+        if isinstance(value[0], list):
+            return tuple(_token_prompt(v, bounds) for v in value)
         if all(isinstance(v, str) for v in value):
             return tuple(value)
-        ids = as_token_ids(value)
-        if ids is not None:
-            return (ids,)
-        lists = [as_token_ids(v) for v in value]
-        if all(ids is not None and ids for ids in lists):
-            return tuple(ids for ids in lists if ids is not None)
-    raise bad_request(
+    raise _bad_prompt()
+
+
+def _token_prompt(value: object, bounds: Bounds) -> tuple[int, ...]:
+    """Token ids, their number checked against the context before they are read."""
+    if not isinstance(value, list) or not value:
+        raise _bad_prompt()
+    _checked(check_prompt_length, len(value), bounds.max_model_len)
+    ids = as_token_ids(value)
+    if ids is None:
+        raise _bad_prompt()
+    return ids
+
+
+def _check_num_prompts(num_prompts: int, max_choices: int) -> None:
+    if num_prompts > max_choices:
+        raise bad_request(
+            f"{num_prompts} prompts sent; this server takes at most {max_choices} generations in one request "
+            "(its --max-pending): send fewer prompts",
+            "prompt",
+        )
+
+
+def _bad_prompt() -> ApiError:
+    return bad_request(
         "prompt must be a string, a non-empty list of strings, a list of token ids (integers >= 0), "
         "or a list of non-empty token-id lists",
         "prompt",

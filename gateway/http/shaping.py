@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from splitserve.common.tokenizer import Tokenizer
@@ -54,6 +55,7 @@ class ChoiceState:
     texts: list[str] = field(default_factory=list)
     logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
     text_offset: int = 0  # characters of text before the next token (completions logprobs' text_offset)
+    num_tokens: int = 0  # completion tokens so far
     started: bool = False  # streaming: its first chunk went out
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -63,10 +65,11 @@ class ChoiceState:
 class ResponseShaper:
     """One HTTP request's answer, built from its choices' responses (streamed or whole)."""
 
-    def __init__(self, parsed: ParsedRequest, strings: TokenStrings) -> None:
-        self.parsed, self.strings = parsed, strings
+    def __init__(self, parsed: ParsedRequest, strings: TokenStrings, num_prompt_tokens: Sequence[int] = ()) -> None:
+        """num_prompt_tokens: each prompt's, for continuous usage stats (known once the streams started)."""
+        self.parsed, self.strings, self.num_prompt_tokens = parsed, strings, num_prompt_tokens
         self.created = int(time.time())
-        self.choices = [ChoiceState() for _ in parsed.requests]
+        self.choices = [ChoiceState() for _ in range(parsed.num_choices)]
         self.chat = parsed.endpoint is Endpoint.CHAT
         self.object = "chat.completion.chunk" if self.chat else "text_completion"
 
@@ -77,7 +80,7 @@ class ResponseShaper:
             return []
         delta = {"role": "assistant", "content": ""}
         return [
-            self._event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}])
+            self._event([{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], self._running(i))
             for i in range(len(self.choices))
         ]
 
@@ -96,10 +99,18 @@ class ResponseShaper:
         choice.update(logprobs=logprobs, finish_reason=state.finish_reason)
         if state.finish_reason is not None:
             choice["stop_reason"] = state.stop_reason
-        return self._event([choice])
+        return self._event([choice], self._running(index))
 
     def usage_event(self) -> bytes:
         return self._event([], usage=self.usage())
+
+    def _running(self, index: int) -> dict | None:
+        """Choice index's usage so far, on its chunks with continuous usage stats (vLLM's), else None."""
+        if not self.parsed.continuous_usage:
+            return None
+        prompt = self.num_prompt_tokens[index // self.parsed.n] if self.num_prompt_tokens else 0
+        completion = self.choices[index].num_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _event(self, choices: list[dict], usage: dict | None = None) -> bytes:
         payload = {"id": self.parsed.response_id, "object": self.object, "created": self.created}
@@ -147,6 +158,7 @@ class ResponseShaper:
             if self.parsed.echo:
                 text = self.strings.prompt_text(self.parsed.prompts[index // self.parsed.n]) + text
         state.texts.append(text)
+        state.num_tokens += len(response.token_ids)
         if response.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
             state.finish_reason = _FINISH_REASONS[response.finish_reason]
             state.stop_reason = _stop_reason(response.stop_reason, self.parsed.stop)
