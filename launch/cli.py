@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.common.roles import MODES, Role
 from splitserve.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
+from splitserve.launch.lifeline import hold_lifeline
 from splitserve.launch.security_args import (
     add_certs_args,
     add_client_args,
@@ -302,6 +303,7 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         _http_port(a),
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
         _up_planner(a) if a.autoscale else None,
+        a.ready_timeout,
         None if a.engine_process else {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")},
     )
 
@@ -540,6 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_planner_args(sub)
     add_profile_args(sub)
 
+    from splitserve.launch.launcher import READY_TIMEOUT_S
+
     up = sub.add_parser("up", help="start a gateway and its workers as local processes")
     up.add_argument(
         "--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)"
@@ -571,6 +575,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)",
+    )
+    up.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=READY_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds each process may take to come up (load, warm up, report SERVING), at start and when "
+        f"scaled or restarted; past it `up` names the one that is not ready and its last log lines (default "
+        f"{READY_TIMEOUT_S:.0f})",
     )
     up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")
     up.add_argument("--redis-url", default=None, help="prefix index in Redis; default: in gateway memory")
@@ -668,6 +681,7 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_lifeline()  # started by `up` (or a launcher): die with it
     argv = sys.argv[1:] if argv is None else argv
     args, extra = build_parser().parse_known_args(argv)
     try:

@@ -1,16 +1,19 @@
 """`splitserve up`: a gateway plus N unified workers, or P prefill and D decode workers (xPyD), as
 local processes on free ports.
 
-Each child's output is echoed with a [name] prefix (and its last lines kept on Child.log);
-Ctrl-C / SIGTERM stops workers first (they drain), then the gateway. While it runs, `up` serves the
-Launcher gRPC service on --admin-port, so `splitserve scale` can change the shape of the system
-(launch/supervisor.py).
+Each child's output is echoed with a [name] prefix (and its last lines kept on Child.log); a child
+that does not come up is named with the tail of that log. Ctrl-C / SIGTERM stops workers first
+(they drain), then the gateway; the children die with `up` however it ends (its lifeline). While it
+runs, `up` serves the Launcher gRPC service on --admin-port, so `splitserve scale` can change the
+shape of the system (the supervisor).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,9 +28,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.common.security import OPEN_CLUSTER, ClusterSecurity
 from splitserve.common.serving import free_port
 from splitserve.launch.access import UpAccess
+from splitserve.launch.lifeline import parent_lifeline
 
 if TYPE_CHECKING:
     from splitserve.launch.autoscale import UpPlanner
+
+READY_TIMEOUT_S = 180.0  # how long `up` waits for each child to report SERVING (--ready-timeout)
+LOG_TAIL_LINES = 20  # of a child that did not come up, shown in the error
+
+
+class ProcessExited(RuntimeError):
+    """The process being waited for exited before it was healthy."""
+
+
+class ChildNotReady(RuntimeError):
+    """A child of `up` exited, or was not healthy in time, while starting; the message has its log's tail."""
+
+
+class PortTaken(ValueError):
+    """A port `up` is to bind (given, or its default) is in use already."""
 
 
 @dataclass
@@ -43,13 +62,15 @@ class Child:
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
+    lifeline = parent_lifeline()  # the child dies with this process
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitserve.launch.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         bufsize=1,
-        env=env,
+        env=lifeline.child_env(env),
+        pass_fds=(lifeline.read_fd,),
     )
 
     def echo() -> None:
@@ -77,7 +98,7 @@ def wait_healthy(
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"process for {address} exited with code {proc.returncode}")
+                raise ProcessExited(f"process for {address} exited with code {proc.returncode}")
             try:
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
@@ -86,6 +107,23 @@ def wait_healthy(
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"{address} was not healthy within {timeout_s:.0f} s")
+
+
+def wait_ready(
+    child: Child, timeout_s: float = READY_TIMEOUT_S, cluster: ClusterSecurity = OPEN_CLUSTER, is_worker: bool = True
+) -> None:
+    """wait_healthy for a child of `up`; ChildNotReady, naming it with its log's tail, if it exits or
+    is not healthy within timeout_s."""
+    try:
+        wait_healthy(child.address, timeout_s, child.proc, cluster, is_worker)
+    except ProcessExited:
+        why = f"exited with code {child.proc.returncode} while starting"
+    except TimeoutError:
+        why = f"was not ready within {timeout_s:.0f} s (if it is only slow, give `up` a longer --ready-timeout)"
+    else:
+        return
+    tail = "\n".join(f"  [{child.name}] {line}" for line in list(child.log)[-LOG_TAIL_LINES:]) or "  (no output)"
+    raise ChildNotReady(f"{child.name} ({child.address}) {why}; the last lines of its log:\n{tail}")
 
 
 def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0) -> list[tuple[str, str]]:
@@ -106,7 +144,7 @@ def start_cluster(
     engine_argv: list[str],
     host: str = "127.0.0.1",
     gateway_port: int = 0,
-    timeout_s: float = 180.0,
+    timeout_s: float = READY_TIMEOUT_S,
     num_prefill: int = 0,
     num_decode: int = 0,
     worker_argv: list[str] | None = None,
@@ -146,10 +184,12 @@ def start_cluster(
     argv = ["gateway", "--host", host, "--port", str(gw_port), "--metrics-port", str(gw_metrics)]
     argv += ["--http-port", str(-1 if gw_http is None else gw_http), *model, *(gateway_argv or [])]
     http = "" if gw_http is None else f"{host}:{gw_http}"
-    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}", _spawn("gateway", argv, env), http=http)
+    log: deque[str] = deque(maxlen=500)
+    proc = _spawn("gateway", argv, env, log)
+    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}", proc, log=log, http=http)
     children = [gateway]
     try:
-        wait_healthy(gateway.address, timeout_s, gateway.proc, cluster, is_worker=False)
+        wait_ready(gateway, timeout_s, cluster, is_worker=False)
         for i, (name, mode) in enumerate(modes):
             pin = ["--cpus", worker_cpus[i]] if worker_cpus else []
             n = len(worker_cpus[i].split(",")) if worker_cpus else threads
@@ -159,7 +199,7 @@ def start_cluster(
             argv = engine_argv + pin + (worker_argv or []) + (mode_argv or {}).get(mode, [])
             children.append(spawn_worker(name, mode, gateway.address, argv, host, n, env, device, tp))
         for child in children[1:]:
-            wait_healthy(child.address, timeout_s, child.proc, cluster)
+            wait_ready(child, timeout_s, cluster)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
     except BaseException:
         stop_cluster(children)
@@ -174,7 +214,7 @@ def wait_for_gpu_peer(
     mine = set(device.split(",")) if device.startswith("cuda") else set()
     peers = [c for c in started if mine & set(c.device.split(","))]
     if peers:
-        wait_healthy(peers[-1].address, timeout_s, peers[-1].proc, cluster)
+        wait_ready(peers[-1], timeout_s, cluster)
 
 
 def threads_per_worker(num_workers: int) -> int:
@@ -277,6 +317,38 @@ def stop_cluster(children: list[Child], timeout_s: float = 30.0) -> None:
                 child.proc.wait()
 
 
+_PORT_USES = (
+    ("the gateway's gRPC API", "give `up` another with --port N"),
+    (
+        "the gateway's OpenAI HTTP API",
+        "give `up` another with --http-port N (0: a free one), or --no-http to serve gRPC only",
+    ),
+    ("the launcher control of `splitserve scale`", "give `up` another with --admin-port N (0: a free one)"),
+)
+
+
+def check_ports_free(host: str, grpc_port: int, http_port: int | None, admin_port: int) -> None:
+    """PortTaken, naming the port and the flag that moves it, if something listens on a port `up`
+    would give the gateway or its launcher control (0 or None: a free one is picked, or none)."""
+    for port, (use, fix) in zip((grpc_port, http_port, admin_port), _PORT_USES):
+        if port and not _can_bind(host, port):
+            raise PortTaken(f"port {port} on {host} ({use}) is taken: {fix}")
+
+
+def _can_bind(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As the servers bind: a closed connection's TIME_WAIT does not count, only a listener.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            return False
+    return True
+
+
 def _model_argv(engine_argv: list[str]) -> list[str]:
     if "--model" in engine_argv:
         i = engine_argv.index("--model")
@@ -298,12 +370,15 @@ def run_up(
     http_port: int | None = None,
     tp_sizes: dict[str, int] | None = None,
     planner: UpPlanner | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
     mode_argv: dict[str, list[str]] | None = None,
 ) -> int:
     """planner: run the SLO planner in this process too (`--autoscale`; launch/autoscale.py);
+    ready_timeout_s: how long each child may take to come up (at start, and when scaled or restarted);
     mode_argv: arguments for one mode's workers (`--engine-process`: unified and decode)."""
     from splitserve.launch.supervisor import Supervisor, serve_launcher
 
+    check_ports_free(host, port, http_port, admin_port)  # before starting anything
     access = access or UpAccess([], [], OPEN_CLUSTER, [], lambda address: "")
     engine_argv = engine_argv + access.worker_argv
     children = start_cluster(
@@ -311,6 +386,7 @@ def run_up(
         engine_argv,
         host,
         port,
+        timeout_s=ready_timeout_s,
         num_prefill=num_prefill,
         num_decode=num_decode,
         gateway_argv=(gateway_argv or []) + access.gateway_argv,
@@ -321,7 +397,14 @@ def run_up(
         mode_argv=mode_argv,
     )
     supervisor = Supervisor(
-        children, engine_argv, host, devices=devices, cluster=access.cluster, tp_sizes=tp_sizes, mode_argv=mode_argv
+        children,
+        engine_argv,
+        host,
+        start_timeout_s=ready_timeout_s,
+        devices=devices,
+        cluster=access.cluster,
+        tp_sizes=tp_sizes,
+        mode_argv=mode_argv,
     )
     admin = serve_launcher(supervisor, host, admin_port or free_port(host), access.cluster)
     print(

@@ -25,12 +25,13 @@ from splitserve.common.roles import MODES
 from splitserve.common.security import OPEN_CLUSTER, BlockingAccessGuard, ClusterSecurity
 from splitserve.common.serving import DRAIN_TIMEOUT_S, drain_bound_s
 from splitserve.launch.launcher import (
+    READY_TIMEOUT_S,
     Child,
     pick_devices,
     spawn_worker,
     threads_per_worker,
     wait_for_gpu_peer,
-    wait_healthy,
+    wait_ready,
 )
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
@@ -78,7 +79,7 @@ class Supervisor:
         engine_argv: list[str],
         host: str,
         drain_timeout_s: float | None = None,
-        start_timeout_s: float = 180.0,
+        start_timeout_s: float = READY_TIMEOUT_S,
         devices: list[str] | None = None,
         cluster: ClusterSecurity = OPEN_CLUSTER,
         tp_sizes: dict[str, int] | None = None,
@@ -142,7 +143,7 @@ class Supervisor:
             )
             self.children.append(new[-1])
         for child in new:
-            wait_healthy(child.address, self.start_timeout_s, child.proc, self.cluster)
+            wait_ready(child, self.start_timeout_s, self.cluster)
         time.sleep(1.5)  # one gateway health-check round: they take traffic now
         return new
 

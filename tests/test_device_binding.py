@@ -117,9 +117,7 @@ def test_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
 
 def test_scaled_workers_sharing_a_gpu_start_one_after_another(spawned, monkeypatch):
     waited = []
-    monkeypatch.setattr(
-        supervisor, "wait_healthy", lambda address, timeout_s, proc=None, *rest, **kw: waited.append(address)
-    )
+    monkeypatch.setattr(supervisor, "wait_ready", lambda child, timeout_s, *rest, **kw: waited.append(child.address))
     monkeypatch.setattr(
         launcher,
         "wait_healthy",
@@ -188,7 +186,7 @@ def test_up_no_engine_process_reaches_every_tier(spawned, monkeypatch, tmp_path)
     assert cli.main([*up, "--no-engine-process"]) == 0
     mode_argv = got[1][-1]
     assert mode_argv == {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")}
-    monkeypatch.setattr(supervisor, "wait_healthy", lambda *args, **kw: None)
+    monkeypatch.setattr(supervisor, "wait_ready", lambda *args, **kw: None)
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
     gateway = Child("gateway", "127.0.0.1:1", "127.0.0.1:2", FakeProc())
     sup = Supervisor([gateway], ["--model", "m"], "127.0.0.1", mode_argv=mode_argv)
