@@ -63,6 +63,7 @@ class GatewayConfig:
     max_streams_per_connection: int = 256  # HTTP/2 streams one client connection may have open at once
     security: GatewaySecurity = field(default_factory=lambda: GatewaySecurity())
     http_port: int | None = None  # the OpenAI-compatible HTTP API's port (0: a free one); None: no HTTP API
+    http_cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the HTTP API (CORS); none: off
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -264,6 +265,7 @@ async def _start_http(
             guard_open_routes=security.guard_open_services,
             tls=security.tls or security.cluster.identity,
             client_ca_pem=security.client_ca_pem,
+            cors_origins=config.http_cors_origins,
         ),
         core,
         metrics,

@@ -257,6 +257,7 @@ def _gateway(a: argparse.Namespace) -> int:
         max_streams_per_connection=a.max_streams_per_connection,
         security=gateway_security_from_args(a),
         http_port=_http_port(a),
+        http_cors_origins=tuple(a.http_cors_origin),
     )
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
@@ -489,6 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory",
     )
     _add_http_args(gateway, default_port=0)
+    gateway.add_argument(
+        "--http-cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (e.g. https://app.example) call the HTTP API (CORS); repeatable; "
+        "default: none (CORS off)",
+    )
     _add_limit_args(gateway)
     add_gateway_security_args(gateway)
     add_cluster_args(gateway)

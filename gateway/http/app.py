@@ -143,17 +143,18 @@ class OpenAIRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         body = await read_body(request, self.settings.max_body_bytes)
-        return JSONResponse({"prompt": await _off_loop_if_big(body, self._detokenize, body)})
+        return await _off_loop_if_big(body, self._detokenize, body)
 
-    def _detokenize(self, body: bytes) -> str:
-        """Decoding grows with the ids (a 4 MB body holds a million): on a thread for a big body."""
+    def _detokenize(self, body: bytes) -> Response:
+        """Decoding and encoding the answer grow with the ids (a 4 MB body holds a million): on a thread
+        for a big body."""
         f = Fields(load_json(body))
         self._check_model(f)
         ids = f.token_ids("tokens")
         vocab_size = self.core.tokenizer.vocab_size
         if ids and max(ids) >= vocab_size:
             raise bad_request(f"tokens must be in [0, {vocab_size}) (the tokenizer's vocabulary)", "tokens")
-        return self.core.tokenizer.decode(list(ids))
+        return JSONResponse({"prompt": self.core.tokenizer.decode(list(ids))})
 
     def _check_model(self, f: Fields) -> None:
         model = f.string("model", None)

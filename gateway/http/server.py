@@ -36,6 +36,7 @@ class HttpSettings:
     guard_open_routes: bool = False  # /health, /ready, /metrics need a key too
     tls: TlsIdentity | None = None  # HTTPS with this certificate; None: plain HTTP
     client_ca_pem: bytes | None = None  # clients need a certificate from this CA (needs tls)
+    cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none: CORS off
 
     def __post_init__(self) -> None:
         if self.client_ca_pem is not None and self.tls is None:
@@ -56,7 +57,8 @@ class HttpApi:
     async def start(
         cls, settings: HttpSettings, core: GenerationCore, metrics: GatewayMetrics, public: PublicAccess | None
     ) -> HttpApi:
-        app = build_app(core, metrics, AppSettings(settings.max_body_bytes, settings.guard_open_routes), public)
+        app_settings = AppSettings(settings.max_body_bytes, settings.guard_open_routes, settings.cors_origins)
+        app = build_app(core, metrics, app_settings, public)
         config = uvicorn.Config(
             app,
             lifespan="off",
