@@ -2,17 +2,26 @@
 serving calls (generate, abort, died, shutdown) and HandoffPort's reports (load, the KV-event
 snapshot, the engine's sizes), over a pipe to the process that steps.
 
-Two threads here, neither waiting on the core:
-- the event loop: the streams, and commands written to the pipe (an add is a few hundred bytes),
+Threads here, none of them waiting on the core:
+- the event loop: the streams, and commands queued for the pipe (an add is a few hundred bytes); a
+  new request waits, asynchronously, while the commands not yet written fill the queue (admission's
+  backpressure: a core that reads slowly never blocks the loop),
+- the command writer (engine/core_pipe.py): the only writer of the pipe, in the order commands were
+  queued,
 - the event reader: reads CoreEvents; runs output processing on each step's tokens (incremental
   detokenization, stop strings, logprobs, the RequestOutputs: engine/output_processor.py, as vLLM
-  v1's frontend process does), acknowledges the step to the core with the requests a stop string
-  ended, and hands the outputs to the event loop in one callback per step; keeps the latest load.
+  v1's frontend process does), queues the step's acknowledgement to the core with the requests a
+  stop string ended, and hands the outputs to the event loop in one callback per step; keeps the
+  latest load,
+- the watchdog: a core that sends nothing (no step, no load: it sends one at least every second
+  while its step loop comes round) for stall_timeout_s while work is queued is hung or wedged; it
+  is killed, and so ends as a dead core does (below).
 
 So the core's GIL serves the step loop alone. A request refused by the core ends its stream with
 ValueError (the caller's fault), one the step failed for with RequestFailed. If the core process
-dies or its loop does, every stream and pending query gets EngineDead and `died` is set, as
-AsyncEngine does for a dead step loop.
+dies or its loop does (or the watchdog gives up on it), every stream and pending query gets
+EngineDead and `died` is set, as AsyncEngine does for a dead step loop; the worker then stops
+serving and exits non-zero, to be restarted.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import Span, trace_carrier, tracer
 from splitserve.common.wire import kv_events_from_proto
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core_pipe import PipeWriter
 from splitserve.engine.core_process import CoreTraces, HandoffsSetup, run_engine_core
 from splitserve.engine.core_wire import (
     finishes_from_proto,
@@ -61,12 +71,28 @@ from splitserve.protos.v1 import worker_pb2 as wpb
 log = logging.getLogger("splitserve.engine")
 
 SHUTDOWN_TIMEOUT_S = 30.0  # a core that has not exited by then (a step stuck) is killed
+# A core silent this long while work is queued makes no progress: far above its longest step and its
+# keepalive (a second), so only a hung or wedged core reaches it.
+STALL_TIMEOUT_S = 60.0
 
 
 class EngineCoreClient:
-    def __init__(self, process: BaseProcess, conn: Connection, ready: pb.CoreReady, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self,
+        process: BaseProcess,
+        conn: Connection,
+        ready: pb.CoreReady,
+        tokenizer: Tokenizer,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+    ) -> None:
         self._process, self._conn = process, conn
-        self._send_lock = threading.Lock()  # the event loop and the reader (acknowledgements) send
+        # The event loop (commands) and the reader (acknowledgements) queue; one thread writes.
+        self._commands = PipeWriter(conn, "core-commands", _pipe_lost)
+        self._room = asyncio.Event()  # set (on the loop) when a full command queue gets room
+        self._stall_timeout_s = stall_timeout_s
+        self._last_event_at = time.monotonic()  # the reader's: when the core last sent anything
+        self._stalled: str | None = None  # the watchdog's: why it gave up on the core
+        self._unwatched = threading.Event()  # set at shutdown: the watchdog stops
         # Output processing, on the reader thread; the event loop adds and aborts requests: one lock.
         self._processor = OutputProcessor(tokenizer)
         self._processing = threading.Lock()
@@ -97,11 +123,13 @@ class EngineCoreClient:
         prepare: Callable[[Engine], None] | None = None,
         handoffs: HandoffsSetup | None = None,
         traces: CoreTraces | None = None,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> EngineCoreClient:
         """Spawn the core, and wait while it loads and warms up (blocking: before serving starts).
         prepare(engine) runs in the core after warm-up (a module-level function: it is pickled);
         handoffs makes a prefill or decode worker's KV handoffs there (disagg/core_prefill.py, core_decode.py);
-        traces: where the core exports its spans (its handoffs'), as the worker does."""
+        traces: where the core exports its spans (its handoffs'), as the worker does; stall_timeout_s:
+        the watchdog's bound on a core's silence while work is queued."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
         conn, child_conn = context.Pipe()
         level = logging.getLogger().getEffectiveLevel()
@@ -116,17 +144,17 @@ class EngineCoreClient:
         # its children (handlers run last registered first), or that join would wait for ever.
         atexit.register(_end_orphan, process)
         tokenizer = open_model(config.model).tokenizer  # while the core loads
-        return cls(process, conn, _wait_ready(process, conn), tokenizer)
+        return cls(process, conn, _wait_ready(process, conn), tokenizer, stall_timeout_s)
 
     # -- AsyncEngine's serving calls ------------------------------------------------------------------
     def start(self) -> None:
-        """Start reading the core's events (from the event loop that consumes the streams)."""
+        """Start reading the core's events, and watching it (from the event loop that consumes the streams)."""
         if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self._reader = threading.Thread(
-                target=self._read_events, args=(self._loop,), name="core-events", daemon=True
-            )
+            loop = self._loop = asyncio.get_running_loop()
+            self._commands.on_room = lambda: post_to_loop(loop, self._room.set)
+            self._reader = threading.Thread(target=self._read_events, args=(loop,), name="core-events", daemon=True)
             self._reader.start()
+            threading.Thread(target=self._watch, args=(loop,), name="core-watchdog", daemon=True).start()
 
     async def generate(
         self,
@@ -151,15 +179,11 @@ class EngineCoreClient:
             trace_context=trace_carrier(),  # the parent of the spans its handoff makes in the core
         )
         self.start()
+        await self._admit()
         self._streams.open(request_id, label)
         record = _Record(request_id, params, list(prompt), len(prompt))
         self._track(record)
-        try:
-            self._send(pb.CoreCommand(add=add))
-        except EngineDead:
-            self._streams.close(request_id, finished=True)
-            self._untrack(request_id)
-            raise
+        self._send(pb.CoreCommand(add=add))
         decoding: Span | None = None  # a handed-off request's decode.decode span, from its landing to its end
         try:
             async for out in self._streams.read(request_id):
@@ -199,9 +223,10 @@ class EngineCoreClient:
             prefill=pb.CorePrefill(wire=call.SerializeToString()),
             trace_context=trace_carrier(),  # the parent of the spans the core makes for the call
         )
+        self.start()
+        await self._admit()
         if self._streams.error is not None:
             raise self._streams.error
-        self.start()
         events = self._prefills[request_id] = asyncio.Queue()
         finished = False
         try:
@@ -216,10 +241,7 @@ class EngineCoreClient:
         finally:
             self._prefills.pop(request_id, None)
             if not finished and self._streams.error is None:
-                try:
-                    self._send(pb.CoreCommand(abort_request_id=request_id))
-                except EngineDead:
-                    pass
+                self._send(pb.CoreCommand(abort_request_id=request_id))
 
     def _prefilled(self, event: pb.CorePrefillEvent) -> None:
         events = self._prefills.get(event.request_id)
@@ -244,11 +266,8 @@ class EngineCoreClient:
         final = self._untrack(request_id)  # tokens the core computed meanwhile are dropped
         if final is not None:  # a stream still read (an abort by the client's id) ends with it
             self._streams.dispatch([final])
-        if self._streams.error is None:
-            try:
-                self._send(pb.CoreCommand(abort_request_id=request_id))
-            except EngineDead:  # gone with the core
-                pass
+        if self._streams.error is None:  # else gone with the core
+            self._send(pb.CoreCommand(abort_request_id=request_id))
 
     def abort_label(self, label: str) -> int:
         """Abort every request carrying the client's id label; returns how many."""
@@ -264,10 +283,8 @@ class EngineCoreClient:
         """Stop the core after its current step (outputs computed are still delivered) and wait for
         it to exit; killed if it has not within SHUTDOWN_TIMEOUT_S. load() is then its final state."""
         self._shutting_down = True
-        try:
-            self._send(pb.CoreCommand(shutdown=True))
-        except EngineDead:
-            pass
+        self._unwatched.set()
+        self._send(pb.CoreCommand(shutdown=True))
         await asyncio.to_thread(self._process.join, SHUTDOWN_TIMEOUT_S)
         if self._process.is_alive():
             log.error("the engine core did not exit within %.0f s of shutdown; killing it", SHUTDOWN_TIMEOUT_S)
@@ -275,6 +292,7 @@ class EngineCoreClient:
             await asyncio.to_thread(self._process.join)
         if self._reader is not None:  # it has read the core's last events (its final load) at EOF
             await asyncio.to_thread(self._reader.join, 5.0)
+        await asyncio.to_thread(self._commands.close, 5.0)  # its pipe is closed next
         self._conn.close()
 
     @property
@@ -346,10 +364,7 @@ class EngineCoreClient:
                 else processed.failed_request_ids
             )
             ids.append(request_id)
-        try:
-            self._send(pb.CoreCommand(processed=processed))
-        except EngineDead:  # the core is gone: the reader sees EOF next
-            pass
+        self._send(pb.CoreCommand(processed=processed))  # queued: the reader never waits to write
         for out in done.outputs:
             if out.finished:
                 self._records.pop(out.request_id, None)
@@ -382,12 +397,16 @@ class EngineCoreClient:
 
     # -- the pipe -------------------------------------------------------------------------------------
     def _send(self, command: pb.CoreCommand) -> None:
-        data = command.SerializeToString()
-        try:
-            with self._send_lock:
-                self._conn.send_bytes(data)
-        except OSError as e:
-            raise self._streams.error or EngineDead(f"the engine core is gone ({e}); retry on another worker") from e
+        """Queue a command for the core (never waits; dropped once the core is gone: the reader's end
+        of the pipe closes then, and every stream ends with EngineDead)."""
+        self._commands.put(command.SerializeToString())
+
+    async def _admit(self) -> None:
+        """Admission's backpressure: wait while the commands not yet written fill the queue (a core
+        that reads slowly, or not at all: then the watchdog ends it)."""
+        while not self._commands.has_room() and self._streams.error is None:
+            self._room.clear()  # the writer's on_room sets it on the loop, after this
+            await self._room.wait()
 
     def _read_events(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
@@ -397,6 +416,7 @@ class EngineCoreClient:
                 self._process.join(timeout=1.0)  # it is exiting: its status says how (not on the loop)
                 post_to_loop(loop, self._lost)
                 return
+            self._last_event_at = time.monotonic()
             kind = event.WhichOneof("event")
             if kind == "step_tokens":
                 if event.step_tokens.HasField("load"):  # before the outputs: their reader sees it
@@ -432,12 +452,41 @@ class EngineCoreClient:
         if future is not None and not future.done():
             future.set_result(reply)
 
+    # -- the watchdog ---------------------------------------------------------------------------------
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On its thread: give up on a core silent for stall_timeout_s while work is queued."""
+        poll_s = self._stall_timeout_s / 8
+        while not self._unwatched.wait(poll_s) and self._streams.error is None:
+            silent_s = time.monotonic() - self._last_event_at
+            if silent_s >= self._stall_timeout_s and self._has_work():
+                self._give_up(loop, silent_s)
+                return
+
+    def _has_work(self) -> bool:
+        """Requests streaming, queries unanswered or commands unwritten (racy reads of sizes: a poll)."""
+        return bool(self.num_requests() or self._replies or self._commands.backlog())
+
+    def _give_up(self, loop: asyncio.AbstractEventLoop, silent_s: float) -> None:
+        """Kill the core: every stream ends with EngineDead and `died` is set, so the worker leaves
+        the cluster (health NOT_SERVING) and exits non-zero, to be restarted."""
+        self._stalled = (
+            f"the engine core made no progress for {silent_s:.0f} s with {self.num_requests()} requests "
+            f"and {self._commands.backlog()} commands queued (hung, or its pipe wedged); it was killed"
+        )
+        log.error("%s", self._stalled)
+        self._process.kill()
+        self._process.join(timeout=5.0)
+        post_to_loop(loop, self._lost)  # also when the reader is what is stuck (it would see no EOF)
+
     def _lost(self) -> None:
-        """On the event loop: the core's end of the pipe closed."""
+        """On the event loop: the core's end of the pipe closed (or the watchdog gave up on it)."""
+        if self._streams.error is not None:  # told already (by the watchdog, then by the reader's EOF)
+            return
         status = self._process.exitcode
-        why = self._death or f"the engine core process exited (status {status})"
+        why = self._stalled or self._death or f"the engine core process exited (status {status})"
         error = EngineDead(f"this worker's engine died: {why}; retry the request on another worker")
         self._streams.fail_all(error)
+        self._room.set()  # admissions waiting for room go on, and find the engine dead
         for prefill in self._prefills.values():
             prefill.put_nowait(error)
         for future in self._replies.values():
@@ -474,6 +523,12 @@ class _Record:
 def _gone(request_id: str) -> _Record:
     """A stand-in for a request no longer tracked here (its token is dropped)."""
     return _Record(request_id, SamplingParams(), [], 0)
+
+
+def _pipe_lost(error: OSError) -> None:
+    """On the command writer: the core's end closed. The reader sees the end of the pipe too, and
+    ends every stream with the core's status."""
+    log.debug("the engine core's pipe closed while writing a command (%s)", error)
 
 
 def _end_orphan(process: BaseProcess) -> None:

@@ -7,19 +7,26 @@ serving process (engine/core_client.py) does the per-stream work on its own GIL.
 
 Threads of the core process:
 - the command reader: reads CoreCommands from the pipe (the blocking read releases the GIL),
-  validates new requests (pure) and queues them for the step loop,
+  validates new requests (pure) and queues them for the step loop; it never waits to write (a
+  refusal is queued), so commands are always read, however slowly the serving process reads events,
+- the event writer (engine/core_pipe.py): the only writer of the pipe, in the order events were
+  queued; the step loop waits for room in its queue before each step's tokens (a serving process
+  that falls behind slows the steps), nothing else ever waits for it,
 - the step loop (StepLoop.run, the main thread): applies commands between steps, steps,
 - no output thread: each step's sampled tokens go onto the pipe as they are known (one CoreEvent
   per step); the serving process detokenizes, finds stop strings and builds the outputs, and acks
   each step with the requests a stop string ended,
 - the load clock: every 100 ms asks the step loop for the engine's load, sent when it changed
-  (its step totals too); each step's tokens carry the counts when they changed, and an abort is
-  followed by a report, so a load read once a stream has ended is already the state after it.
+  (its step totals too) and at least every KEEPALIVE_S: the serving process's watchdog reads the
+  silence of a core with work as a core that makes no progress; each step's tokens carry the counts
+  when they changed, and an abort is followed by a report, so a load read once a stream has ended
+  is already the state after it.
 
 Lifecycle: spawned -> load and warm up -> CoreReady -> commands and events -> a shutdown command,
 or the pipe closing (the serving process is gone) -> the loop stops after its step, the outputs
-computed are sent, the handoffs closed (5 s at most) -> exit 0 at once, whatever its threads still
-wait for. A step loop that dies sends `died` and exits 1.
+computed are sent, the handoffs closed (5 s at most), the queued events written (FLUSH_TIMEOUT_S at
+most) -> exit 0 at once, whatever its threads still wait for. A step loop that dies sends `died` and
+exits 1.
 
 A decode or prefill worker's core also runs its KV handoffs (the `handoffs` the spawn is given):
 an add that carries a CoreHandoff (disagg/core_decode.py: receive the prompt's KV) or a CorePrefill
@@ -37,6 +44,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -47,6 +55,7 @@ import torch
 from splitserve.common.tracing import LOG_FORMAT, setup_tracing
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.core_pipe import PipeWriter
 from splitserve.engine.core_wire import load_to_proto, params_from_proto, step_tokens_to_proto
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import engine_load
@@ -59,8 +68,10 @@ from splitserve.protos.v1 import engine_core_pb2 as pb
 log = logging.getLogger("splitserve.engine")
 
 LOAD_INTERVAL_S = 0.1
+KEEPALIVE_S = 1.0  # the load goes out at least this often, changed or not, while the step loop comes round
+FLUSH_TIMEOUT_S = 5.0  # at exit, for a serving process that reads no more
 
-# How the core's parts send events to the serving process (thread-safe)
+# How the core's parts send events to the serving process (thread-safe; never waits for the pipe)
 Send = Callable[[pb.CoreEvent], None]
 
 
@@ -140,12 +151,14 @@ class EngineCore:
         self.engine, self.conn = engine, conn
         self.steps = StepLoop(engine)
         self.closing = threading.Event()
-        self._send_lock = threading.Lock()  # the output thread, the step loop, the reader and handoffs send
+        self._events = PipeWriter(conn, "core-events", self._pipe_lost)  # the step loop, the reader, handoffs
         self.handoffs = handoffs(engine, self.steps, self._send) if handoffs is not None else None
         self._last_load: pb.CoreLoad | None = None
+        self._last_load_at = 0.0  # when the load last went out (the keepalive's clock)
         self._last_counts: pb.CoreLoad | None = None  # the load without its step totals, as last sent
         tap = self.handoffs.on_step if self.handoffs is not None else None
-        self.outputs = PipeOutputs(self._send, engine.finish_for_outputs, self._changed_counts, tap)
+        room = self._events.wait_for_room
+        self.outputs = PipeOutputs(self._send, engine.finish_for_outputs, self._changed_counts, tap, room)
 
     def serve(self) -> int:
         """Serve until shut down or orphaned; the exit status."""
@@ -160,8 +173,9 @@ class EngineCore:
         self.engine.close()
         if error is not None:
             self._send(pb.CoreEvent(died=str(error)))
-            return 1
-        return 0
+        if not self._events.close(FLUSH_TIMEOUT_S):
+            log.warning("the serving process read none of the core's last events; exiting without them")
+        return 0 if error is None else 1
 
     def _ready(self) -> pb.CoreReady:
         e = self.engine
@@ -177,12 +191,11 @@ class EngineCore:
 
     # -- the pipe -----------------------------------------------------------------------------------
     def _send(self, event: pb.CoreEvent) -> None:
-        data = event.SerializeToString()
-        try:
-            with self._send_lock:
-                self.conn.send_bytes(data)
-        except OSError:  # the serving process is gone: nobody reads outputs any more
-            self._stop()
+        self._events.put(event.SerializeToString())
+
+    def _pipe_lost(self, error: OSError) -> None:
+        """On the event writer: the serving process is gone, nobody reads outputs any more."""
+        self._stop()
 
     def _stop(self) -> None:
         self.closing.set()
@@ -277,8 +290,10 @@ class EngineCore:
     def _report_load(self) -> None:
         load = engine_load(self.engine)
         full = load_to_proto(load)
-        if full != self._last_load:
+        now = time.monotonic()
+        if full != self._last_load or now - self._last_load_at >= KEEPALIVE_S:
             self._last_load, self._last_counts = full, load_to_proto(load, with_steps=False)
+            self._last_load_at = now
             self._send(pb.CoreEvent(load=full))
 
     def _changed_counts(self) -> pb.CoreLoad | None:
@@ -302,8 +317,11 @@ class PipeOutputs(OutputSink):
         report: Callable[[list[tuple[str, RequestStatus]]], None],
         counts: Callable[[], pb.CoreLoad | None] = lambda: None,
         tap: Callable[[StepTokens], None] | None = None,
+        wait_for_room: Callable[[], None] = lambda: None,
     ):
+        """wait_for_room: blocks the step loop while the pipe's queue is full."""
         self._send, self._report, self._counts, self._tap = send, report, counts, tap
+        self._wait_for_room = wait_for_room
         self._num_submitted = 0  # the step loop's
         self._num_processed = 0
         self._closed = False
@@ -316,6 +334,11 @@ class PipeOutputs(OutputSink):
         pass  # aborts come from the serving process, which ended the stream
 
     def submit(self, step: StepTokens) -> int:
+        """On the step loop: waits while the serving process is a queue's worth of events behind."""
+        self._wait_for_room()
+        return self._emit(step)
+
+    def _emit(self, step: StepTokens) -> int:
         if self._tap is not None:  # outputs made here (a prefill worker's prompts) first
             self._tap(step)
         self._num_submitted += 1
@@ -332,7 +355,9 @@ class PipeOutputs(OutputSink):
             self._changed.wait_for(lambda: self._num_processed >= ticket or self._closed)
 
     def process_now(self, step: StepTokens) -> None:
-        self.submit(step)  # a decode worker's first token: processed there, acknowledged like a step
+        self._emit(
+            step
+        )  # a decode worker's first token (its handoff's thread): processed there, acknowledged like a step
 
     def close(self) -> None:
         with self._changed:

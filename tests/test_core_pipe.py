@@ -1,0 +1,164 @@
+"""The pipe between a worker's serving process and its engine core (engine/core_client.py,
+engine/core_process.py): a serving process that reads the core's events slowly, while adds the core
+refuses keep coming, never wedges either side; a core that makes no progress while work is queued
+is given up on (its streams fail, the worker stops serving and exits). Real spawned cores and pipes.
+
+Each direction of the pipe is a kernel buffer of a few hundred small messages. The serving side's
+event reader is paused here with a gate (standing in for a serving process that falls behind the
+core) while thousands of adds go out: far more than both directions hold together."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import threading
+
+import pytest
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.core_client import EngineCoreClient
+from splitserve.engine.core_pipe import PipeWriter
+from splitserve.engine.request import FinishReason
+from splitserve.protos.v1 import engine_core_pb2 as pb
+
+NUM_REFUSED = 3000  # refused adds: their refusals alone are several times what the pipe holds
+NUM_LONG, LONG_TOKENS = 4, 120
+BOUND_S = 60.0  # only a wedged pipe takes this long
+
+
+def _config(model_dir) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2)
+    )
+
+
+class _HeldEvents:
+    """The client's end of the pipe, whose event reader, once `hold` is set, keeps the next step's
+    tokens it reads until `release`: a serving process that fell behind the core in the middle of
+    a step (it acknowledges that step as soon as it goes on). Everything else goes straight through."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self.hold, self.holding, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def recv_bytes(self, *args):
+        data = self._conn.recv_bytes(*args)
+        if self.hold.is_set() and not self.release.is_set() and _is_step(data):
+            self.holding.set()
+            self.release.wait()
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+def _is_step(data: bytes) -> bool:
+    return pb.CoreEvent.FromString(data).WhichOneof("event") == "step_tokens"
+
+
+async def _outputs(stream) -> list:
+    return [out async for out in stream]
+
+
+async def _refusal(stream) -> BaseException | None:
+    try:
+        async for _ in stream:
+            pass
+    except ValueError as e:
+        return e
+    return None
+
+
+@pytest.mark.integration
+def test_a_slow_event_reader_and_refused_adds_never_wedge_the_pipe(tiny_llama_dir):
+    """The reviewer's deadlock (issue 43, item 2), made deterministic: with the event reader paused,
+    the core's events fill core->serving; the core refuses adds as they come, and must keep reading
+    commands; the serving side's adds must never block its event loop. Once the reader goes on,
+    everything drains: every long request runs to its length, every refused one ends with
+    ValueError, and the core serves on."""
+    client = EngineCoreClient.launch(_config(tiny_llama_dir))
+    events = client._conn = _HeldEvents(client._conn)  # before start(): the event reader reads through it
+    flooded, finished = threading.Event(), threading.Event()
+    results: dict[str, object] = {}
+
+    async def main() -> None:
+        client.start()
+        params = SamplingParams(temperature=0, max_tokens=LONG_TOKENS, ignore_eos=True)
+        streams = [client.generate([i + 1, 2, 3], params) for i in range(NUM_LONG)]
+        firsts = [await anext(stream) for stream in streams]  # running: steps keep coming
+        events.hold.set()
+        assert await asyncio.to_thread(events.holding.wait, BOUND_S), "no step came"
+        long = [asyncio.ensure_future(_outputs(stream)) for stream in streams]
+        bad = SamplingParams()
+        refused = [asyncio.ensure_future(_refusal(client.generate([1, 99999], bad))) for _ in range(NUM_REFUSED)]
+        await asyncio.sleep(0)  # after every stream's first step (its add handed over): the loop is free
+        flooded.set()
+        results["long"] = [[first, *outs] for first, outs in zip(firsts, await asyncio.gather(*long))]
+        results["refused"] = await asyncio.gather(*refused)
+        results["after"] = await _outputs(client.generate([5, 6], SamplingParams(temperature=0, max_tokens=3)))
+        await client.shutdown()
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # reported by the test's thread
+            results["error"] = e
+        finally:
+            finished.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    try:
+        loop_free = flooded.wait(BOUND_S)  # false: the event loop blocked writing an add
+        events.release.set()
+        drained = finished.wait(BOUND_S)
+    finally:
+        events.release.set()
+        if not finished.is_set():
+            client._process.kill()  # unwedge the threads left behind
+    assert drained, f"the pipe never drained once the event reader went on (event loop free: {loop_free})"
+    assert loop_free, "the event loop blocked on a pipe write while the event reader was held"
+    assert "error" not in results, results.get("error")
+    for outs in results["long"]:
+        assert sum(len(o.new_token_ids) for o in outs) == LONG_TOKENS
+        assert outs[-1].finish_reason is FinishReason.LENGTH and outs[-1].num_output_tokens == LONG_TOKENS
+    assert all(isinstance(e, ValueError) for e in results["refused"]), "a refused add's stream did not end"
+    assert results["after"][-1].num_output_tokens == 3
+    assert client.exitcode == 0 and not client.died.is_set()
+
+
+@pytest.mark.unit
+def test_a_pipe_writer_takes_every_message_while_nobody_reads_and_writes_them_in_order():
+    """put never waits for the pipe (a reader thread can always hand over its refusal or its
+    acknowledgement); has_room turns false at capacity and on_room fires once there is room again."""
+    ours, theirs = multiprocessing.Pipe()
+    rooms = threading.Event()
+    writer = PipeWriter(theirs, "test-writer", on_lost=lambda e: None, capacity=8)
+    writer.on_room = rooms.set
+    num = 5000  # far more than the pipe's buffer holds
+    put_all = threading.Event()
+
+    def put_all_then_say_so() -> None:
+        for i in range(num):
+            writer.put(b"x%d" % i)
+        put_all.set()
+
+    threading.Thread(target=put_all_then_say_so, daemon=True).start()
+    assert put_all.wait(BOUND_S), "a put waited for the pipe"
+    assert not writer.has_room()  # the rest of them wait in the queue
+    rooms.clear()  # (it had room while the pipe's buffer filled)
+    assert [ours.recv_bytes() for _ in range(num)] == [b"x%d" % i for i in range(num)]
+    assert rooms.wait(BOUND_S) and writer.close(BOUND_S) and writer.backlog() == 0
+
+
+@pytest.mark.unit
+def test_a_pipe_writer_whose_reader_is_gone_reports_it_and_releases_waiters():
+    ours, theirs = multiprocessing.Pipe()
+    lost = threading.Event()
+    writer = PipeWriter(theirs, "test-writer", on_lost=lambda e: lost.set(), capacity=1)
+    ours.close()
+    writer.put(b"to nobody")
+    assert lost.wait(BOUND_S)
+    writer.put(b"dropped")
+    writer.wait_for_room()  # returns: nobody will make room
+    assert writer.has_room() and not writer.close(BOUND_S)
