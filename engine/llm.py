@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ class CompletionOutput:
 class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         self.engine = Engine(config or EngineConfig(**overrides))
+        # An LLM nobody closes stops its tensor-parallel ranks once it is collected, or at exit.
+        self._finalizer = weakref.finalize(self, self.engine.close)
         self.tokenizer = self.engine.tokenizer
         # Decode graphs are captured by the warm-up, as a worker runs it before serving; without it
         # --cuda-graphs would silently run every step eagerly here.
@@ -34,7 +37,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel ranks (if any); this LLM generates nothing more."""
-        self.engine.close()
+        self._finalizer()  # calls engine.close once, whoever calls first
 
     def __enter__(self) -> LLM:
         return self

@@ -35,6 +35,8 @@ import enum
 import itertools
 import logging
 import multiprocessing as mp
+import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -60,10 +62,16 @@ log = logging.getLogger("splitserve.engine")
 HOST = "127.0.0.1"  # the ranks of a worker share its machine; nothing else may join their store
 GROUP_TIMEOUT_S = 300.0  # a collective waits this long for a rank that is alive but stuck
 START_TIMEOUT_S = 600.0  # followers load the model before the first collective of the runner
+# A follower's exit code when its spawn re-ran a script whose top level starts ranks (see MainNotGuarded).
+MAIN_NOT_GUARDED_EXIT = 79
 
 
 class RanksLost(RuntimeError):
     """A rank of this worker is gone or a collective failed: the ranks are out of step for good."""
+
+
+class MainNotGuarded(RanksLost):
+    """The followers could not start: spawning them re-runs the script's top level, which starts ranks."""
 
 
 class Op(enum.IntEnum):
@@ -211,11 +219,16 @@ class Followers:
         self._closing = threading.Event()
         self.on_lost: Callable[[RanksLost], None] | None = None
         self._lost: RanksLost | None = None
-        threading.Thread(target=self._read, name="tp-ranks-replies", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="tp-ranks-replies", daemon=True)
+        self._reader.start()
 
     @classmethod
     def start(cls, config: EngineConfig, max_model_len: int, device: torch.device) -> Followers:
         """Spawn ranks 1..N-1 (each loads its shard) and build rank 0's groups with them."""
+        if _importing_main_to_spawn():
+            # We are a follower being spawned, and the script we re-ran starts ranks at its top level:
+            # multiprocessing would refuse with a RuntimeError; our exit code lets rank 0 say what to do.
+            raise SystemExit(MAIN_NOT_GUARDED_EXIT)
         size = config.tensor_parallel_size
         store = host_store(HOST, START_TIMEOUT_S)
         ctx = mp.get_context("spawn")
@@ -330,6 +343,9 @@ class Followers:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        # It ends once a follower has; joined so that it never drops the last reference to these
+        # groups itself: a daemon thread freeing a gloo group while the interpreter exits aborts it.
+        self._reader.join(timeout_s)
         for pipe in self._pipes:
             pipe.close()
 
@@ -351,10 +367,22 @@ def _join_watching(procs: list, make: Callable[[], RankGroups]) -> RankGroups:
             return result.result(timeout=0.2)
         except TimeoutError:
             dead = [p for p in procs if not p.is_alive()]
+            if any(p.exitcode == MAIN_NOT_GUARDED_EXIT for p in dead):
+                raise MainNotGuarded(
+                    "tensor-parallel ranks could not start: each rank's process imports this script again "
+                    "(multiprocessing's spawn), and its top level starts ranks too. Put the code that creates "
+                    'the LLM (or Engine) under `if __name__ == "__main__":`'
+                ) from None
             if dead:
                 raise RanksLost(
                     f"tensor-parallel rank {dead[0].name} exited ({dead[0].exitcode}) before joining; see its log"
                 ) from None
+
+
+def _importing_main_to_spawn() -> bool:
+    """True in a process being spawned by multiprocessing while it re-runs its parent's main module
+    (the check multiprocessing makes before it refuses to start a process from there)."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
 
 
 def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe: Connection, threads: int) -> None:
@@ -375,12 +403,19 @@ def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe:
             try:
                 order = decode(pipe.recv_bytes())
             except EOFError:  # rank 0 is gone
-                return
+                break
             if order.kind == Op.STOP:
-                return
+                break
             follower.carry_out(order)
     finally:
         agent.close()
+    # Not a return into the interpreter's exit: the agent's thread (a daemon) may still hold the last
+    # reference to the runner and its gloo groups, and a gloo group freed there while the interpreter
+    # finalizes aborts the process ("terminate called without an active exception", exit -6).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _transfer_agent(runner: ModelRunner, pipe: Connection) -> TransferAgent:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -241,3 +242,41 @@ def test_a_tensor_parallel_worker_steps_in_its_engine_core(tiny_llama_dir):
         assert wait_all_free([worker.address])
     finally:
         stop_cluster(children)
+
+
+_SCRIPT = """
+import sys
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.engine.config import CacheConfig, EngineConfig
+from splitserve.engine.llm import LLM
+
+def main():
+    cache = CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2)
+    llm = LLM(EngineConfig(model=sys.argv[1], max_model_len=256, cache=cache, tensor_parallel_size=2))
+    print(llm.generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids)
+"""
+
+
+def _run_script(tmp_path, tiny_llama_dir, body: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT + body)
+    run = [sys.executable, str(script), str(tiny_llama_dir)]
+    return subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.integration
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path, tiny_llama_dir):
+    """Each rank's process imports the script again (multiprocessing's spawn): unguarded, its top level
+    would start ranks of its own; the error says what to do instead of 'rank exited (1)'."""
+    done = _run_script(tmp_path, tiny_llama_dir, "main()\n")
+    assert done.returncode != 0
+    assert "MainNotGuarded" in done.stderr and 'if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.integration
+def test_a_tensor_parallel_llm_left_open_ends_the_script_cleanly(tmp_path, tiny_llama_dir):
+    """No close(): the ranks stop at exit, and no process of the script aborts on its way out."""
+    done = _run_script(tmp_path, tiny_llama_dir, 'if __name__ == "__main__":\n    main()\n')
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "terminate called" not in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.strip().startswith("[")
