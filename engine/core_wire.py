@@ -17,13 +17,24 @@ from splitserve.protos.v1 import engine_core_pb2 as pb
 
 # SamplingParams fields whose None the proto carries as "unset" (every other field is always set)
 _OPTIONAL_PARAMS = ("top_k", "seed", "max_tokens", "logprobs")
+_SEED_SPAN = 2**64  # the seed is uint64 on every hop (the public API's type)
 
 
 def params_to_proto(params: SamplingParams) -> pb.EngineSamplingParams:
     """Every field, so that the core rebuilds the same SamplingParams (ValueError: a value the wire
     cannot carry, such as a seed beyond 64 bits)."""
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if params.seed is not None:
+        fields["seed"] = _wire_seed(params.seed)
     return pb.EngineSamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _wire_seed(seed: int) -> int:
+    """The uint64 the pipe carries. A negative seed (the Python API takes what torch takes) is the
+    one torch makes of it, seed mod 2^64, so the core samples as the engine in process would."""
+    if not -(2**63) <= seed < _SEED_SPAN:
+        raise ValueError(f"seed must be in [-2^63, 2^64), as torch takes it; got {seed}")
+    return seed % _SEED_SPAN
 
 
 def params_from_proto(msg: pb.EngineSamplingParams) -> SamplingParams:

@@ -202,7 +202,7 @@ def test_a_dead_core_fails_every_stream_and_sets_died(tiny_llama_dir):
 @given(
     temperature=st.floats(0, 2),
     top_k=st.none() | st.integers(1, 50),
-    seed=st.none() | st.integers(-(2**63), 2**63 - 1),
+    seed=st.none() | st.integers(0, 2**64 - 1),  # the public API's seed is uint64: every one of them
     max_tokens=st.none() | st.integers(1, 10**6),
     stop=st.lists(st.text(min_size=1, max_size=4), max_size=3),
     logprobs=st.none() | st.integers(0, 20),
@@ -228,6 +228,51 @@ def test_sampling_params_cross_the_pipe_whole(temperature, top_k, seed, max_toke
     )
     assert params_from_proto(params_to_proto(params)) == params
     assert params_from_proto(params_to_proto(SamplingParams())) == SamplingParams()
+    for edge in (2**63 - 1, 2**63, 2**64 - 1):  # every run, whatever the draw
+        edged = dataclasses.replace(params, seed=edge)
+        assert params_from_proto(params_to_proto(edged)) == edged
+
+
+@pytest.mark.unit
+@given(seed=st.integers(-(2**63), -1))
+def test_a_negative_seed_crosses_the_pipe_as_the_seed_torch_makes_of_it(seed):
+    """torch seeds a generator with a negative seed as with seed mod 2^64 (the uint64 the HTTP API
+    makes of it too): the pipe carries that, and the core samples what the engine in process would."""
+    crossed = params_from_proto(params_to_proto(SamplingParams(seed=seed))).seed
+    assert crossed == seed % 2**64
+    assert torch.Generator().manual_seed(seed).initial_seed() == torch.Generator().manual_seed(crossed).initial_seed()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_is_refused_before_the_pipe(seed):
+    with pytest.raises(ValueError, match="seed"):
+        params_to_proto(SamplingParams(seed=seed))
+
+
+@pytest.mark.integration
+def test_a_seed_of_2_to_the_63_or_more_samples_in_a_core_as_in_process(tiny_llama_dir):
+    """Issue 43 item 5: the core's seed was int64, so every seed >= 2^63 (and so every negative HTTP
+    seed, which the gateway wraps into uint64) was refused on the default path. The same tokens as
+    the engine in process, for seeds on both sides of 2^63."""
+    config = _config(tiny_llama_dir)
+    # (torch's CPU generator keeps a seed's low 32 bits: these differ there, so they sample apart)
+    seeds = [2**63, 2**63 + 1, 2**64 - 2, 2**64 - 1, 12345]
+    prompts = [[3, 4, 5, 6] for _ in seeds]
+
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
+
+    async def sample(engine) -> list[list[int]]:
+        if isinstance(engine, EngineCoreClient):
+            engine.start()
+        outs = await asyncio.gather(*(_collect(engine.generate(p, params(s))) for p, s in zip(prompts, seeds)))
+        await engine.shutdown()
+        return [_joined(o)[0] for o in outs]
+
+    expected = asyncio.run(sample(AsyncEngine.from_config(config)))
+    assert len({tuple(ids) for ids in expected}) == len(seeds)  # the seeds sample apart
+    assert asyncio.run(sample(EngineCoreClient.launch(config))) == expected
 
 
 @pytest.mark.unit
