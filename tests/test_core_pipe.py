@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import os
+import signal
 import threading
 
 import pytest
@@ -20,6 +22,7 @@ from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.core_client import EngineCoreClient
 from splitserve.engine.core_pipe import PipeWriter
 from splitserve.engine.request import FinishReason
+from splitserve.engine.step_loop import EngineDead
 from splitserve.protos.v1 import engine_core_pb2 as pb
 
 NUM_REFUSED = 3000  # refused adds: their refusals alone are several times what the pipe holds
@@ -162,3 +165,100 @@ def test_a_pipe_writer_whose_reader_is_gone_reports_it_and_releases_waiters():
     writer.put(b"dropped")
     writer.wait_for_room()  # returns: nobody will make room
     assert writer.has_room() and not writer.close(BOUND_S)
+
+
+# -- the watchdog ------------------------------------------------------------------------------------
+STALL_S = 2.0  # the watchdog's bound in these tests
+
+
+@pytest.mark.integration
+def test_a_core_that_makes_no_progress_with_work_queued_is_given_up_on(tiny_llama_dir):
+    """A hung core (stopped here with SIGSTOP: its pipe stays open, it never sends again) would
+    leave every stream waiting for ever and the worker serving. The watchdog kills it: the streams
+    end with EngineDead naming the stall, and died is set (the worker leaves and exits)."""
+    client = EngineCoreClient.launch(_config(tiny_llama_dir), stall_timeout_s=STALL_S)
+
+    async def main() -> None:
+        client.start()
+        params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+        stream = client.generate([1, 2, 3], params)
+        await anext(stream)
+        os.kill(client.pid, signal.SIGSTOP)
+        with pytest.raises(EngineDead, match="made no progress"):
+            await asyncio.wait_for(_outputs(stream), BOUND_S)
+        await asyncio.wait_for(client.died.wait(), BOUND_S)
+        with pytest.raises(EngineDead):
+            await _outputs(client.generate([1], params))
+
+    try:
+        asyncio.run(main())
+    finally:
+        client._process.kill()
+    assert client.exitcode == -signal.SIGKILL
+
+
+@pytest.mark.unit
+def test_an_idle_core_still_says_it_is_alive(tiny_llama_dir):
+    """With nothing to do, a core's load does not change; it still goes out every KEEPALIVE_S, so
+    that a quiet core with work the serving process waits on (a decode worker's requests awaiting
+    their KV) is never taken for a hung one. The core runs on a thread here, over a real pipe."""
+    from splitserve.engine.core_process import EngineCore
+    from splitserve.engine.step_loop import load_engine
+
+    ours, theirs = multiprocessing.Pipe()
+    core = EngineCore(load_engine(_config(tiny_llama_dir)), theirs)
+    serving = threading.Thread(target=core.serve, daemon=True)
+    serving.start()
+    kinds = []
+    while kinds.count("load") < 3:
+        assert ours.poll(BOUND_S), f"an idle core went silent after {kinds}"
+        kinds.append(pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event"))
+    ours.send_bytes(pb.CoreCommand(shutdown=True).SerializeToString())
+    serving.join(BOUND_S)
+    assert not serving.is_alive()
+
+
+@pytest.mark.integration
+def test_a_worker_whose_core_makes_no_progress_stops_serving_and_exits(tiny_llama_dir, monkeypatch):
+    """The worker's side of the watchdog: health goes NOT_SERVING, the stream ends UNAVAILABLE, and
+    serve_worker raises EngineDied (the CLI exits 3: restarted by `up` or the container's policy)."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2
+
+    from splitserve.common.serving import free_port
+    from splitserve.protos.v1 import generation_pb2 as gpb
+    from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
+    from splitserve.worker import server
+
+    statuses: list[int] = []
+    real_set = health.aio.HealthServicer._set  # what set and enter_graceful_shutdown both call
+
+    async def set_status(self, service, status):
+        statuses.append(status)
+        await real_set(self, service, status)
+
+    monkeypatch.setattr(health.aio.HealthServicer, "_set", set_status)
+    config = server.WorkerConfig(engine=_config(tiny_llama_dir), port=free_port(), engine_stall_timeout_s=STALL_S)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve_worker(config))
+        while health_pb2.HealthCheckResponse.SERVING not in statuses:
+            assert not task.done(), task.exception()
+            await asyncio.sleep(0.05)
+        (core,) = [p for p in multiprocessing.active_children() if p.name == "splitserve-engine-core"]
+        request = worker_pb2.WorkerGenerateRequest(
+            prompt_token_ids=[1, 2, 3], stopping=gpb.StoppingCriteria(max_tokens=240, ignore_eos=True)
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{config.port}") as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=BOUND_S)
+            await anext(aiter(call))
+            os.kill(core.pid, signal.SIGSTOP)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in call:
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no progress" in e.value.details()
+        with pytest.raises(server.EngineDied):
+            await asyncio.wait_for(task, BOUND_S)
+
+    asyncio.run(run())
+    assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -31,7 +31,7 @@ from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.core_client import EngineCoreClient
+from splitserve.engine.core_client import STALL_TIMEOUT_S, EngineCoreClient
 from splitserve.engine.core_process import CoreTraces, HandoffsSetup
 from splitserve.engine.handoff_port import EngineReports, HandoffPort
 from splitserve.engine.step_loop import load_engine
@@ -63,6 +63,9 @@ class WorkerConfig:
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
     kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
     engine_process: bool = True  # the step loop (and KV handoffs) in a process of its own (engine/core_process.py)
+    # An engine core silent this long while work is queued is hung or wedged: the worker stops serving
+    # (health NOT_SERVING, out of the gateway) and exits non-zero, to be restarted.
+    engine_stall_timeout_s: float = STALL_TIMEOUT_S
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
     otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint: an engine core exports its spans there too
 
@@ -71,6 +74,8 @@ class WorkerConfig:
             raise ValueError(f"--mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.kv_transfer_timeout_s <= 0 or self.kv_reserve_timeout_s <= 0:
             raise ValueError("KV transfer and reserve timeouts must be > 0")
+        if self.engine_stall_timeout_s <= 0:
+            raise ValueError(f"the engine core's stall timeout must be > 0, got {self.engine_stall_timeout_s}")
 
     @property
     def role(self) -> Role:
@@ -139,7 +144,8 @@ async def _open_rank_endpoints(config: WorkerConfig, port: HandoffPort) -> None:
 
 
 class EngineDied(RuntimeError):
-    """The engine loop raised; the worker left the cluster and must exit non-zero (to be restarted)."""
+    """The engine loop raised, or its core died or made no progress; the worker left the cluster and
+    must exit non-zero (to be restarted)."""
 
 
 def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient, EngineReports]:
@@ -154,7 +160,8 @@ def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient,
         elif config.role is Role.PREFILL:
             handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, _send_delay_s())
         traces = CoreTraces(config.mode, config.otlp_traces_endpoint)  # the core's spans: its handoffs'
-        client = EngineCoreClient.launch(config.engine, handoffs=handoffs, traces=traces)
+        stall_s = config.engine_stall_timeout_s  # the watchdog: a hung or wedged core ends as a dead one
+        client = EngineCoreClient.launch(config.engine, handoffs=handoffs, traces=traces, stall_timeout_s=stall_s)
         client.start()
         return client, client
     engine = AsyncEngine(load_engine(config.engine))
