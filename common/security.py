@@ -7,10 +7,16 @@ Three kinds of method:
             with cluster TLS, a certificate from the cluster CA (checked by the TLS handshake);
   public    Generation: callers with an API key (gateway/auth.py), when keys are configured.
 
-Cluster TLS: every process presents one certificate signed by the cluster CA. Workers require
-one from every caller (mTLS). Channels to workers check the name CLUSTER_TLS_NAME, not the
-address, because workers come and go on addresses nobody can put in a certificate beforehand.
-Channels to the gateway check the gateway's own host name against the same CA.
+Cluster TLS: every process presents one certificate signed by the cluster CA, and every channel
+that carries the join secret first verifies the server's certificate against that CA: a process that
+took over a port a member is known by (a dead worker's, or one named before it was bound) never
+completes the handshake, so it never sees the secret. Members present their certificate too, and
+internal servers (workers, the gateway's internal port, the launcher) require one (mTLS). Channels
+check the name CLUSTER_TLS_NAME, not the address, because workers come and go on addresses nobody
+can put in a certificate beforehand; a channel with the CA but no certificate (an operator's) checks
+the server's host name. Health checks never carry the secret: they are open, and a squatter could
+answer them. Without a CA (processes started by hand without certificates) internal calls carry the
+secret in plaintext to whatever listens at the address: only the join secret protects them.
 
 Secrets come from files or the environment, never from command-line values (which any local user
 can read in the process listing).
@@ -106,12 +112,16 @@ class ClusterSecurity:
         key, chain = (self.identity.key_pem, self.identity.cert_pem) if self.identity else (None, None)
         return grpc.ssl_channel_credentials(self.ca_pem, private_key=key, certificate_chain=chain)
 
+    def _name_check(self) -> list[tuple[str, object]]:
+        """A member verifies peers by the cluster's name; an operator with only the CA, by host name."""
+        return [("grpc.ssl_target_name_override", CLUSTER_TLS_NAME)] if self.identity is not None else []
+
     def worker_channel(self, address: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         """A channel to a worker (from the gateway or another worker)."""
         interceptors = _metadata_interceptors(self.call_metadata)
         if self.identity is None:
             return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
-        options = [*options, ("grpc.ssl_target_name_override", CLUSTER_TLS_NAME)]
+        options = [*options, *self._name_check()]
         return grpc.aio.secure_channel(address, self._credentials(), options=options, interceptors=interceptors)
 
     def gateway_channel(self, address: str) -> grpc.aio.Channel:
@@ -119,15 +129,13 @@ class ClusterSecurity:
         interceptors = _metadata_interceptors(self.call_metadata)
         if self.ca_pem is None:
             return grpc.aio.insecure_channel(address, interceptors=interceptors)
-        return grpc.aio.secure_channel(address, self._credentials(), interceptors=interceptors)
+        options = self._name_check()
+        return grpc.aio.secure_channel(address, self._credentials(), options=options, interceptors=interceptors)
 
     def blocking_channel(self, address: str, to_worker: bool = True) -> grpc.Channel:
-        """A synchronous channel to a worker (or the gateway), for the launcher and the CLI."""
-        if to_worker and self.identity is not None:
-            options = [("grpc.ssl_target_name_override", CLUSTER_TLS_NAME)]
-            channel = grpc.secure_channel(address, self._credentials(), options=options)
-        elif not to_worker and self.ca_pem is not None:
-            channel = grpc.secure_channel(address, self._credentials())
+        """A synchronous channel to a worker (or the gateway, or the launcher), for the launcher and the CLI."""
+        if self.ca_pem is not None and (self.identity is not None or not to_worker):
+            channel = grpc.secure_channel(address, self._credentials(), options=self._name_check())
         else:
             channel = grpc.insecure_channel(address)
         if not self.call_metadata:
@@ -201,6 +209,12 @@ class _AioStreamMetadata(grpc.aio.UnaryStreamClientInterceptor):
 
 
 def _merged(details, metadata: Metadata) -> Metadata:
+    """The call's metadata plus ours, less the join secret on open services: a health check goes to
+    whoever listens at an address, before anything proves who that is (without TLS, nothing ever does).
+    An API key stays: a gateway may guard its health checks with keys (--guard-health)."""
+    method = details.method.decode() if isinstance(details.method, bytes) else details.method
+    if method.split("/")[1] in OPEN_SERVICES:
+        metadata = tuple((k, v) for k, v in metadata if k != JOIN_SECRET_HEADER)
     return (*tuple(details.metadata or ()), *metadata)
 
 

@@ -64,6 +64,9 @@ class GatewayConfig:
     security: GatewaySecurity = field(default_factory=lambda: GatewaySecurity())
     http_port: int | None = None  # the OpenAI-compatible HTTP API's port (0: a free one); None: no HTTP API
     http_cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the HTTP API (CORS); none: off
+    # The Registry's own port (0: a free one), served over the cluster's mTLS only, so members never meet
+    # the gateway on its public port; None: the Registry shares the public port (and its transport).
+    internal_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -72,6 +75,8 @@ class GatewayConfig:
             raise ValueError(f"http_port must be in [0, 65535] (or None: no HTTP API), got {self.http_port}")
         if self.max_streams_per_connection < 1:
             raise ValueError(f"max_streams_per_connection must be >= 1, got {self.max_streams_per_connection}")
+        if self.internal_port is not None and self.security.cluster.identity is None:
+            raise ValueError("--internal-port needs a cluster certificate: --cluster-ca, --cluster-cert, --cluster-key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +89,24 @@ class GatewaySecurity:
     api_keys: ApiKeys | None = None  # None: Generation needs no key
     guard_open_services: bool = False  # health and reflection need a key too
 
-    def server_credentials(self) -> grpc.ServerCredentials | None:
-        identity = self.tls or self.cluster.identity
+    def public_identity(self, internal_port: bool) -> TlsIdentity | None:
+        """The public API's certificate: --tls-cert's; without it, the cluster's only when members share
+        the public port (no internal port), so the public API stays plaintext unless TLS is asked for."""
+        return self.tls if internal_port else self.tls or self.cluster.identity
+
+    def server_credentials(self, internal_port: bool = False) -> grpc.ServerCredentials | None:
+        """The public port's credentials."""
+        identity = self.public_identity(internal_port)
         if identity is None:
             if self.client_ca_pem is not None:
                 raise ValueError("--tls-client-ca needs a server certificate (--tls-cert and --tls-key)")
             return None
         if self.client_ca_pem is None:
             return grpc.ssl_server_credentials([(identity.key_pem, identity.cert_pem)])
-        # Workers present cluster certificates (a worker never holds a public client's), so with
-        # client certificates required both CAs are trusted; each plane still checks its own secret.
-        roots = b"\n".join(filter(None, (self.client_ca_pem, self.cluster.ca_pem)))
+        # Without an internal port workers present cluster certificates here (a worker never holds a
+        # public client's), so both CAs are trusted; each plane still checks its own secret.
+        cluster_ca = None if internal_port else self.cluster.ca_pem
+        roots = b"\n".join(filter(None, (self.client_ca_pem, cluster_ca)))
         return grpc.ssl_server_credentials(
             [(identity.key_pem, identity.cert_pem)], root_certificates=roots, require_client_auth=True
         )
@@ -105,6 +117,10 @@ class GatewaySecurity:
 
     def guard(self, public: PublicAccess | None) -> AccessGuard:
         return AccessGuard(self.cluster, (_REGISTRY,), public, self.guard_open_services)
+
+    def internal_guard(self) -> AccessGuard:
+        """The internal port's: the join secret on the Registry (mTLS already checked the certificate)."""
+        return AccessGuard(self.cluster, (_REGISTRY,))
 
 
 _REGISTRY = pb.DESCRIPTOR.services_by_name["Registry"].full_name
@@ -193,16 +209,20 @@ async def serve_gateway(config: GatewayConfig) -> None:
     planner = Planner(name, workers, make_router(config.router), prefix, metrics.routed)
     core = GenerationCore(config.max_pending, validator, planner, Proxy(workers), metrics)
     public = security.public_access()
-    server, health_servicer = _grpc_server(config, core, RegistryServicer(workers, prefix), public, metrics)
-    credentials = security.server_credentials()
+    registry = RegistryServicer(workers, prefix)
+    on_public = None if config.internal_port is not None else registry
+    server, health_servicer = _grpc_server(config, core, on_public, public, metrics)
+    credentials = security.server_credentials(internal_port=on_public is None)
     address = f"{config.host}:{config.port}"
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     await server.start()
+    internal = await _start_internal(config, registry, health_servicer) if on_public is None else None
     http = await _start_http(config, core, metrics, public)
     metrics_port = start_metrics_server(metrics.registry, config.host, config.metrics_port)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(
         f"gateway ready: grpc {config.host}:{port}{' (TLS)' if credentials else ''} "
+        f"{f'internal {config.host}:{internal.port} (mTLS) ' if internal else ''}"
         f"{http.describe() if http else 'http off'} "
         f"metrics http://{config.host}:{metrics_port}/metrics model {name}",
         flush=True,
@@ -217,15 +237,40 @@ async def serve_gateway(config: GatewayConfig) -> None:
     await health_servicer.enter_graceful_shutdown()
     checks.cancel()
     purge.cancel()
-    await asyncio.gather(server.stop(grace=2.0), *([http.stop(grace_s=2.0)] if http else []))
+    stopping = [server.stop(grace=2.0), *([http.stop(grace_s=2.0)] if http else [])]
+    await asyncio.gather(*stopping, *([internal.stop(grace=2.0)] if internal else []))
     await workers.close()
     await prefix.close()
+
+
+@dataclass(frozen=True, slots=True)
+class _InternalServer:
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self, grace: float) -> None:
+        await self.server.stop(grace=grace)
+
+
+async def _start_internal(
+    config: GatewayConfig, registry: RegistryServicer, health_servicer: health.aio.HealthServicer
+) -> _InternalServer:
+    """The Registry (and health) on the internal port, over the cluster's mTLS: a member verifies the
+    gateway's certificate before its join secret leaves, and shows its own."""
+    server = grpc.aio.server(interceptors=[config.security.internal_guard()])
+    pb_grpc.add_RegistryServicer_to_server(registry, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    credentials = config.security.cluster.server_credentials()
+    assert credentials is not None  # GatewayConfig checks an internal port comes with a cluster certificate
+    port = server.add_secure_port(f"{config.host}:{config.internal_port}", credentials)
+    await server.start()
+    return _InternalServer(server, port)
 
 
 def _grpc_server(
     config: GatewayConfig,
     core: GenerationCore,
-    registry: RegistryServicer,
+    registry: RegistryServicer | None,
     public: PublicAccess | None,
     metrics: GatewayMetrics,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
@@ -238,12 +283,13 @@ def _grpc_server(
     ]
     server = grpc.aio.server(options=options, interceptors=[guard])
     gen_grpc.add_GenerationServicer_to_server(GenerationServicer(core), server)
-    pb_grpc.add_RegistryServicer_to_server(registry, server)
+    if registry is not None:  # else on the internal port only
+        pb_grpc.add_RegistryServicer_to_server(registry, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
         gen_pb.DESCRIPTOR.services_by_name["Generation"].full_name,
-        pb.DESCRIPTOR.services_by_name["Registry"].full_name,
+        *([_REGISTRY] if registry is not None else []),
         health.SERVICE_NAME,
         reflection.SERVICE_NAME,
     )
@@ -263,7 +309,7 @@ async def _start_http(
             port=config.http_port,
             max_body_bytes=config.limits.max_message_bytes,
             guard_open_routes=security.guard_open_services,
-            tls=security.tls or security.cluster.identity,
+            tls=security.public_identity(config.internal_port is not None),
             client_ca_pem=security.client_ca_pem,
             cors_origins=config.http_cors_origins,
         ),

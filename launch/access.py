@@ -1,16 +1,17 @@
 """How `splitserve up` secures the processes it starts, and how it and its users then reach them.
 
-Default: a join secret (made once, kept in the secrets folder, mode 0600) that every internal call
-carries, with everything bound to --host (127.0.0.1): nothing to set up, and nobody who is not
-given the file can register a worker, publish KV events or call a worker.
---secure: a throwaway CA with certificates (launch/certs.py) and an API key as well: TLS on the
-public API, mTLS between all processes, and a key on every Generation call.
+Always: a throwaway cluster CA with certificates and a join secret (launch/certs.py; kept in the
+secrets folder, 0700, keys and secrets 0600) for the internal plane: every internal call carries the
+secret, over mTLS that verifies the server's certificate first, so a local user who takes a port a
+member dials (a dead worker's) never sees the secret. The public API stays plaintext and open.
+--secure: TLS on the public API as well (the same CA) and an API key on every Generation call.
+A secrets folder another user could read or replace is refused (InsecureSecrets), never reused.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,10 @@ from pathlib import Path
 from splitserve.common.security import ClusterSecurity
 
 JOIN_SECRET_FILE = "join-secret"
+
+
+class InsecureSecrets(ValueError):
+    """The secrets folder, or a file in it, could be read or replaced by another user."""
 
 
 _CHAT_BODY = """'{"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}'"""
@@ -41,36 +46,45 @@ class UpAccess:
     http_hint: Callable[[str], str] = plain_http_hint  # HTTP API address -> printed lines: how to call it
 
 
-def ensure_join_secret(folder: Path) -> Path:
-    """The folder's join secret file, made (0600, in a 0700 folder) if missing."""
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = folder / JOIN_SECRET_FILE
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32) + "\n")
-    return path
+def check_private(folder: Path) -> None:
+    """InsecureSecrets unless folder, and all in it, belong to this user and no one else can change
+    them, and its secrets and keys (mode 0600 when made) are readable by no one else."""
+    if not folder.exists():
+        return
+    _check_owned(folder)
+    for path in folder.iterdir():
+        if path.is_file():
+            _check_owned(path)
+            if _is_private(path.name) and stat.S_IMODE(path.stat().st_mode) & 0o077:
+                raise InsecureSecrets(f"{path} is readable by other users: chmod 600 it, or remove the folder")
+
+
+def _is_private(name: str) -> bool:
+    return name == JOIN_SECRET_FILE or name.endswith("-key.pem") or name == "api-keys"
+
+
+def _check_owned(path: Path) -> None:
+    info = path.lstat()  # a link could point anywhere: judged as itself
+    if stat.S_ISLNK(info.st_mode):
+        raise InsecureSecrets(f"{path} is a symbolic link; `up` keeps its secrets in plain files")
+    if info.st_uid != os.geteuid():
+        raise InsecureSecrets(f"{path} is owned by uid {info.st_uid}, not by this user ({os.geteuid()}): remove it")
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        raise InsecureSecrets(f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o}): remove it")
 
 
 def prepare_access(folder: Path, secure: bool, host: str) -> UpAccess:
-    if secure:
-        return _secure(folder, host)
-    secret = str(ensure_join_secret(folder))
-    argv = ["--join-secret-file", secret]
-    return UpAccess(argv, argv, ClusterSecurity.from_files(secret_file=secret), argv, _plain_hint)
+    """The cluster's CA, certificates and secrets in folder (made, or reused if private), and the flags
+    of each process: mTLS and the join secret inside; TLS and an API key outside only when secure."""
+    from splitserve.launch.certs import make_bundle  # cryptography: only where processes are launched
 
-
-def _secure(folder: Path, host: str) -> UpAccess:
-    from splitserve.launch.certs import make_bundle  # cryptography: only for --secure
-
+    check_private(folder)
     hosts = ("localhost", "127.0.0.1", *([host] if host not in ("localhost", "127.0.0.1", "0.0.0.0") else []))
     bundle = make_bundle(folder, hosts)
-    secret = str(bundle.join_secret)
-    cluster = bundle.cluster()
-    operator = ["--cluster-ca", str(bundle.ca_cert), "--join-secret-file", secret]
-    return UpAccess(
-        bundle.gateway_argv(), bundle.worker_argv(), cluster, operator, bundle.client_hint, bundle.http_hint
-    )
+    internal = bundle.worker_argv()  # cluster CA, certificate, key and the join secret
+    if not secure:
+        return UpAccess(internal, internal, bundle.cluster(), internal, _plain_hint)
+    return UpAccess(bundle.gateway_argv(), internal, bundle.cluster(), internal, bundle.client_hint, bundle.http_hint)
 
 
 def _plain_hint(address: str) -> str:

@@ -89,7 +89,7 @@ class AutoscaleSettings:
         metrics: PlannerMetrics | None = None,
     ) -> PlannerLoop:
         """A PlannerLoop scraping the gateway (and the workers it lists), scaling with scaler unless a dry run."""
-        scrape = ClusterScraper(gateway.address, gateway.metrics, cluster).scrape
+        scrape = ClusterScraper(gateway.registry, gateway.metrics, cluster).scrape
         scaler_or_none = None if self.dry_run else scaler
         return PlannerLoop(self.make_policy(), scrape, metrics or PlannerMetrics(), log, scaler_or_none)
 

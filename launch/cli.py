@@ -258,6 +258,7 @@ def _gateway(a: argparse.Namespace) -> int:
         security=gateway_security_from_args(a),
         http_port=_http_port(a),
         http_cors_origins=tuple(a.http_cors_origin),
+        internal_port=a.internal_port,
     )
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
@@ -306,6 +307,7 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         _up_planner(a) if a.autoscale else None,
         a.ready_timeout,
         None if a.engine_process else {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")},
+        a.internal_port or a.port + 2,
     )
 
 
@@ -498,6 +500,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="let browser pages from ORIGIN (e.g. https://app.example) call the HTTP API (CORS); repeatable; "
         "default: none (CORS off)",
     )
+    gateway.add_argument(
+        "--internal-port",
+        type=int,
+        default=None,
+        help="serve the Registry (workers, operators) on this port instead of the public one, over the cluster's "
+        "mTLS only (needs --cluster-ca/--cluster-cert/--cluster-key; 0: a free one; `up` always gives one); the "
+        "public API then stays plaintext unless --tls-cert",
+    )
     _add_limit_args(gateway)
     add_gateway_security_args(gateway)
     add_cluster_args(gateway)
@@ -586,6 +596,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)",
     )
     up.add_argument(
+        "--internal-port",
+        type=int,
+        default=0,
+        help="the gateway's port for workers and operators (Registry over the cluster's mTLS; `splitserve workers` "
+        "calls it) (0: gateway port + 2)",
+    )
+    up.add_argument(
         "--ready-timeout",
         type=float,
         default=READY_TIMEOUT_S,
@@ -603,13 +620,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--secure",
         action="store_true",
-        help="TLS on the public API, mTLS between all processes and an API key, from a throwaway CA made "
-        "in --secrets-dir (default: a join secret only)",
+        help="TLS on the public API and an API key as well (default: the public API is plaintext and open; the "
+        "internal plane always runs mTLS with a join secret from a throwaway CA made in --secrets-dir)",
     )
     up.add_argument(
         "--secrets-dir",
         default=".splitserve",
-        help="where `up` keeps the join secret (and with --secure the CA, certificates and API key); reused",
+        help="where `up` keeps the cluster CA, certificates, join secret (and API key); reused only if it and "
+        "its files belong to this user and no one else can change them (keys and secrets: 0600)",
     )
     _add_tracing_args(up)
     _add_autoscale_args(up)

@@ -59,6 +59,12 @@ class Child:
     log: deque[str] = field(default_factory=lambda: deque(maxlen=500), repr=False)  # last output lines
     device: str = ""  # the device(s) it was given, if any: "cuda:2", or "cuda:0,cuda:1" for 2 ranks
     http: str = ""  # the gateway's OpenAI HTTP API, HOST:PORT ("" for workers, or with it off)
+    internal: str = ""  # the gateway's internal port (Registry over the cluster's mTLS), HOST:PORT, if any
+
+    @property
+    def registry(self) -> str:
+        """Where members reach this child: the gateway's internal port if it has one, else its address."""
+        return self.internal or self.address
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
@@ -115,7 +121,7 @@ def wait_ready(
     """wait_healthy for a child of `up`; ChildNotReady, naming it with its log's tail, if it exits or
     is not healthy within timeout_s."""
     try:
-        wait_healthy(child.address, timeout_s, child.proc, cluster, is_worker)
+        wait_healthy(child.registry, timeout_s, child.proc, cluster, is_worker)
     except ProcessExited:
         why = f"exited with code {child.proc.returncode} while starting"
     except TimeoutError:
@@ -156,6 +162,7 @@ def start_cluster(
     http_port: int | None = 0,
     tp_sizes: dict[str, int] | None = None,
     mode_argv: dict[str, list[str]] | None = None,
+    internal_port: int = 0,
 ) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
@@ -169,7 +176,9 @@ def start_cluster(
     Workers that share a GPU start one after another, each once the one before is healthy: each sizes
     its KV cache from what it measures on the device while it starts. cluster is how this process
     reaches them (their security flags are in gateway_argv and worker_argv). http_port: the gateway's
-    OpenAI HTTP API (0: a free port; None: off); children[0].http is its HOST:PORT.
+    OpenAI HTTP API (0: a free port; None: off); children[0].http is its HOST:PORT. With cluster
+    certificates the gateway serves members on an internal port (internal_port; 0: a free one) over mTLS:
+    children[0].registry is its HOST:PORT.
     """
     modes = worker_modes(num_workers, num_prefill, num_decode)
     if not modes:
@@ -184,9 +193,12 @@ def start_cluster(
     argv = ["gateway", "--host", host, "--port", str(gw_port), "--metrics-port", str(gw_metrics)]
     argv += ["--http-port", str(-1 if gw_http is None else gw_http), *model, *(gateway_argv or [])]
     http = "" if gw_http is None else f"{host}:{gw_http}"
+    # With cluster certificates, members meet the gateway on a port of their own (mTLS), never the public one.
+    internal = f"{host}:{internal_port or free_port(host)}" if cluster.identity is not None else ""
+    argv += ["--internal-port", internal.rpartition(":")[2]] if internal else []
     log: deque[str] = deque(maxlen=500)
     proc = _spawn("gateway", argv, env, log)
-    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}", proc, log=log, http=http)
+    gateway = Child("gateway", f"{host}:{gw_port}", f"{host}:{gw_metrics}", proc, log=log, http=http, internal=internal)
     children = [gateway]
     try:
         wait_ready(gateway, timeout_s, cluster, is_worker=False)
@@ -197,7 +209,7 @@ def start_cluster(
             device = pick_devices(devices, tp, used) if devices else ""
             wait_for_gpu_peer(children[1:], device, timeout_s, cluster)
             argv = engine_argv + pin + (worker_argv or []) + (mode_argv or {}).get(mode, [])
-            children.append(spawn_worker(name, mode, gateway.address, argv, host, n, env, device, tp))
+            children.append(spawn_worker(name, mode, gateway.registry, argv, host, n, env, device, tp))
         for child in children[1:]:
             wait_ready(child, timeout_s, cluster)
         time.sleep(1.5)  # one gateway health-check round, so every worker takes traffic
@@ -324,13 +336,14 @@ _PORT_USES = (
         "give `up` another with --http-port N (0: a free one), or --no-http to serve gRPC only",
     ),
     ("the launcher control of `splitserve scale`", "give `up` another with --admin-port N (0: a free one)"),
+    ("the gateway's internal port", "give `up` another with --internal-port N (0: a free one)"),
 )
 
 
-def check_ports_free(host: str, grpc_port: int, http_port: int | None, admin_port: int) -> None:
+def check_ports_free(host: str, grpc_port: int, http_port: int | None, admin_port: int, internal_port: int = 0) -> None:
     """PortTaken, naming the port and the flag that moves it, if something listens on a port `up`
     would give the gateway or its launcher control (0 or None: a free one is picked, or none)."""
-    for port, (use, fix) in zip((grpc_port, http_port, admin_port), _PORT_USES):
+    for port, (use, fix) in zip((grpc_port, http_port, admin_port, internal_port), _PORT_USES):
         if port and not _can_bind(host, port):
             raise PortTaken(f"port {port} on {host} ({use}) is taken: {fix}")
 
@@ -372,13 +385,15 @@ def run_up(
     planner: UpPlanner | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
     mode_argv: dict[str, list[str]] | None = None,
+    internal_port: int = 0,
 ) -> int:
     """planner: run the SLO planner in this process too (`--autoscale`; launch/autoscale.py);
     ready_timeout_s: how long each child may take to come up (at start, and when scaled or restarted);
-    mode_argv: arguments for one mode's workers (`--engine-process`: unified and decode)."""
+    mode_argv: arguments for one mode's workers (`--engine-process`: unified and decode);
+    internal_port: the gateway's port for members (mTLS), when access gives the cluster certificates."""
     from splitserve.launch.supervisor import Supervisor, serve_launcher
 
-    check_ports_free(host, port, http_port, admin_port)  # before starting anything
+    check_ports_free(host, port, http_port, admin_port, internal_port)  # before starting anything
     access = access or UpAccess([], [], OPEN_CLUSTER, [], lambda address: "")
     engine_argv = engine_argv + access.worker_argv
     children = start_cluster(
@@ -395,6 +410,7 @@ def run_up(
         http_port=http_port,
         tp_sizes=tp_sizes,
         mode_argv=mode_argv,
+        internal_port=internal_port,
     )
     supervisor = Supervisor(
         children,
@@ -426,7 +442,7 @@ def run_up(
     print(
         f"{access.client_hint(children[0].address)}\n"
         f"operator commands:\n"
-        f"  splitserve workers --url {children[0].address} {operator}\n"
+        f"  splitserve workers --url {children[0].registry} {operator}\n"
         f"  splitserve scale --url {supervisor.admin_address} {operator} --prefill 1 --decode 2\n"
         "Ctrl-C stops everything.",
         flush=True,

@@ -133,7 +133,7 @@ class Supervisor:
                 spawn_worker(
                     f"{mode}-{next(self._ids[mode])}",
                     mode,
-                    self.children[0].address,
+                    self.children[0].registry,
                     self.engine_argv + self.mode_argv.get(mode, []),
                     self.host,
                     threads,
@@ -169,7 +169,7 @@ class Supervisor:
             self.children[i] = spawn_worker(
                 child.name,
                 child.mode,
-                self.children[0].address,
+                self.children[0].registry,
                 self.engine_argv + self.mode_argv.get(child.mode, []),
                 self.host,
                 threads_per_worker(self._num_ranks()),
@@ -236,7 +236,8 @@ class LauncherServicer(pb_grpc.LauncherServicer):
 def serve_launcher(
     supervisor: Supervisor, host: str, port: int, cluster: ClusterSecurity = OPEN_CLUSTER
 ) -> grpc.Server:
-    """The Launcher service on host:port, for members of the cluster only (join secret; TLS with its CA)."""
+    """The Launcher service on host:port, for members of the cluster only (join secret; with the cluster's
+    certificates, mTLS: an operator needs the cluster certificate, as every member does)."""
     launcher_service = pb.DESCRIPTOR.services_by_name["Launcher"].full_name
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4), interceptors=[BlockingAccessGuard(cluster, (launcher_service,))]
@@ -245,7 +246,7 @@ def serve_launcher(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    credentials = cluster.server_credentials(require_client_auth=False)
+    credentials = cluster.server_credentials()  # callers show a cluster certificate too (mTLS)
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     server.start()

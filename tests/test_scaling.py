@@ -87,7 +87,7 @@ def test_add_workers_then_drain_the_originals_under_load(tiny_llama_dir):
 
 
 def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
-    port, admin = free_port(), free_port()
+    port, admin, internal = free_port(), free_port(), free_port()
     up = subprocess.Popen(
         [
             sys.executable,
@@ -100,6 +100,8 @@ def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
             str(port),
             "--admin-port",
             str(admin),
+            "--internal-port",
+            str(internal),
             "--secrets-dir",
             str(tmp_path),
             *engine_argv(tiny_llama_dir),
@@ -110,18 +112,23 @@ def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
     cli = [sys.executable, "-m", "splitserve.launch.cli"]
     try:
         wait_healthy(f"127.0.0.1:{port}", 120, up)
+        member = ["--join-secret-file", str(tmp_path / "join-secret")]  # `up` made it: 0600
+        member += ["--cluster-ca", str(tmp_path / "ca.pem"), "--cluster-cert", str(tmp_path / "cluster.pem")]
+        member += ["--cluster-key", str(tmp_path / "cluster-key.pem")]  # the launcher takes mTLS only
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # the launcher control starts once the workers are up
-            if subprocess.run([*cli, "health", f"127.0.0.1:{admin}"], capture_output=True).returncode == 0:
+            if subprocess.run([*cli, "health", f"127.0.0.1:{admin}", *member], capture_output=True).returncode == 0:
                 break
             time.sleep(0.5)
-        member = ["--join-secret-file", str(tmp_path / "join-secret")]  # `up` made it: 0600
         assert (tmp_path / "join-secret").stat().st_mode & 0o777 == 0o600
         outsider = subprocess.run(
             [*cli, "scale", "--url", f"127.0.0.1:{admin}", "--decode", "2"], capture_output=True, text=True, timeout=60
         )
-        assert outsider.returncode == 1 and "UNAUTHENTICATED" in outsider.stderr
-        outsider = subprocess.run([*cli, "workers", "--url", f"127.0.0.1:{port}"], capture_output=True, text=True)
+        assert outsider.returncode == 1 and "UNAVAILABLE" in outsider.stderr  # no certificate: no handshake
+        no_secret = member[2:]  # the cluster certificate without the join secret
+        outsider = subprocess.run(
+            [*cli, "workers", "--url", f"127.0.0.1:{internal}", *no_secret], capture_output=True, text=True
+        )
         assert outsider.returncode == 1 and "UNAUTHENTICATED" in outsider.stderr
         out = subprocess.run(
             [*cli, "scale", "--url", f"127.0.0.1:{admin}", *member, "--prefill", "1", "--decode", "1"],
@@ -133,7 +140,7 @@ def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
         assert "now: 1 unified, 1 prefill, 1 decode" in out.stdout
         time.sleep(1.5)
         listing = subprocess.run(
-            [*cli, "workers", "--url", f"127.0.0.1:{port}", *member], capture_output=True, text=True
+            [*cli, "workers", "--url", f"127.0.0.1:{internal}", *member], capture_output=True, text=True
         )
         roles = sorted(line.split()[1] for line in listing.stdout.splitlines()[1:])
         assert roles == ["decode", "prefill", "unified"], listing.stdout

@@ -136,8 +136,11 @@ def test_concurrency_limit_per_key(secure, bundle):
 
 def test_outsiders_cannot_register_publish_or_call_workers(secure, bundle):
     gateway, decode = secure[0], secure[2]
+    on_public_port = wpb_grpc.RegistryStub(bundle.cluster().blocking_channel(gateway.address, to_worker=False))
+    listing = wpb.ListWorkersRequest()  # the Registry is on the internal port only, even for members
+    assert _code(lambda: on_public_port.ListWorkers(listing, timeout=5)) == grpc.StatusCode.UNIMPLEMENTED
     no_secret = bundle.cluster(join_secret=False)
-    registry = wpb_grpc.RegistryStub(no_secret.blocking_channel(gateway.address, to_worker=False))
+    registry = wpb_grpc.RegistryStub(no_secret.blocking_channel(gateway.registry, to_worker=False))
     register = wpb.RegisterWorkerRequest(address="127.0.0.1:1", model="rogue")
     assert _code(lambda: registry.RegisterWorker(register, timeout=5)) == grpc.StatusCode.UNAUTHENTICATED
     publish = wpb.PublishKVEventsRequest(address="127.0.0.1:1", instance_id="x", seq=1, block_size=8)
@@ -150,7 +153,7 @@ def test_outsiders_cannot_register_publish_or_call_workers(secure, bundle):
     worker = wpb_grpc.WorkerStub(with_secret_no_cert.blocking_channel(decode.address))  # no certificate: no TLS
     assert _code(lambda: list(worker.Generate(request, timeout=5))) == grpc.StatusCode.UNAVAILABLE
     members = bundle.cluster()
-    listed = wpb_grpc.RegistryStub(members.blocking_channel(gateway.address, to_worker=False)).ListWorkers(
+    listed = wpb_grpc.RegistryStub(members.blocking_channel(gateway.registry, to_worker=False)).ListWorkers(
         wpb.ListWorkersRequest(), timeout=5
     )
     assert sorted(w.address for w in listed.workers) == sorted(c.address for c in secure[1:])  # no rogue
@@ -163,7 +166,7 @@ def test_worker_without_the_secret_is_refused_and_exits(secure, bundle, tiny_lla
         "splitserve.launch.cli",
         "worker",
         "--gateway",
-        secure[0].address,
+        secure[0].registry,
         "--cluster-ca",
         str(bundle.ca_cert),
         "--cluster-cert",
