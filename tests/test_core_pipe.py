@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -262,3 +263,131 @@ def test_a_worker_whose_core_makes_no_progress_stops_serving_and_exits(tiny_llam
 
     asyncio.run(run())
     assert statuses[-1] == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# -- the soak -----------------------------------------------------------------------------------------
+class _SlowReads:
+    """The client's end of the pipe, whose event reader takes delay_s more per event: a serving
+    process busier than its core (the core then waits for room before its steps)."""
+
+    def __init__(self, conn, delay_s: float) -> None:
+        self._conn, self._delay_s = conn, delay_s
+
+    def recv_bytes(self, *args):
+        data = self._conn.recv_bytes(*args)
+        time.sleep(self._delay_s)  # the slow serving process this stands in for
+        return data
+
+    def __getattr__(self, name):
+        return getattr(self._conn, name)
+
+
+SOAK_REQUESTS, SOAK_CONCURRENCY = 2000, 200  # a quarter refused by the core, a quarter left early
+SOAK_READ_DELAY_S = 0.02
+
+
+@pytest.mark.integration
+def test_soak_a_worker_whose_serving_side_reads_slowly(tiny_llama_dir, monkeypatch):
+    """A real worker and core, the event reader slowed, many concurrent requests (valid, refused by
+    the core, abandoned): every request ends as it should, health answers SERVING throughout (the
+    event loop never blocks), and the core's pool is whole afterwards. Prints what it measured."""
+    import random
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.common.serving import free_port
+    from splitserve.protos.v1 import generation_pb2 as gpb
+    from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
+    from splitserve.worker import server
+
+    clients: list[EngineCoreClient] = []
+    real_launch = EngineCoreClient.launch.__func__
+
+    def launch(cls, *args, **kwargs):
+        client = real_launch(cls, *args, **kwargs)
+        client._conn = _SlowReads(client._conn, SOAK_READ_DELAY_S)  # before start(): the reader reads through it
+        clients.append(client)
+        return client
+
+    monkeypatch.setattr(EngineCoreClient, "launch", classmethod(launch))
+    config = server.WorkerConfig(engine=_config(tiny_llama_dir), port=free_port())
+    rng = random.Random(43)
+    kinds = [rng.choice(["ok", "ok", "refused", "left"]) for _ in range(SOAK_REQUESTS)]
+
+    def request(i: int, kind: str) -> worker_pb2.WorkerGenerateRequest:
+        prompt = [1 + i % 200, 2, 3] if kind != "refused" else rng.choice([[1, 99999], [1] * 300])
+        stopping = gpb.StoppingCriteria(max_tokens=rng.randint(1, 100), ignore_eos=True)
+        return worker_pb2.WorkerGenerateRequest(prompt_token_ids=prompt, stopping=stopping)
+
+    async def one(stub, i: int, kind: str) -> str:
+        call = stub.Generate(request(i, kind), timeout=BOUND_S * 3)
+        try:
+            n = 0
+            async for _ in call:
+                n += 1
+                if kind == "left":
+                    call.cancel()
+                    return "left"
+            return "ok" if n else "empty"
+        except grpc.aio.AioRpcError as e:
+            return "refused" if e.code() == grpc.StatusCode.INVALID_ARGUMENT else f"error {e.code().name}"
+
+    async def run() -> dict:
+        task = asyncio.create_task(server.serve_worker(config))
+        address = f"127.0.0.1:{config.port}"
+        async with grpc.aio.insecure_channel(address) as channel:
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            while True:  # until it serves (the core loads first)
+                assert not task.done(), task.exception()
+                try:
+                    await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=1, wait_for_ready=True)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.1)
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            slots = asyncio.Semaphore(SOAK_CONCURRENCY)  # arrivals keep coming while the pipe is full
+
+            async def in_turn(i: int, kind: str) -> str:
+                async with slots:
+                    return await one(stub, i, kind)
+
+            calls = asyncio.gather(*(in_turn(i, kind) for i, kind in enumerate(kinds)))
+            checks = []
+            while not calls.done():  # health answers throughout: the event loop never blocks
+                before = loop.time()
+                reply = await health_stub.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                checks.append((reply.status, loop.time() - before))
+                await asyncio.wait({calls}, timeout=0.2)  # the next check, or the end
+            results = await calls
+            seconds = loop.time() - started
+            load = await _idle_load(clients[0])
+            await worker_pb2_grpc.WorkerStub(channel).Drain(worker_pb2.DrainRequest(), timeout=10)
+        await asyncio.wait_for(task, BOUND_S)
+        return dict(results=results, checks=checks, seconds=seconds, load=load)
+
+    got = asyncio.run(run())
+    results, checks, load = got["results"], got["checks"], got["load"]
+    assert results == kinds, [(k, r) for k, r in zip(kinds, results) if k != r][:5]
+    assert checks and all(status == health_pb2.HealthCheckResponse.SERVING for status, _ in checks)
+    assert load.num_running == 0 and load.num_free_blocks == load.num_total_blocks
+    assert not clients[0].died.is_set() and clients[0].exitcode == 0
+    print(
+        f"\nsoak: {len(kinds)} requests, {SOAK_CONCURRENCY} at a time ({kinds.count('ok')} ok, "
+        f"{kinds.count('refused')} refused, "
+        f"{kinds.count('left')} left) in {got['seconds']:.1f} s with the event reader {SOAK_READ_DELAY_S * 1e3:.0f} ms "
+        f"slower per event; {len(checks)} health checks, slowest {max(s for _, s in checks) * 1e3:.0f} ms"
+    )
+
+
+async def _idle_load(client: EngineCoreClient):
+    """The core's load once nothing runs and every block is back (it reports within 100 ms)."""
+    deadline = asyncio.get_running_loop().time() + BOUND_S
+    while True:
+        load = client.load()
+        idle = load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks
+        if idle or asyncio.get_running_loop().time() > deadline:
+            return load
+        await asyncio.sleep(0.05)
