@@ -217,6 +217,7 @@ def _worker(a: argparse.Namespace) -> int:
         kv_transfer_timeout_s=a.kv_transfer_timeout,
         kv_streaming=a.kv_streaming,
         engine_process=a.engine_process,
+        vllm_metric_names=a.vllm_metric_names,
         cluster=cluster_from_args(a),
         otlp_traces_endpoint=a.otlp_traces_endpoint,
     )
@@ -252,6 +253,7 @@ def _gateway(a: argparse.Namespace) -> int:
         workers=tuple(a.worker or ()),
         max_pending=a.max_pending,
         router=a.router,
+        forget_unhealthy_after_s=a.forget_unhealthy_after,
         redis_url=a.redis_url,
         limits=limits,
         max_streams_per_connection=a.max_streams_per_connection,
@@ -469,6 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
         "KV handoffs run there too, disagg/core_prefill.py and disagg/core_decode.py); the default; "
         "--no-engine-process: step in the serving process",
     )
+    worker.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="also export the metrics vLLM has under vLLM's names (vllm:num_requests_running, ...) for tools "
+        "built for vLLM (docs/observability.md); `up` passes it to every worker",
+    )
     worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
     add_cluster_args(worker)
@@ -478,6 +486,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway = sub.add_parser("gateway", help="run the gateway (public Generation API: gRPC and OpenAI HTTP)")
     _add_server_args(gateway)
+    gateway.add_argument(
+        "--forget-unhealthy-after",
+        type=float,
+        default=30.0,
+        help="seconds a worker may stay unhealthy before the gateway forgets it (it died without "
+        "deregistering); a live one registers again",
+    )
     gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
     gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
     gateway.add_argument("--max-pending", type=int, default=256)

@@ -66,6 +66,7 @@ class WorkerConfig:
     # An engine core silent this long while work is queued is hung or wedged: the worker stops serving
     # (health NOT_SERVING, out of the gateway) and exits non-zero, to be restarted.
     engine_stall_timeout_s: float = STALL_TIMEOUT_S
+    vllm_metric_names: bool = False  # also export vLLM's metric names (worker/metrics.py VLLM_NAMES)
     cluster: ClusterSecurity = field(default_factory=ClusterSecurity)  # join secret, cluster mTLS
     otlp_traces_endpoint: str | None = None  # --otlp-traces-endpoint: an engine core exports its spans there too
 
@@ -172,7 +173,13 @@ def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient,
 async def serve_worker(config: WorkerConfig) -> None:
     engine, port = _start_engine(config)
     name = model_name(config.engine.model)
-    metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(port), failure_reasons=tuple(TransferFailure))
+    metrics = WorkerMetrics(
+        name,
+        config.mode,
+        lambda: engine_snapshot(port),
+        failure_reasons=tuple(TransferFailure),
+        vllm_names=config.vllm_metric_names,
+    )
     servicer = _make_servicer(config, engine, port, metrics)
     if isinstance(engine, EngineCoreClient):
         engine.on_observed = metrics.observe_core  # a prefill or decode worker's handoffs run in its core
