@@ -104,6 +104,7 @@ class EngineCoreClient:
         self._clocks: dict[str, StageClock] = {}  # handed-off requests' times, from the core's reader
         # A prefill worker's calls run in the core: each one's events (PrefillResponse) or its error
         self._prefills: dict[str, asyncio.Queue[wpb.PrefillResponse | BaseException]] = {}
+        self._prefill_labels: dict[str, str] = {}  # a Prefill call's request id -> the client's id (Abort by it)
         # What the core's handoffs observe (a decode worker's metrics count it), on the reader thread
         self.on_observed: Callable[[pb.CoreHandoffObservation], None] | None = None
         self._streams = Streams(self.abort)
@@ -228,6 +229,7 @@ class EngineCoreClient:
         if self._streams.error is not None:
             raise self._streams.error
         events = self._prefills[request_id] = asyncio.Queue()
+        self._prefill_labels[request_id] = call.request.request_id
         finished = False
         try:
             self._send(pb.CoreCommand(add=add))
@@ -240,6 +242,7 @@ class EngineCoreClient:
                 yield event
         finally:
             self._prefills.pop(request_id, None)
+            self._prefill_labels.pop(request_id, None)
             if not finished and self._streams.error is None:
                 self._send(pb.CoreCommand(abort_request_id=request_id))
 
@@ -270,8 +273,13 @@ class EngineCoreClient:
             self._send(pb.CoreCommand(abort_request_id=request_id))
 
     def abort_label(self, label: str) -> int:
-        """Abort every request carrying the client's id label; returns how many."""
-        return self._streams.abort_label(label)
+        """Abort every request carrying the client's id label, Prefill calls too (each ends with
+        CoreRefused CANCELLED, and its end aborts it in the core); returns how many."""
+        prefills = [rid for rid, lab in self._prefill_labels.items() if lab == label]
+        for request_id in prefills:
+            aborted = CoreRefused("CANCELLED", f"the Prefill call for {label!r} was aborted by its id (Worker.Abort)")
+            self._prefills[request_id].put_nowait(aborted)
+        return self._streams.abort_label(label) + len(prefills)
 
     def num_requests(self) -> int:
         return len(self._streams) + len(self._prefills)

@@ -217,6 +217,22 @@ def _prefill_call(prompt: list[int], kv_layout: str) -> wpb.PrefillRequest:
     return wpb.PrefillRequest(request=request, channel=channel, kv_layout=kv_layout)
 
 
+_TINY_KV_LAYOUT = "float32/layers=2/block=8/kv_heads=2/head_dim=16"  # tests/conftest.py's tiny Llama, block 8
+
+
+def _abort_by_label_ends_a_prefill_call_in_the_core(prefill_stub: wpb_grpc.WorkerStub) -> None:
+    """Worker.Abort by the client's id reaches a Prefill call the core runs: the call ends CANCELLED (its
+    send, to a channel nobody listens on, would otherwise wait out the transfer timeout, then UNAVAILABLE)."""
+    call = _prefill_call(PROMPTS[1], _TINY_KV_LAYOUT)
+    call.request.request_id, call.transfer_tag = "abort-me", 1
+    responses = prefill_stub.Prefill(call, timeout=60)
+    next(responses)  # the prompt is computed; the call waits for its send
+    assert prefill_stub.Abort(wpb.AbortRequest(request_id="abort-me"), timeout=30).aborted
+    with pytest.raises(grpc.RpcError) as ended:
+        list(responses)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED and "abort-me" in ended.value.details()
+
+
 def test_workers_with_engine_processes_serve_like_the_engine_in_process(core_tiers, tiny_llama_dir):
     """Greedy and seeded (the sampler's state crosses from the prefill core into the decode core),
     many at once; the KV streamed layer by layer from the prefill core; a Prefill call this worker
@@ -244,6 +260,9 @@ def test_workers_with_engine_processes_serve_like_the_engine_in_process(core_tie
         with pytest.raises(grpc.RpcError) as refused:
             list(prefill_stub.Prefill(call, timeout=30))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in refused.value.details()
+    _abort_by_label_ends_a_prefill_call_in_the_core(prefill_stub)
+    # its send, to a rendezvous nobody hosts, holds the prompt's blocks until the transfer timeout (30 s) fails it
+    assert wait_all_free([prefill.address, decode.address], timeout_s=90)
 
     stream = stub(gateway.address).Generate(greedy_request(PROMPTS[5], 150), timeout=60)
     next(stream)
