@@ -218,6 +218,7 @@ def _worker(a: argparse.Namespace) -> int:
         kv_streaming=a.kv_streaming,
         engine_process=a.engine_process,
         vllm_metric_names=a.vllm_metric_names,
+        engine_stall_timeout_s=a.engine_stall_timeout,
         cluster=cluster_from_args(a),
         otlp_traces_endpoint=a.otlp_traces_endpoint,
     )
@@ -470,6 +471,13 @@ def build_parser() -> argparse.ArgumentParser:
         "thread's per-stream work never delays a step (engine/core_process.py; a prefill or decode worker's "
         "KV handoffs run there too, disagg/core_prefill.py and disagg/core_decode.py); the default; "
         "--no-engine-process: step in the serving process",
+    )
+    worker.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the engine core may send nothing while work is queued before the worker gives up on it "
+        "(NOT_SERVING, exit 3: `up` or the container restarts it)",
     )
     worker.add_argument(
         "--vllm-metric-names",
