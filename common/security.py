@@ -4,7 +4,9 @@ Three kinds of method:
   open      health checks and reflection (unless a server is told to guard them too);
   internal  Registry (on the gateway), Worker (on every worker), Launcher: only members of the
             cluster, that is callers holding the join secret (metadata JOIN_SECRET_HEADER) and,
-            with cluster TLS, a certificate from the cluster CA (checked by the TLS handshake);
+            with cluster TLS, a certificate from the cluster CA (checked by the TLS handshake)
+            that names the cluster (CLUSTER_TLS_NAME; checked per call on members-only servers:
+            the same CA signs public clients' certificates, which must not make a member);
   public    Generation: callers with an API key (gateway/auth.py), when keys are configured.
 
 Cluster TLS: every process presents one certificate signed by the cluster CA, and every channel
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,6 +101,13 @@ class ClusterSecurity:
             return True
         given = dict(metadata).get(JOIN_SECRET_HEADER, "")
         return hmac.compare_digest(given.encode(), self.join_secret.encode())
+
+    def admits_peer(self, auth_context: Mapping[str, Sequence[bytes]]) -> bool:
+        """Whether a caller's verified certificate names the cluster (always, without cluster TLS).
+        The cluster CA also signs a bundle's public client certificate: verified, but not a member's."""
+        if self.identity is None:
+            return True
+        return CLUSTER_TLS_NAME.encode() in auth_context.get("x509_subject_alternative_name", ())
 
     def server_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials | None:
         """TLS with this process's cluster certificate (workers: callers need one too), or None (plaintext)."""
@@ -256,7 +265,12 @@ class Admission:
 
 
 class AccessGuard(grpc.aio.ServerInterceptor):
-    """Checks every call by its service before the servicer sees it (see the module docstring)."""
+    """Checks every call by its service before the servicer sees it (see the module docstring).
+
+    members_only: the server requires a cluster certificate from every caller (a worker, the gateway's
+    internal port), so an internal call must also come from a certificate that names the cluster. A
+    port shared with public clients (a gateway without an internal port) cannot ask that of workers
+    that registered there without showing a certificate."""
 
     def __init__(
         self,
@@ -264,10 +278,12 @@ class AccessGuard(grpc.aio.ServerInterceptor):
         internal_services: Sequence[str],
         public_check: PublicCheck | None = None,
         guard_open_services: bool = False,
+        members_only: bool = False,
     ) -> None:
         self.cluster, self.public_check = cluster, public_check
         self.internal = frozenset(internal_services)
         self.guard_open = guard_open_services
+        self.members_only = members_only
         self.on_denied: Callable[[str, grpc.StatusCode], None] | None = None  # (kind, code): for a metric
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -277,9 +293,9 @@ class AccessGuard(grpc.aio.ServerInterceptor):
         service = handler_call_details.method.split("/")[1]
         metadata = tuple(handler_call_details.invocation_metadata or ())
         if service in self.internal:
-            if self.cluster.admits(metadata):
-                return handler
-            return self._deny(handler, "internal", grpc.StatusCode.UNAUTHENTICATED, _NOT_A_MEMBER)
+            if not self.cluster.admits(metadata):
+                return self._deny(handler, "internal", grpc.StatusCode.UNAUTHENTICATED, _NOT_A_MEMBER)
+            return _peer_checked(handler, self._check_peer) if self.members_only else handler
         if self.public_check is None or (service in OPEN_SERVICES and not self.guard_open):
             return handler
         return _admitted(handler, lambda: self._admit(metadata))
@@ -291,6 +307,12 @@ class AccessGuard(grpc.aio.ServerInterceptor):
             self.on_denied("public", admission.denial[0])
         return admission
 
+    async def _check_peer(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.cluster.admits_peer(context.auth_context()):
+            if self.on_denied is not None:
+                self.on_denied("internal", grpc.StatusCode.PERMISSION_DENIED)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, _NOT_A_MEMBER_CERTIFICATE)
+
     def _deny(self, handler, kind: str, code: grpc.StatusCode, message: str, trailing: Metadata = ()):
         if self.on_denied is not None:
             self.on_denied(kind, code)
@@ -301,6 +323,37 @@ _NOT_A_MEMBER = (
     "this service is for members of the splitserve cluster: call with the cluster's join secret "
     f"(metadata {JOIN_SECRET_HEADER}; give the process --join-secret-file or {JOIN_SECRET_ENV})"
 )
+
+
+_NOT_A_MEMBER_CERTIFICATE = (
+    f"this service is for members of the splitserve cluster: your certificate does not name {CLUSTER_TLS_NAME} "
+    "(a public client's certificate, though the cluster CA signed it); call with the cluster certificate"
+)
+
+
+def _peer_checked(handler, check: Callable[[grpc.aio.ServicerContext], Awaitable[None]]):
+    """The same handler, checking the caller's certificate first: only a handler sees the call's TLS
+    peer (an interceptor gets the method and metadata alone). Internal services are unary or
+    server-streaming."""
+    kwargs = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_stream is not None:
+        behavior = handler.unary_stream
+
+        async def stream(request, context):
+            await check(context)
+            async for response in behavior(request, context):
+                yield response
+
+        return grpc.unary_stream_rpc_method_handler(stream, **kwargs)
+    if handler.unary_unary is not None:
+        unary = handler.unary_unary
+
+        async def call(request, context):
+            await check(context)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(call, **kwargs)
+    raise TypeError(f"internal services are unary or server-streaming; got {handler!r}")
 
 
 def _denying_handler(handler, code: grpc.StatusCode, message: str, trailing: Metadata):
@@ -371,7 +424,8 @@ def _admitted(handler, admit: Callable[[], Awaitable[Admission]]):
 
 
 class BlockingAccessGuard(grpc.ServerInterceptor):
-    """AccessGuard for a synchronous server that has only internal services (the Launcher)."""
+    """AccessGuard for a synchronous, members-only server whose services are internal and unary (the
+    Launcher): the join secret, and a certificate that names the cluster."""
 
     def __init__(self, cluster: ClusterSecurity, internal_services: Sequence[str]) -> None:
         self.cluster, self.internal = cluster, frozenset(internal_services)
@@ -381,12 +435,21 @@ class BlockingAccessGuard(grpc.ServerInterceptor):
         service = handler_call_details.method.split("/")[1]
         if handler is None or service not in self.internal:
             return handler
-        if self.cluster.admits(tuple(handler_call_details.invocation_metadata or ())):
-            return handler
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if not self.cluster.admits(tuple(handler_call_details.invocation_metadata or ())):
 
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, _NOT_A_MEMBER)
+            def deny(request, context):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, _NOT_A_MEMBER)
 
-        return grpc.unary_unary_rpc_method_handler(
-            deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-        )
+            return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+        unary = handler.unary_unary
+
+        def call(request, context):
+            if not self.cluster.admits_peer(context.auth_context()):
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, _NOT_A_MEMBER_CERTIFICATE)
+            return unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(call, **kwargs)

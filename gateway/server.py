@@ -119,8 +119,8 @@ class GatewaySecurity:
         return AccessGuard(self.cluster, (_REGISTRY,), public, self.guard_open_services)
 
     def internal_guard(self) -> AccessGuard:
-        """The internal port's: the join secret on the Registry (mTLS already checked the certificate)."""
-        return AccessGuard(self.cluster, (_REGISTRY,))
+        """The internal port's: the join secret on the Registry, from a certificate that names the cluster."""
+        return AccessGuard(self.cluster, (_REGISTRY,), members_only=True)
 
 
 _REGISTRY = pb.DESCRIPTOR.services_by_name["Registry"].full_name

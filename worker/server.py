@@ -186,7 +186,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     if isinstance(port, HandoffPort):
         await _open_rank_endpoints(config, port)
     worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name
-    server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (worker_service,))])
+    server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (worker_service,), members_only=True)])
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
