@@ -34,8 +34,14 @@ broadcast_object_list or any *_object collective (they unpickle what a peer send
 Sockets: the store and gloo's pair sockets listen on the worker's advertised host only (for a
 wildcard host the store listens on every interface and gloo on this machine's address). gloo
 neither encrypts nor authenticates its traffic after the handshake, and the store lets anyone
-who reaches it delete or overwrite keys: the workers must share a private network
+who reaches it read, write (any size) or delete keys: the workers must share a private network
 (docs/security.md).
+
+The store keeps a channel's keys only while the pair needs them: the receiver deletes both address
+records and the sender's proof once it has that proof (the sender publishes it after its groups are
+built, so nothing reads the addresses later), the sender deletes the receiver's proof once read, and
+a dropped channel's prefix is swept once its build ends. gloo's address records are published
+without the uninitialised bytes gloo copies into them (dist_store.scrub_address_record).
 
 Groups are reused for every later transfer between the pair; concurrent transfers are told apart
 by tag (>= 1; 0 is the handshake's). gloo closes a pair for good when a peer dies (a pending recv
@@ -67,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.common.bounded import RecentMap
-from splitserve.common.dist_store import Device, gloo_device, host_store
+from splitserve.common.dist_store import Device, gloo_device, host_store, scrub_address_record
 from splitserve.disagg.transfer import nccl
 from splitserve.disagg.transfer.base import (
     Backend,
@@ -97,7 +103,8 @@ SENDER_PROOF, RECEIVER_PROOF = "auth/sender", "auth/receiver"  # store keys, und
 
 class _Rendezvous(dist.Store):
     """The store as gloo sees it while building one group: remembers the addresses this rank
-    published (its own) and read (its peer's), which the handshake then binds."""
+    published (its own) and read (its peer's), which the handshake then binds. What gloo publishes
+    goes out scrubbed of the process memory gloo copies into it (scrub_address_record)."""
 
     def __init__(self, store: dist.Store) -> None:
         super().__init__()
@@ -105,7 +112,7 @@ class _Rendezvous(dist.Store):
         self._seen: dict[str, bytes] = {}
 
     def set(self, key: str, value: str | bytes) -> None:
-        data = value.encode() if isinstance(value, str) else bytes(value)
+        data = scrub_address_record(value.encode() if isinstance(value, str) else bytes(value))
         self._seen[key] = data
         _put(self._store, key, data)
 
@@ -125,6 +132,22 @@ class _Rendezvous(dist.Store):
 
     def digest(self) -> bytes:
         return b"".join(hashlib.sha256(k.encode() + b"=" + v).digest() for k, v in sorted(self._seen.items()))
+
+    def keys(self) -> list[str]:
+        """Every key this rank published or read."""
+        return list(self._seen)
+
+
+def _forget(store: dist.Store, keys: list[str]) -> None:
+    """Delete keys from the store: readable by anyone who reaches it, held in the decode worker's memory."""
+    for key in keys:
+        store.delete_key(key)
+
+
+def sweep_channel(store: dist.Store, key: str) -> None:
+    """Delete whatever a channel left in the store (its own keys and anything written under its prefix)."""
+    prefix = f"kv/{key}/"
+    _forget(store, [name for name in store.list_keys() if name.startswith(prefix)])
 
 
 def _put(store: dist.Store, key: str, value: bytes) -> None:
@@ -149,9 +172,9 @@ class _Link:
 
 def _open(
     store: dist.Store, channel: ChannelSpec, rank: int, device: Device, cuda: torch.device | None, timeout_s: float
-) -> tuple[_Link, bytes]:
+) -> tuple[_Link, _Rendezvous]:
     """The pair's groups (for an NCCL channel, its NCCL group too, connected in the same
-    rendezvous), with the digest of the rendezvous this rank saw."""
+    rendezvous), with the rendezvous this rank saw."""
     # torch's stubs lag its bindings here (no _Options, no send/recv on ProcessGroupGloo): hence
     # the ignore and the cast.
     options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
@@ -166,7 +189,7 @@ def _open(
         except BaseException:  # release the gloo group's sockets, whatever went wrong
             link.shutdown()
             raise
-    return link, rendezvous.digest()
+    return link, rendezvous
 
 
 def _proof(channel: ChannelSpec, role: bytes, nonce: bytes, rendezvous: bytes) -> bytes:
@@ -196,14 +219,17 @@ def _accept_channel(
     """Receiver side of a new channel: build the group and admit the peer only once it has proved
     itself (module docstring)."""
     scoped = dist.PrefixStore(f"kv/{channel.key}", store)
-    link, rendezvous = _open(scoped, channel, RECEIVER_RANK, device, cuda, timeout_s)
-    nonce = secrets.token_bytes(NONCE_BYTES)
+    link, seen = _open(scoped, channel, RECEIVER_RANK, device, cuda, timeout_s)
+    rendezvous, nonce = seen.digest(), secrets.token_bytes(NONCE_BYTES)
     try:
         link.gloo.send([torch.frombuffer(bytearray(nonce), dtype=torch.uint8)], SENDER_RANK, AUTH_TAG).wait()
         admitted = hmac.compare_digest(
             _await_proof(scoped, SENDER_PROOF, timeout_s), _proof(channel, b"sender", nonce, rendezvous)
         )
         _put(scoped, RECEIVER_PROOF, _proof(channel, b"receiver", nonce, rendezvous) if admitted else b"")
+        # The sender published its proof once its groups were built: the addresses are read. The
+        # receiver's proof is the sender's to delete once read (a channel dropped first is swept).
+        _forget(scoped, [*seen.keys(), SENDER_PROOF])
     except RuntimeError:  # gloo or the store failed or timed out: the channel never opened
         link.shutdown()
         raise
@@ -218,13 +244,14 @@ def _join_channel(
     """Sender side of a new channel: answer the receiver's nonce; send KV only once the receiver
     has proved itself too."""
     scoped = dist.PrefixStore(f"kv/{channel.key}", store)
-    link, rendezvous = _open(scoped, channel, SENDER_RANK, device, cuda, timeout_s)
-    received = torch.empty(NONCE_BYTES, dtype=torch.uint8)
+    link, seen = _open(scoped, channel, SENDER_RANK, device, cuda, timeout_s)
+    rendezvous, received = seen.digest(), torch.empty(NONCE_BYTES, dtype=torch.uint8)
     try:
         link.gloo.recv([received], RECEIVER_RANK, AUTH_TAG).wait()
         nonce = received.numpy().tobytes()
         _put(scoped, SENDER_PROOF, _proof(channel, b"sender", nonce, rendezvous))
         proof = _await_proof(scoped, RECEIVER_PROOF, timeout_s)
+        _forget(scoped, [RECEIVER_PROOF])
     except RuntimeError:
         link.shutdown()
         raise
@@ -356,6 +383,8 @@ class TorchDistReceiver(KVReceiver):
                 del self._channels[peer]
                 self._tags.pop(spec.key, None)
                 future.add_done_callback(_shutdown_link)
+                # Once its build is over (built, refused or timed out), so it never races gloo's reads.
+                future.add_done_callback(lambda _, key=spec.key: sweep_channel(self.store, key))
 
     def close(self) -> None:
         for spec, _ in list(self._channels.values()):
