@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
+import threading
 
-from prometheus_client import CollectorRegistry, start_http_server
+import uvicorn
+from prometheus_client import CollectorRegistry, make_asgi_app
+
+from splitserve.common.http_server import HttpLimits, limited_config
 
 # Seconds: every latency histogram of the gateway and the workers (TTFT, TPOT, stages, transfers).
 LATENCY_BUCKETS = (
@@ -47,12 +52,59 @@ def drain_bound_s(drain_timeout_s: float, kv_lease_s: float, kv_transfer_timeout
     return drain_timeout_s + kv_lease_s + 6 * kv_transfer_timeout_s
 
 
+class MetricsServer:
+    """/metrics on one thread running an event loop (uvicorn with prometheus_client's ASGI app): an idle
+    connection costs a socket, not a thread (prometheus_client's own server starts one per connection),
+    and clients get the same head limit and timeouts as the gateway's HTTP API."""
+
+    def __init__(self, sock: socket.socket, server: _ReadyServer) -> None:
+        self.port = sock.getsockname()[1]
+        self._sock, self._server = sock, server
+        self._thread = threading.Thread(target=self._run, name=f"metrics-http-{self.port}", daemon=True)
+
+    @classmethod
+    def start(cls, registry: CollectorRegistry, sock: socket.socket, limits: HttpLimits) -> MetricsServer:
+        config = limited_config(make_asgi_app(registry), limits, timeout_graceful_shutdown=1)
+        metrics = cls(sock, _ReadyServer(config))
+        metrics._thread.start()
+        metrics._server.ready.wait()
+        if not metrics._server.started:
+            raise RuntimeError(f"the /metrics server on port {metrics.port} did not start (its error is logged)")
+        return metrics
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+        finally:
+            self._server.ready.set()  # also when it could not start: start() is waiting
+
+    def stop(self) -> None:
+        self._server.should_exit = True  # its main loop looks every 0.1 s
+        self._thread.join()
+
+
+class _ReadyServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = threading.Event()  # set once serving (or once its thread gave up)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        self.ready.set()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, limits: HttpLimits) -> MetricsServer:
+    """Serve /metrics on host:port (0: a free port) until stop() or the process ends."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, free_port(host) if port == 0 else port))
+    sock.listen(128)  # clients can connect from here on, as with prometheus_client's server
+    return MetricsServer.start(registry, sock, limits)
+
+
 def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> int:
-    """Serve /metrics on host:port (0: a free port); returns the port."""
-    if port == 0:
-        port = free_port(host)
-    start_http_server(port, addr=host, registry=registry)
-    return port
+    """Serve /metrics on host:port (0: a free port) for the life of the process; returns the port."""
+    return serve_metrics(registry, host, port, HttpLimits()).port
 
 
 _LOWEST_PORT = 10_000  # free_port's ports: from here to just below the kernel's ephemeral range

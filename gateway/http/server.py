@@ -2,7 +2,8 @@
 
 The gateway owns the process's signals (SIGTERM drains both servers), so uvicorn installs none;
 its socket is bound here so the port is known (and printed) before the first request. With the
-gateway's TLS certificate the API is HTTPS; with --tls-client-ca clients need a certificate.
+gateway's TLS certificate the API is HTTPS; with --tls-client-ca clients need a certificate. Each
+request's head is bounded and each wait for a client timed (HttpLimits) before the app sees it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
+from splitserve.common.http_server import HttpLimits, limited_config
 from splitserve.common.security import TlsIdentity
 from splitserve.gateway.auth import PublicAccess
 from splitserve.gateway.generation import GenerationCore
@@ -37,6 +39,7 @@ class HttpSettings:
     tls: TlsIdentity | None = None  # HTTPS with this certificate; None: plain HTTP
     client_ca_pem: bytes | None = None  # clients need a certificate from this CA (needs tls)
     cors_origins: tuple[str, ...] = ()  # browser origins allowed to call the API (CORS); none: CORS off
+    limits: HttpLimits = HttpLimits()  # request head size, head and idle timeouts
 
     def __post_init__(self) -> None:
         if self.client_ca_pem is not None and self.tls is None:
@@ -59,11 +62,9 @@ class HttpApi:
     ) -> HttpApi:
         app_settings = AppSettings(settings.max_body_bytes, settings.guard_open_routes, settings.cors_origins)
         app = build_app(core, metrics, app_settings, public)
-        config = uvicorn.Config(
+        config = limited_config(
             app,
-            lifespan="off",
-            log_config=None,  # the gateway's logging, not uvicorn's dictConfig
-            access_log=False,  # a line per request is the metrics' job
+            settings.limits,
             timeout_graceful_shutdown=2,
             ssl_context_factory=_ssl_factory(settings) if settings.tls else None,
         )
