@@ -10,7 +10,7 @@ import threading
 import uvicorn
 from prometheus_client import CollectorRegistry, make_asgi_app
 
-from splitserve.common.http_server import HttpLimits, limited_config
+from splitserve.common.http_server import HttpLimits, bind_tcp, limited_config
 
 # Seconds: every latency histogram of the gateway and the workers (TTFT, TPOT, stages, transfers).
 LATENCY_BUCKETS = (
@@ -95,9 +95,7 @@ class _ReadyServer(uvicorn.Server):
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, limits: HttpLimits) -> MetricsServer:
     """Serve /metrics on host:port (0: a free port) until stop() or the process ends."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, free_port(host) if port == 0 else port))
+    sock = bind_tcp(host, free_port(host) if port == 0 else port)
     sock.listen(128)  # clients can connect from here on, as with prometheus_client's server
     return MetricsServer.start(registry, sock, limits)
 

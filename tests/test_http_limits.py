@@ -280,3 +280,24 @@ def test_an_sse_stream_outlives_the_head_and_idle_timeouts(tokenizer):
     assert slow == b""
     events = [line for line in text.split("\n") if line.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) >= 3, text
+
+
+def test_the_gateway_sends_without_waiting_for_acks(tokenizer):
+    """TCP_NODELAY on every accepted connection: uvicorn writes a response's head and body (and each SSE
+    event) separately, and with Nagle on, each write after the first waits for the client's delayed ACK
+    (~40 ms on Linux: 22 keep-alive requests/s where 15,000 were possible)."""
+
+    async def run() -> list[int]:
+        gateway = _core(tokenizer)
+        settings = HttpSettings(host="127.0.0.1", port=0, max_body_bytes=4 << 20, limits=LIMITS)
+        api = await HttpApi.start(settings, gateway.core, GatewayMetrics(), None)
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{api.port}", timeout=WAIT_S) as client:
+                assert (await client.get("/health")).status_code == 200
+                sockets = [c.transport.get_extra_info("socket") for c in api.server.server_state.connections]
+                return [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets]
+        finally:
+            await api.stop(grace_s=1)
+
+    nodelay = asyncio.run(run())
+    assert nodelay and all(nodelay), nodelay

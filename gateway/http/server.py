@@ -20,7 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
-from splitserve.common.http_server import HttpLimits, limited_config
+from splitserve.common.http_server import HttpLimits, bind_tcp, limited_config
 from splitserve.common.security import TlsIdentity
 from splitserve.gateway.auth import PublicAccess
 from splitserve.gateway.generation import GenerationCore
@@ -90,10 +90,7 @@ class HttpApi:
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = bind_tcp(host, port)
     sock.set_inheritable(True)
     return sock
 
