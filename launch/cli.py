@@ -308,9 +308,9 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         _http_port(a),
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
         _up_planner(a) if a.autoscale else None,
-        a.ready_timeout,
-        None if a.engine_process else {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")},
-        a.internal_port or a.port + 2,
+        ready_timeout_s=a.ready_timeout,
+        mode_argv=None if a.engine_process else dict.fromkeys(("unified", "prefill", "decode"), ["--no-engine-process"]),
+        internal_port=a.internal_port or a.port + 2,
     )
 
 

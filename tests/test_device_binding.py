@@ -180,11 +180,11 @@ def test_up_no_engine_process_reaches_every_tier(spawned, monkeypatch, tmp_path)
     """Workers run engine cores by default; `up --no-engine-process`: the arguments of each mode's
     workers, as the cluster starts and as the supervisor starts more (scaling, restarts)."""
     got = []
-    monkeypatch.setattr(launcher, "run_up", lambda *args: got.append(args) or 0)
+    monkeypatch.setattr(launcher, "run_up", lambda *args, **kwargs: got.append(kwargs) or 0)
     up = ["up", "--secrets-dir", str(tmp_path), "--model", "m"]
-    assert cli.main(up) == 0 and got[0][-1] is None
+    assert cli.main(up) == 0 and got[0]["mode_argv"] is None
     assert cli.main([*up, "--no-engine-process"]) == 0
-    mode_argv = got[1][-1]
+    mode_argv = got[1]["mode_argv"]
     assert mode_argv == {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")}
     monkeypatch.setattr(supervisor, "wait_ready", lambda *args, **kw: None)
     monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
