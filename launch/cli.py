@@ -284,6 +284,9 @@ def _event_loop_factory():
     return uvloop.new_event_loop
 
 
+_WORKER_MODES = ("unified", "prefill", "decode")
+
+
 def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
     from pathlib import Path
 
@@ -309,7 +312,7 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
         _up_planner(a) if a.autoscale else None,
         ready_timeout_s=a.ready_timeout,
-        mode_argv=None if a.engine_process else dict.fromkeys(("unified", "prefill", "decode"), ["--no-engine-process"]),
+        mode_argv=None if a.engine_process else {mode: ["--no-engine-process"] for mode in _WORKER_MODES},
         internal_port=a.internal_port or a.port + 2,
     )
 
