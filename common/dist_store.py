@@ -22,7 +22,8 @@ WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 Device = dist.ProcessGroupGloo.Device
 SOCKADDR_STORAGE_BYTES = 128
 GLOO_ADDRESS_BYTES = SOCKADDR_STORAGE_BYTES + 8  # a sockaddr_storage, then a sequence number
-_SOCKADDR_BYTES = {socket.AF_INET: 16, socket.AF_INET6: 28}  # what each family fills of sockaddr_storage
+# what each family fills of sockaddr_storage
+_SOCKADDR_BYTES: dict[int, int] = {socket.AF_INET.value: 16, socket.AF_INET6.value: 28}
 
 
 def listen(host: str) -> socket.socket:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,12 +102,12 @@ class ClusterSecurity:
         given = dict(metadata).get(JOIN_SECRET_HEADER, "")
         return hmac.compare_digest(given.encode(), self.join_secret.encode())
 
-    def admits_peer(self, auth_context: Mapping[str, Sequence[bytes]]) -> bool:
+    def admits_peer(self, auth_context: Mapping[str, Iterable[bytes]]) -> bool:
         """Whether a caller's verified certificate names the cluster (always, without cluster TLS).
         The cluster CA also signs a bundle's public client certificate: verified, but not a member's."""
         if self.identity is None:
             return True
-        return CLUSTER_TLS_NAME.encode() in auth_context.get("x509_subject_alternative_name", ())
+        return CLUSTER_TLS_NAME.encode() in list(auth_context.get("x509_subject_alternative_name", ()))
 
     def server_credentials(self, require_client_auth: bool = True) -> grpc.ServerCredentials | None:
         """TLS with this process's cluster certificate (workers: callers need one too), or None (plaintext)."""

@@ -57,6 +57,7 @@ device to device, in the receiver's tag order (nccl.py, order.py; untested on a 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import itertools
@@ -384,7 +385,10 @@ class TorchDistReceiver(KVReceiver):
                 self._tags.pop(spec.key, None)
                 future.add_done_callback(_shutdown_link)
                 # Once its build is over (built, refused or timed out), so it never races gloo's reads.
-                future.add_done_callback(lambda _, key=spec.key: sweep_channel(self.store, key))
+                future.add_done_callback(functools.partial(self._sweep, spec.key))
+
+    def _sweep(self, key: str, _: Future) -> None:
+        sweep_channel(self.store, key)
 
     def close(self) -> None:
         for spec, _ in list(self._channels.values()):
