@@ -400,3 +400,37 @@ def test_the_extra_slots_are_released_when_the_call_fails(gateway, tmp_path):
     public, _ = _keyed(tmp_path, "concurrency=4")
     error = openai_error(_keyed_post(gateway, public, {"prompt": "the quick brown fox " * 200, "n": 3}))
     assert error["code"] == "context_length_exceeded" and public.limiter.in_flight("k") == 0
+
+
+# --- a client that leaves in the middle of its body ------------------------------------------------------
+
+
+def test_a_client_gone_mid_body_ends_the_call_quietly(gateway):
+    """The body's stream raises starlette's ClientDisconnect; it used to escape the app, and uvicorn logged
+    "Exception in ASGI application" with a traceback for every such client (one an idle timeout closes too)."""
+    app = build_app(gateway.core, GatewayMetrics(), AppSettings(max_body_bytes=4 << 20))
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    messages = iter([{"type": "http.request", "body": b'{"prompt": "hi', "more_body": True}])
+    sent: list = []
+
+    async def receive():
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
+    assert gateway.proxy.requests == []

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -306,7 +306,7 @@ def build_app(core: GenerationCore, metrics: GatewayMetrics, settings: AppSettin
             Route("/ready", routes.ready, methods=["GET"]),
             Route("/metrics", routes.prometheus, methods=["GET"]),
         ],
-        exception_handlers={ApiError: _error_response, HTTPException: _http_error},
+        exception_handlers={ApiError: _error_response, HTTPException: _http_error, ClientDisconnect: _client_gone},
     )
     guarded = RequestIdHeader(AccessMiddleware(app, metrics, public, settings.guard_open_routes))
     if not settings.cors_origins:
@@ -346,6 +346,11 @@ class RequestIdHeader:
 async def _error_response(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)  # registered for ApiError only
     return Response(exc.json_bytes(), exc.status, exc.headers, media_type="application/json")
+
+
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """The client left while sending its body (or an idle timeout closed it): nobody reads an answer."""
+    return Response(status_code=499)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
