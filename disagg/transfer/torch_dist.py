@@ -321,13 +321,7 @@ async def _link(future: Future) -> _Link:
 class TorchDistReceiver(KVReceiver):
     """Decode side. Hosts the TCPStore every channel of this worker meets through."""
 
-    def __init__(
-        self,
-        host: str = "127.0.0.1",
-        timeout_s: float = 30.0,
-        device: torch.device | None = None,
-        max_failed_channels: int = 4096,
-    ) -> None:
+    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, device: torch.device | None = None) -> None:
         self.timeout_s = timeout_s
         self.store = host_store(host, timeout_s)
         self.address = f"{host}:{self.store.port}"
