@@ -10,6 +10,44 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE = 1e-5
 
 
+class OutOfRange(ValueError):
+    """A sampling value outside its range. param: the field; code: what OpenAI's API calls the failure
+    (decimal_below_min_value, integer_above_max_value, ...)."""
+
+    def __init__(self, param: str, message: str, code: str) -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def _in_range(
+    name: str,
+    value: float,
+    low: float | None = None,
+    high: float | None = None,
+    open_low: bool = False,
+    message: str = "",
+    integer: bool = False,
+) -> None:
+    """OutOfRange unless low <= value <= high (low < value with open_low); integer: an int field."""
+    below = low is not None and (value <= low if open_low else value < low)
+    above = high is not None and value > high
+    if not (below or above):
+        return
+    kind = "integer" if integer else "decimal"
+    if not message:
+        message = f"{name} must be {_bounds(low, high, open_low)}"
+    code = f"{kind}_below_min_value" if below else f"{kind}_above_max_value"
+    raise OutOfRange(name, f"{message}, got {value}", code)
+
+
+def _bounds(low: float | None, high: float | None, open_low: bool) -> str:
+    if low is not None and high is not None:
+        return f"in [{low:g}, {high:g}]"
+    if low is not None:
+        return f"{'>' if open_low else '>='} {low:g}"
+    return f"<= {high:g}"
+
+
 def _as_str_tuple(stop: object) -> tuple[str, ...]:
     if stop is None:
         return ()
@@ -68,28 +106,25 @@ class SamplingParams:
         for name, value in floats.items():
             if not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value}")
-        checks = [
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k is None or self.top_k >= 1, f"top_k must be >= 1 or None, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (
-                -2.0 <= self.frequency_penalty <= 2.0,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-            ),
-            (self.max_tokens is None or self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+        _in_range("temperature", self.temperature, low=0.0)
+        _in_range("top_p", self.top_p, low=0.0, high=1.0, open_low=True, message="top_p must be in (0, 1]")
+        if self.top_k is not None:
+            _in_range("top_k", self.top_k, low=1, message="top_k must be >= 1 or None", integer=True)
+        _in_range("min_p", self.min_p, low=0.0, high=1.0)
+        _in_range("repetition_penalty", self.repetition_penalty, low=0.0, open_low=True)
+        _in_range("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _in_range("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        if self.max_tokens is not None:
+            _in_range("max_tokens", self.max_tokens, low=1, integer=True)
+        _in_range("min_tokens", self.min_tokens, low=0, integer=True)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise OutOfRange(
+                "min_tokens",
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
-            ),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+                "integer_above_max_value",
+            )
+        if self.logprobs is not None:
+            _in_range("logprobs", self.logprobs, low=0, high=20, integer=True)
 
     @property
     def greedy(self) -> bool:

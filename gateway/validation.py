@@ -16,6 +16,7 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
+from splitserve.common.sampling_params import OutOfRange, SamplingParams
 from splitserve.common.tokenizer import Tokenizer, TooManyTokens
 from splitserve.common.wire import sampling_params_from_proto
 from splitserve.gateway.workers import WorkerSet
@@ -54,6 +55,14 @@ class TooMany(InvalidRequest):
 
 class UnknownModel(InvalidRequest):
     code = "model_not_found"
+
+
+class ValueOutOfRange(InvalidRequest):
+    """A sampling value outside its range (SamplingParams' OutOfRange), with OpenAI's code for it."""
+
+    def __init__(self, error: OutOfRange) -> None:
+        super().__init__(str(error), error.param)
+        self.code = error.code
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -194,6 +203,13 @@ def clip(text: str, num_chars: int = 64) -> str:
     return text if len(text) <= num_chars else text[:num_chars] + "..."
 
 
+def _sampling_params(request: gen_pb.GenerateRequest, logprobs: int | None) -> SamplingParams:
+    try:
+        return sampling_params_from_proto(request.sampling, request.stopping, logprobs)
+    except OutOfRange as e:
+        raise ValueOutOfRange(e) from None
+
+
 class RequestValidator:
     """Turns a client's request into the request a worker runs: checked and tokenized once."""
 
@@ -205,7 +221,7 @@ class RequestValidator:
         check_sizes(request, self.limits)
         self._check_model(request.model)
         logprobs = request.logprobs if request.HasField("logprobs") else None
-        params = sampling_params_from_proto(request.sampling, request.stopping, logprobs)
+        params = _sampling_params(request, logprobs)
         check_token_ids(params.stop_token_ids, self._vocab_size(), "stop token ids")
         token_ids = await self._prompt_token_ids(request)
         max_model_len = self.max_model_len()  # read after tokenizing: workers may have come or gone meanwhile

@@ -434,3 +434,20 @@ def test_a_client_gone_mid_body_ends_the_call_quietly(gateway):
 
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
     assert gateway.proxy.requests == []
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "code"),
+    [
+        ("temperature", -1.0, "decimal_below_min_value"),
+        ("top_p", 2.0, "decimal_above_max_value"),
+        ("presence_penalty", -3.0, "decimal_below_min_value"),
+        ("frequency_penalty", 2.5, "decimal_above_max_value"),
+        ("min_p", 1.5, "decimal_above_max_value"),
+    ],
+)
+def test_a_sampling_value_out_of_range_names_its_field_and_openai_s_code(gateway, field, value, code):
+    body = {"prompt": "hello", "max_tokens": 2, field: value}
+    error = openai_error(post(gateway, "/v1/completions", body))
+    assert (error["param"], error["code"]) == (field, code)
+    assert field in error["message"] and gateway.proxy.requests == []
