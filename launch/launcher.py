@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,6 +62,13 @@ class Child:
     device: str = ""  # the device(s) it was given, if any: "cuda:2", or "cuda:0,cuda:1" for 2 ranks
     http: str = ""  # the gateway's OpenAI HTTP API, HOST:PORT ("" for workers, or with it off)
     internal: str = ""  # the gateway's internal port (Registry over the cluster's mTLS), HOST:PORT, if any
+    # Set once address and metrics are known: at once for a gateway; for a worker, which binds port 0 and
+    # says where in its ready line, when that line comes (its address is "" until then).
+    announced: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.address:
+            self.announced.set()
 
     @property
     def registry(self) -> str:
@@ -67,7 +76,45 @@ class Child:
         return self.internal or self.address
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | None = None) -> subprocess.Popen:
+_READY_LINE = re.compile(r"worker ready: grpc (\S+) metrics http://(\S+)/metrics")
+
+
+class _Announcement:
+    """A worker's ready line, read on its output's thread, into its Child: a worker binds port 0 and
+    says where, so no port is named (on its command line, which any local user can read) before it is
+    bound. The line may come before the Child exists; whichever comes second fills it in."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._child: Child | None = None
+        self._where: tuple[str, str] | None = None
+
+    def read(self, line: str) -> None:
+        found = _READY_LINE.match(line)
+        if found is not None:
+            with self._lock:
+                self._where = (found[1], found[2])
+                self._fill()
+
+    def attach(self, child: Child) -> Child:
+        with self._lock:
+            self._child = child
+            self._fill()
+        return child
+
+    def _fill(self) -> None:
+        if self._child is not None and self._where is not None and not self._child.announced.is_set():
+            self._child.address, self._child.metrics = self._where
+            self._child.announced.set()
+
+
+def _spawn(
+    name: str,
+    argv: list[str],
+    env: dict[str, str],
+    log: deque[str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> subprocess.Popen:
     lifeline = parent_lifeline()  # the child dies with this process
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitserve.launch.cli", *argv],
@@ -84,6 +131,8 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], log: deque[str] | No
         for line in proc.stdout:
             if log is not None:
                 log.append(line.rstrip("\n"))
+            if on_line is not None:
+                on_line(line)
             sys.stdout.write(f"[{name}] {line}")
             sys.stdout.flush()
 
@@ -121,7 +170,9 @@ def wait_ready(
     """wait_healthy for a child of `up`; ChildNotReady, naming it with its log's tail, if it exits or
     is not healthy within timeout_s."""
     try:
-        wait_healthy(child.registry, timeout_s, child.proc, cluster, is_worker)
+        deadline = time.monotonic() + timeout_s
+        _wait_announced(child, deadline)
+        wait_healthy(child.registry, max(0.0, deadline - time.monotonic()), child.proc, cluster, is_worker)
     except ProcessExited:
         why = f"exited with code {child.proc.returncode} while starting"
     except TimeoutError:
@@ -129,7 +180,17 @@ def wait_ready(
     else:
         return
     tail = "\n".join(f"  [{child.name}] {line}" for line in list(child.log)[-LOG_TAIL_LINES:]) or "  (no output)"
-    raise ChildNotReady(f"{child.name} ({child.address}) {why}; the last lines of its log:\n{tail}")
+    where = child.address or "before it said where it listens"
+    raise ChildNotReady(f"{child.name} ({where}) {why}; the last lines of its log:\n{tail}")
+
+
+def _wait_announced(child: Child, deadline: float) -> None:
+    """Until the child has said where it listens; ProcessExited or TimeoutError."""
+    while not child.announced.wait(0.2):
+        if child.proc.poll() is not None:
+            raise ProcessExited(f"{child.name} exited with code {child.proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{child.name} did not say where it listens")
 
 
 def worker_modes(num_workers: int = 0, num_prefill: int = 0, num_decode: int = 0) -> list[tuple[str, str]]:
@@ -273,7 +334,6 @@ def spawn_worker(
 ) -> Child:
     """Start one worker process with tp tensor-parallel ranks (1: argv decides). device (e.g. "cuda:3",
     or "cuda:0,cuda:1" for 2 ranks; "" keeps argv's --device) binds it for life: see child_device."""
-    port, metrics = free_port(host), free_port(host)
     device_arg, env = child_device(device, env or dict(os.environ, PYTHONUNBUFFERED="1"))
     full = [
         "worker",
@@ -281,10 +341,10 @@ def spawn_worker(
         mode,
         "--host",
         host,
-        "--port",
-        str(port),
+        "--port",  # 0: it binds a free port and says which in its ready line (argv may name one instead)
+        "0",
         "--metrics-port",
-        str(metrics),
+        "0",
         "--gateway",
         gateway,
         "--num-threads",
@@ -294,8 +354,9 @@ def spawn_worker(
         *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
     ]
     log: deque[str] = deque(maxlen=500)
-    proc = _spawn(name, full, env, log)
-    return Child(name, f"{host}:{port}", f"{host}:{metrics}", proc, mode, log, device)
+    announcement = _Announcement()
+    proc = _spawn(name, full, env, log, announcement.read)
+    return announcement.attach(Child(name, "", "", proc, mode, log, device))
 
 
 def child_device(device: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:

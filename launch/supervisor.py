@@ -193,6 +193,8 @@ class Supervisor:
         return [alive[i] for i in order[:n]]
 
     def _load(self, child: Child) -> wpb.LoadReport | None:
+        if not child.announced.is_set():  # restarted, not listening yet: nothing on it to lose
+            return None
         try:
             with self.cluster.blocking_channel(child.address) as channel:
                 return wpb_grpc.WorkerStub(channel).GetLoad(wpb.GetLoadRequest(), timeout=LOAD_TIMEOUT_S)

@@ -202,6 +202,8 @@ class Cluster:
         )
         if same_address:
             new = dataclasses.replace(new, address=old.address, metrics=old.metrics)
+        elif not new.announced.wait(120):  # it binds free ports and says which once it serves
+            raise TimeoutError(f"{new.name} did not say where it listens within 120 s")
         with self.lock:
             self.workers[old.name] = new
         wait_serving(new.address, new.proc, 120)

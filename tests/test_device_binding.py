@@ -35,12 +35,33 @@ def spawned(monkeypatch) -> list[tuple[str, list[str], dict[str, str]]]:
     """(name, argv, env) of every child the launcher starts; nothing really starts."""
     calls = []
 
-    def fake_spawn(name, argv, env, log=None):
+    def fake_spawn(name, argv, env, log=None, on_line=None):
         calls.append((name, argv, env))
+        if on_line is not None:  # a worker: it says where it listens (a port of its own per call)
+            port = 40000 + 2 * len(calls)
+            on_line(f"worker ready: grpc 127.0.0.1:{port} metrics http://127.0.0.1:{port + 1}/metrics\n")
         return FakeProc()
 
     monkeypatch.setattr(launcher, "_spawn", fake_spawn)
     return calls
+
+
+def test_a_worker_names_no_port_before_binding_it_and_says_where_it_listens(spawned):
+    """Its command line (world-readable in /proc) names port 0; its Child learns the port from its ready line."""
+    child = spawn_worker("worker-0", "unified", "127.0.0.1:1", [])
+    ((_, argv, _),) = spawned
+    assert argv[argv.index("--port") + 1] == "0" and argv[argv.index("--metrics-port") + 1] == "0"
+    assert child.announced.is_set() and child.address == "127.0.0.1:40002" and child.metrics == "127.0.0.1:40003"
+    for line_first in (True, False):  # the line may come before or after the Child is made
+        announcement, later = launcher._Announcement(), Child("w", "", "", FakeProc())
+        assert not later.announced.is_set()
+        if line_first:
+            announcement.read("worker ready: grpc 10.0.0.1:5 metrics http://10.0.0.1:6/metrics\n")
+        announcement.read("[info] loading the model\n")
+        announcement.attach(later)
+        assert later.announced.is_set() == line_first
+        announcement.read("worker ready: grpc 10.0.0.1:5 metrics http://10.0.0.1:6/metrics\n")
+        assert later.announced.is_set() and (later.address, later.metrics) == ("10.0.0.1:5", "10.0.0.1:6")
 
 
 def test_child_device_gives_one_gpu():

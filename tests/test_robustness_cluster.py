@@ -16,7 +16,7 @@ from cluster_helpers import engine_argv, greedy_request, load, stub, tokens, wai
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.engine.config import CacheConfig, EngineConfig
 from splitserve.engine.llm import LLM
-from splitserve.launch.launcher import free_port, start_cluster, stop_cluster, wait_healthy
+from splitserve.launch.launcher import free_port, start_cluster, stop_cluster, wait_healthy, wait_ready
 from splitserve.launch.supervisor import Supervisor
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import worker_pb2 as wpb
@@ -157,8 +157,8 @@ def test_up_restarts_a_crashed_worker(tiny_llama_dir):
         old.proc.kill()
         old.proc.wait()
         (new,) = supervisor.restart_crashed()
+        wait_ready(new, 60)  # it binds a free port and says which
         assert new.name == old.name and new.mode == old.mode and new.address != old.address
-        wait_healthy(new.address, 60, new.proc)
         assert supervisor.restart_crashed() == []  # alive: nothing to do
         time.sleep(1.5)  # the gateway's next health check routes to it
         assert tokens(stub(children[0].address), greedy_request(P, 4)) == _reference(tiny_llama_dir, [P], 4)[0]
