@@ -13,8 +13,9 @@ received); each event of the call as it streams it (CorePrefillEvent: SendStarte
 TransferDone, serialized PrefillResponses); a failure as a refusal with its status code
 (INVALID_ARGUMENT: a job this worker cannot serve; UNAVAILABLE: the send failed; INTERNAL: the step
 failed for it), which the serving process ends the call with, as it would in one process; an abort
-(the call is gone), which aborts a prompt still computing (a send under way finishes and releases
-its blocks, as in one process). The send's metrics are relayed (ObservationRelay).
+(the call is gone), which aborts a prompt still computing and ends its send (one still waiting to
+join its channel ends at once; bytes already moving finish first), releasing its blocks, as in one
+process. The send's metrics are relayed (ObservationRelay).
 
 Its spans join the request's trace (disagg/core_handoffs.py). A tensor-parallel prefill worker's
 follower ranks are the core's children: the core opens their KV endpoints and orders their sends

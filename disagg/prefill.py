@@ -83,24 +83,34 @@ async def prefill_and_send(
     streamed = _stream_from_step(port, job, request, send) if stream else asyncio.get_running_loop().create_future()
     started_ns = time.time_ns()
     run = asyncio.ensure_future(_run_prompt(engine, request))
+    sending: asyncio.Task | None = None
+    sent = False
     try:
-        first_done: list[asyncio.Future[Any]] = [run, streamed]
-        await asyncio.wait(first_done, return_when=asyncio.FIRST_COMPLETED)
-        if streamed.done():
-            yield SendStarted(max(request.num_prompt_blocks - job.num_skip_blocks, 0))
-        final = await run
+        try:
+            first_done: list[asyncio.Future[Any]] = [run, streamed]
+            await asyncio.wait(first_done, return_when=asyncio.FIRST_COMPLETED)
+            if streamed.done():
+                yield SendStarted(max(request.num_prompt_blocks - job.num_skip_blocks, 0))
+            final = await run
+        finally:
+            run.cancel()  # a no-op once done; else the caller left: the prompt is aborted
+        _trace_compute(started_ns, final)
+        if final.handoff is None:
+            raise RuntimeError(f"request {rid} ended without its KV ({final.finish_reason})")
+        sending = streamed.result() if streamed.done() else send(final.handoff.block_ids, None)
+        logprobs = final.new_logprobs[0] if final.new_logprobs else None
+        queue_ms, ttft_ms = final.timings.queue_ms, final.timings.ttft_ms
+        compute_ms = 0.0 if ttft_ms is None else ttft_ms - queue_ms
+        num_blocks = len(final.handoff.block_ids[job.num_skip_blocks :])
+        yield FirstToken(
+            final.new_token_ids[0], logprobs, final.handoff.sampler_state, num_blocks, queue_ms, compute_ms
+        )
+        done = await asyncio.shield(sending)  # a cancel reaches the send below, where it waits
+        sent = True
+        yield done
     finally:
-        run.cancel()  # a no-op once done; else the caller left: the prompt is aborted
-    _trace_compute(started_ns, final)
-    if final.handoff is None:
-        raise RuntimeError(f"request {rid} ended without its KV ({final.finish_reason})")
-    sending = streamed.result() if streamed.done() else send(final.handoff.block_ids, None)
-    logprobs = final.new_logprobs[0] if final.new_logprobs else None
-    queue_ms, ttft_ms = final.timings.queue_ms, final.timings.ttft_ms
-    compute_ms = 0.0 if ttft_ms is None else ttft_ms - queue_ms
-    num_blocks = len(final.handoff.block_ids[job.num_skip_blocks :])
-    yield FirstToken(final.new_token_ids[0], logprobs, final.handoff.sampler_state, num_blocks, queue_ms, compute_ms)
-    yield await asyncio.shield(sending)
+        if not sent:  # the call is gone (aborted, its decode worker lost) or failed: nobody takes the KV
+            _abandon_send(sending, streamed)
 
 
 def _stream_from_step(
@@ -157,6 +167,21 @@ def _trace_compute(started_ns: int, final: RequestOutput) -> None:
         "splitserve.num_cached_tokens": final.num_cached_tokens,  # prefix cache hits: not computed
     }
     tracer.start_span("prefill.compute", start_time=scheduled_ns, attributes=tokens).end(end_time=first_token_ns)
+
+
+def _abandon_send(sending: asyncio.Task | None, streamed: asyncio.Future[asyncio.Task]) -> None:
+    """End the send of a call that is gone where it waits (joining its channel, whose rendezvous may
+    be dead: TCPStore retries it for more than the transfer timeout), so the held blocks are released
+    now; bytes already moving finish first (the transport waits for them). A streamed send not
+    started yet is ended once its step starts it. The cancel is scheduled, not made: a task just
+    created has not run its first step, and a cancel before it would skip the release of its blocks."""
+    loop = asyncio.get_running_loop()
+    if sending is None and streamed.done():
+        sending = streamed.result()
+    if sending is not None:
+        loop.call_soon(sending.cancel)
+    elif not streamed.cancelled():
+        streamed.add_done_callback(lambda started: loop.call_soon(started.result().cancel))
 
 
 def _consume_error(task: asyncio.Task) -> None:

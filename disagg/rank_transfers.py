@@ -184,7 +184,11 @@ async def send_piece(
         return report_from_wire(await _ask(port, rank, Op.SEND_KV, *send_order(job, block_ids)))
     staging = port.acquire_staging(len(block_ids), len(heads))
     fill = port.held_reader(block_ids, heads, staging.tensor, layers)  # gathered chunk by chunk as it is sent
-    moved = await sender.send(job.channel, job.tag, staging.tensor, fill)
+    try:
+        moved = await sender.send(job.channel, job.tag, staging.tensor, fill)
+    except asyncio.CancelledError:  # the call is gone: nothing reads the buffer (a transfer under way ended first)
+        port.release_staging(staging)
+        raise
     port.release_staging(staging)  # after a failure gloo may still be reading it: never released
     return _report(staging.tensor, moved)
 

@@ -274,11 +274,13 @@ class EngineCoreClient:
 
     def abort_label(self, label: str) -> int:
         """Abort every request carrying the client's id label, Prefill calls too (each ends with
-        CoreRefused CANCELLED, and its end aborts it in the core); returns how many."""
+        CoreRefused CANCELLED, and the core aborts it: its prompt or its send); returns how many."""
         prefills = [rid for rid, lab in self._prefill_labels.items() if lab == label]
         for request_id in prefills:
             aborted = CoreRefused("CANCELLED", f"the Prefill call for {label!r} was aborted by its id (Worker.Abort)")
-            self._prefills[request_id].put_nowait(aborted)
+            self._prefills[request_id].put_nowait(aborted)  # a refusal: the call's end tells the core nothing
+            if self._streams.error is None:
+                self._send(pb.CoreCommand(abort_request_id=request_id))
         return self._streams.abort_label(label) + len(prefills)
 
     def num_requests(self) -> int:

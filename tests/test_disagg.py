@@ -261,8 +261,8 @@ def test_workers_with_engine_processes_serve_like_the_engine_in_process(core_tie
             list(prefill_stub.Prefill(call, timeout=30))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in refused.value.details()
     _abort_by_label_ends_a_prefill_call_in_the_core(prefill_stub)
-    # its send, to a rendezvous nobody hosts, holds the prompt's blocks until the transfer timeout (30 s) fails it
-    assert wait_all_free([prefill.address, decode.address], timeout_s=90)
+    # its send, waiting to join a rendezvous nobody hosts, ends with the call and frees the prompt's blocks
+    assert wait_all_free([prefill.address, decode.address])
 
     stream = stub(gateway.address).Generate(greedy_request(PROMPTS[5], 150), timeout=60)
     next(stream)

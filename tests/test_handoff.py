@@ -17,6 +17,8 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.disagg.decode import DecodeHandoff, PrefillClient
 from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, SendStarted
 from splitserve.disagg.prefill import prefill_and_send
+from splitserve.disagg.rank_transfers import RankReceivers
+from splitserve.disagg.transfer.base import ChannelSpec, KVSender, Moved
 from splitserve.disagg.transfer.checksum import checksum
 from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
 from splitserve.engine.async_engine import AsyncEngine, RequestFailed
@@ -355,6 +357,56 @@ def test_cancel_during_transfer_frees_both_sides(engines, stream):
 
     prefill, decode = asyncio.run(main())
     assert _all_free(prefill.engine) and _all_free(decode.engine)
+
+
+class _NeverJoins(KVSender):
+    """A send to a receiver that never comes (a rendezvous nobody hosts): it waits in its join until
+    cancelled, touching no block."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def connect(self, channel: ChannelSpec) -> None:
+        pass
+
+    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill=None) -> Moved:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["after", "streamed"])
+def test_a_prefill_call_that_is_gone_ends_its_waiting_send_and_frees_the_held_blocks(engines, stream):
+    """An aborted Prefill call (Worker.Abort by the client's id, or its decode worker gone) whose
+    send still waits to join its channel ends that send and frees the prompt's held blocks at once,
+    not when the join times out (30 s and more: TCPStore retries a dead address)."""
+
+    async def main():
+        prefill, decode, _, _ = _setup(engines)
+        pieces = await RankReceivers(InProcessReceiver(Hub()), HandoffPort(decode)).plan("p0", 1)
+        job = HandoffJob(pieces, 0, HandoffPort(decode).kv_layout)
+        request = HandoffPort(prefill).make_prefill_request(PROMPTS[4], SamplingParams(max_tokens=50), label="gone")
+        sender, first = _NeverJoins(), asyncio.Event()
+
+        async def call() -> None:
+            async for event in prefill_and_send(prefill, request, sender, job, stream=stream):
+                if isinstance(event, FirstToken):
+                    first.set()
+
+        task = asyncio.create_task(call())
+        await first.wait()  # the prompt is computed; its blocks are held for the send
+        assert prefill.engine.num_held_blocks() > 0
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _settle(prefill)
+        return prefill, sender.cancelled  # read now: asyncio.run cancels whatever is left when main returns
+
+    prefill, send_ended = asyncio.run(main())
+    assert send_ended and _all_free(prefill.engine)
 
 
 def test_received_blocks_are_bit_identical(engines):

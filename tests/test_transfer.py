@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -299,3 +300,41 @@ def test_the_device_checksum_is_exact_in_chunks_and_catches_flips_and_swaps(monk
     swapped[:, :, [0, 2]] = data[:, :, [2, 0]]
     assert len({whole, module.device_checksum(flipped), module.device_checksum(swapped)}) == 3
     assert module.device_checksum(torch.zeros(3)) != module.device_checksum(torch.zeros(4))  # length counts
+
+
+def test_a_send_cancelled_while_its_bytes_move_ends_after_the_transfer_and_the_channel_goes_on():
+    """gloo reads the sender's buffer until the transfer ends: a cancel (the Prefill call is gone)
+    must not return (and let the caller release that buffer) before then. The receiver gets the
+    bytes, identical, and the channel serves the next transfer."""
+    entered, gate = threading.Event(), threading.Event()
+    data = torch.randn(SHAPE)
+
+    def fill(rows: slice) -> None:
+        entered.set()
+        gate.wait(timeout=60)  # held here while the cancel comes
+        chunks.row_view(staging)[rows] = chunks.row_view(data)[rows]
+
+    async def main():
+        receiver, sender = TorchDistReceiver(timeout_s=20), TorchDistSender(timeout_s=20)
+        channel = receiver.channel_for("prefill-d")
+        buffer = torch.empty(SHAPE)
+        recv = asyncio.ensure_future(receiver.recv(channel, 1, buffer))
+        send = asyncio.ensure_future(sender.send(channel, 1, staging, fill))
+        await asyncio.to_thread(entered.wait, 60)
+        send.cancel()
+        for _ in range(20):  # the cancel is delivered and handled; the transfer cannot end: its fill is held
+            await asyncio.sleep(0)
+        ended_early = send.done()
+        gate.set()
+        await recv
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        again, buffer2 = torch.randn(SHAPE), torch.empty(SHAPE)
+        await asyncio.gather(receiver.recv(channel, 2, buffer2), sender.send(channel, 2, again))
+        receiver.close(), sender.close()
+        return ended_early, buffer, again, buffer2
+
+    staging = torch.full(SHAPE, float("nan"))
+    ended_early, buffer, again, buffer2 = asyncio.run(main())
+    assert not ended_early
+    assert torch.equal(buffer, data) and torch.equal(buffer2, again)

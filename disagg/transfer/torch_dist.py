@@ -444,7 +444,8 @@ class TorchDistSender(KVSender):
         if key != channel.key:
             raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was replaced by {key}")
         try:
-            link = await _link(future)
+            # shielded: a cancelled send stops waiting, the join goes on for the channel's later transfers
+            link = await asyncio.shield(_link(future))
         except TransferError:
             self._fail(channel)
             raise
@@ -454,8 +455,16 @@ class TorchDistSender(KVSender):
                 self._stores.pop(channel.address, None)
             message = f"could not join channel {channel.key} at {channel.address}: {e}"
             raise TransferError(TransferFailure.CONNECT, message) from None
+        moving = asyncio.ensure_future(
+            _run(self._cuda, _SEND[channel.backend], link, tag, blocks, fill, self.timeout_s)
+        )
         try:
-            crc = await _run(self._cuda, _SEND[channel.backend], link, tag, blocks, fill, self.timeout_s)
+            crc = await asyncio.shield(moving)
+        except asyncio.CancelledError:  # gloo reads blocks until the transfer ends: the cancel waits for it
+            await asyncio.wait({moving})
+            if moving.exception() is not None:
+                self._fail(channel)
+            raise
         except TransferError:
             self._fail(channel)
             raise
