@@ -1,9 +1,11 @@
 """The request path of Generate, whatever the transport: admission -> validate + tokenize once
-(validation.py) -> plan (planner.py) -> proxy the token stream (proxy.py), with one retry.
+(validation.py) -> plan (planner.py) -> proxy the token stream (proxy.py), with retries.
 
 Both public APIs call it: the gRPC Generation servicer (server.py) and the OpenAI HTTP API (http/).
-A request that fails before any token went out is retried once on another plan that avoids the
-worker to blame; after that, or once tokens went out, it ends with Abort(UNAVAILABLE).
+A request that fails before any token went out runs again on another plan that avoids every worker
+blamed so far, up to MAX_ATTEMPTS plans (two workers draining at once, or a dead decode worker and
+then a dead prefill worker, cost it nothing); after that, or once tokens went out, it ends with
+Abort(UNAVAILABLE).
 Closing or cancelling the stream cancels the worker call, which the worker treats as an abort: the
 request's KV blocks go back to the pool on every tier.
 An HTTP request's n samples of one prompt are n generations of one SharedPrompt: it is validated
@@ -39,6 +41,9 @@ NO_WORKER = (
     "no healthy worker can serve this model now; start one with `splitserve worker --gateway HOST:PORT` "
     "(unified, or a prefill and a decode worker) or wait for one to become healthy"
 )
+
+
+MAX_ATTEMPTS = 3  # plans per request while no token went out
 
 
 class Refused(Abort):
@@ -196,7 +201,7 @@ class GenerationCore:
                 "retry later or start it with a higher --max-pending",
             )
         avoid: set[str] = set()  # addresses of the workers blamed for a failed attempt
-        for attempt in range(2):
+        for attempt in range(MAX_ATTEMPTS):
             with stage("gateway.plan", {"splitserve.attempt": attempt}):
                 plan = await self.planner.plan(worker_request.prompt_token_ids, avoid, retry=attempt > 0)
             if plan is None:
@@ -210,11 +215,17 @@ class GenerationCore:
                         yield response
                 return
             except WorkerFailed as e:
-                if started or attempt == 1:
+                if started or attempt == MAX_ATTEMPTS - 1:
                     raise Abort(grpc.StatusCode.UNAVAILABLE, e.message) from None
                 avoid.add(e.worker.address)
                 self.metrics.retries.labels(role=e.worker.role_name).inc()
-                log.warning("request %s: %s; retrying once elsewhere", worker_request.request_id, e.message)
+                log.warning(
+                    "request %s: %s; retrying elsewhere (attempt %d of %d)",
+                    worker_request.request_id,
+                    e.message,
+                    attempt + 2,
+                    MAX_ATTEMPTS,
+                )
 
     async def _validate(self, request: gen_pb.GenerateRequest | Choice, request_id: str) -> pb.WorkerGenerateRequest:
         try:

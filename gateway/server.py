@@ -3,7 +3,7 @@ health, reflection and /metrics.
 
 Request path (generation.py, shared by both APIs): admission (--max-pending) -> validate + tokenize
 once (validation.py) -> plan (planner.py) -> proxy the token stream (proxy.py). A request that fails
-before any token reached the client is retried once on another plan that avoids the worker to
+before any token reached the client is retried (up to three plans) on another plan that avoids the worker to
 blame; after that, or once tokens went out, the client gets UNAVAILABLE.
 The HTTP API runs on this process's event loop, beside the gRPC server.
 Torch-free on purpose (a test checks sys.modules).

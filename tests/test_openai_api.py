@@ -5,6 +5,8 @@ token-exact against the gRPC API's for the same requests.
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import grpc
@@ -233,14 +235,30 @@ def test_client_disconnect_frees_kv_blocks_on_every_tier(cluster, model):
         lines = response.iter_lines()
         assert [next(lines) for _ in range(6)]  # a few events: the request runs on both workers
     assert wait_all_free(workers)
-    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up waiting
-        httpx.post(url, json={**body, "stream": False, "n": MAX_PENDING}, timeout=0.3)
+    _wait_counted(cluster[0], cancelled + 1)  # before the next: else its n generations pass --max-pending
+    # not streamed: the client leaves while its MAX_PENDING generations run (none of their tokens sent yet)
+    payload = json.dumps({**body, "stream": False, "n": MAX_PENDING}).encode()
+    host, port = cluster[0].http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        sock.sendall(f"{head}Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        deadline = time.monotonic() + 10
+        while metric(cluster[0].metrics, "splitserve_gateway_requests_in_flight") < MAX_PENDING:
+            assert time.monotonic() < deadline, "the request's generations never were all in flight"
+            time.sleep(0.005)
     assert wait_all_free(workers)
-    deadline = time.monotonic() + 5
-    while metric(cluster[0].metrics, "splitserve_gateway_requests_total", code="CANCELLED") < cancelled + 2:
-        assert time.monotonic() < deadline, "the gateway did not count both requests as cancelled"
-        time.sleep(0.1)
-    assert metric(cluster[0].metrics, "splitserve_gateway_requests_in_flight") == 0
+    _wait_counted(cluster[0], cancelled + 2)
+
+
+def _wait_counted(gateway, num_cancelled: int) -> None:
+    """Until the gateway has counted num_cancelled requests as cancelled and has none in flight."""
+    deadline = time.monotonic() + 10
+    while (
+        metric(gateway.metrics, "splitserve_gateway_requests_total", code="CANCELLED") < num_cancelled
+        or metric(gateway.metrics, "splitserve_gateway_requests_in_flight") > 0
+    ):
+        assert time.monotonic() < deadline, f"the gateway did not count {num_cancelled} requests as cancelled"
+        time.sleep(0.05)
 
 
 def test_tokenize_and_detokenize(cluster, model):
