@@ -13,7 +13,10 @@ transfer: KV transfer bandwidth for 1, 16 and 256 blocks of SmolLM2 (fp32, block
                      lands (RankReceivers.recv's drain), then checks its checksum against the
                      sender's (time from the start to the check);
       scatter after  the same, but the scatter of all blocks follows the receive (the handoff path
-                     before the scatter overlapped the wire): the difference is what overlapping buys.
+                     before the scatter overlapped the wire): the difference is what overlapping buys;
+      agent path     the handoff path through the KV agents CPU workers run (AgentSender and
+                     AgentReceiver: gloo in a child process per side, each chunk copied through a
+                     shared-memory segment), what isolating gloo from the worker costs.
     Target: handoff path >= 0.8x raw gloo at 16 and 256 blocks.
 latency: TTFT, time to the second token and inter-token latency at low load (one request at a time)
     through the gateway: 1 unified worker vs 1P1D (engine cores, the default), and 1P1D whose workers
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.disagg.transfer.base import ChannelSpec
+from splitserve.disagg.transfer.isolated import AgentReceiver, AgentSender
 from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 from splitserve.engine.kv_cache.staging import Staging, StagingPool
@@ -48,9 +52,9 @@ from splitserve.experiments.workload import LengthDist, WorkloadConfig
 
 SMOLLM2_KV = (30, 2, 600, 16, 3, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 SIZES = (1, 16, 256)
-KINDS = ("raw", "transport", "handoff path", "scatter after")
+KINDS = ("raw", "transport", "handoff path", "scatter after", "agent path")
 HANDOFFS = KINDS[2:]  # the kinds that gather on the sender and scatter on the receiver
-KEYS = ("raw", "transport", "handoff_path", "scatter_after")  # their names in the JSON
+KEYS = ("raw", "transport", "handoff_path", "scatter_after", "agent_path")  # their names in the JSON
 BLOCK_BYTES = 4 * SMOLLM2_KV[0] * SMOLLM2_KV[1] * SMOLLM2_KV[3] * SMOLLM2_KV[4] * SMOLLM2_KV[5]
 TIMEOUT = timedelta(seconds=120)
 
@@ -109,7 +113,10 @@ def _receiver(conn, repeats: int, backend: str) -> None:
 async def _receive_all(conn, repeats: int, backend: str) -> None:
     receiver = TorchDistReceiver(timeout_s=TIMEOUT.total_seconds(), device=_device(backend, 1))
     channel = receiver.channel_for("bench")  # its backend follows the KV's device
-    conn.send(channel)
+    agent = AgentReceiver(timeout_s=TIMEOUT.total_seconds()) if backend == "gloo" else None
+    agent_channel = None if agent is None else agent.channel_for("bench")
+    conn.send((channel, agent_channel))
+    tag = 0  # one count for both channels, in step with the sender's
     side = _Side(backend, 1, receiver.store)
     cache = _cache(side.device, fill=False)
     times: dict[tuple[int, str], list[float]] = {}
@@ -118,25 +125,30 @@ async def _receive_all(conn, repeats: int, backend: str) -> None:
     for n in SIZES:
         buffer = torch.empty(SMOLLM2_KV[:2] + (n,) + SMOLLM2_KV[3:], device=side.device)
         for r in range(repeats + 1):  # the first round warms up
-            for kind in KINDS:
-                tag = receiver.next_tag(channel)
+            for kind in _kinds(backend):
+                tag += 1
                 side.barrier.barrier().wait()
-                start, start_cpu = time.perf_counter(), time.process_time()
+                start, start_cpu = time.perf_counter(), _cpu_s(agent)
                 if kind == "raw":
                     side.raw_move(buffer, tag)
                 elif kind == "transport":
                     await receiver.recv(channel, tag, buffer)
                 else:
-                    overlap = kind == "handoff path"
-                    scatter_s = await _land(receiver, channel, tag, side, n, cache, _ids(n, r), conn, overlap)
+                    overlap, via = (
+                        kind != "scatter after",
+                        (receiver, channel) if kind != "agent path" else (agent, agent_channel),
+                    )
+                    scatter_s = await _land(*via, tag, side, n, cache, _ids(n, r), conn, overlap)
                     scatters.setdefault((n, kind), []).append(scatter_s)
                 if r:
                     times.setdefault((n, kind), []).append(time.perf_counter() - start)
-                    cpu.setdefault((n, kind), []).append(time.process_time() - start_cpu)
+                    cpu.setdefault((n, kind), []).append(_cpu_s(agent) - start_cpu)
     sender_cpu = conn.recv()
     medians = [{k: statistics.median(v) for k, v in d.items()} for d in (times, scatters, cpu)]
     conn.send((*medians, sender_cpu))
     receiver.close()
+    if agent is not None:
+        agent.close()
 
 
 async def _land(receiver, channel, tag, side: _Side, n, cache, ids, conn, overlap: bool) -> float:
@@ -162,20 +174,24 @@ async def _land(receiver, channel, tag, side: _Side, n, cache, ids, conn, overla
 
 
 async def _send_all(conn, repeats: int, backend: str) -> None:
-    channel: ChannelSpec = conn.recv()
+    channel: ChannelSpec
+    channel, agent_channel = conn.recv()
     sender = TorchDistSender(timeout_s=TIMEOUT.total_seconds(), device=_device(backend, 0))
     sender.connect(channel)  # first: the receiver's side of the channel waits for it
+    agent = None if agent_channel is None else AgentSender(timeout_s=TIMEOUT.total_seconds())
+    if agent is not None:
+        agent.connect(agent_channel)
     host, port = channel.address.rsplit(":", 1)
     side = _Side(backend, 0, dist.TCPStore(host, int(port), is_master=False, timeout=TIMEOUT))
     cache, tag = _cache(side.device, fill=True), 0
     cpu: dict[tuple[int, str], list[float]] = {}
     for n in SIZES:
         for r in range(repeats + 1):
-            for kind in KINDS:
-                tag += 1  # the receiver's next_tag, in step
+            for kind in _kinds(backend):
+                tag += 1  # the receiver's count, in step
                 prepared = gather_blocks(cache, _ids(n, r)) if kind not in HANDOFFS else None
                 side.barrier.barrier().wait()
-                start_cpu = time.process_time()
+                start_cpu = _cpu_s(agent)
                 if kind == "raw":
                     side.raw_move(prepared, tag)
                 elif kind == "transport":
@@ -183,13 +199,32 @@ async def _send_all(conn, repeats: int, backend: str) -> None:
                 else:
                     staging, ids = side.buffer(n), _ids(n, r)  # as send_piece does
                     fill = _filler(cache, ids, staging.tensor)  # HandoffPort.held_reader's whole-heads path
-                    moved = await sender.send(channel, tag, staging.tensor, fill)
+                    via = (sender, channel) if kind != "agent path" else (agent, agent_channel)
+                    moved = await via[0].send(via[1], tag, staging.tensor, fill)
                     side.release(staging)
                     conn.send(moved.checksum)
                 if r:
-                    cpu.setdefault((n, kind), []).append(time.process_time() - start_cpu)
+                    cpu.setdefault((n, kind), []).append(_cpu_s(agent) - start_cpu)
     conn.send({k: statistics.median(v) for k, v in cpu.items()})
     sender.close()
+    if agent is not None:
+        agent.close()
+
+
+def _cpu_s(agent: AgentReceiver | AgentSender | None) -> float:
+    """This process's CPU seconds (every thread), plus its KV agent's."""
+    seconds = time.process_time()
+    pid = None if agent is None else agent.agent.pid()
+    if pid is not None:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        seconds += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return seconds
+
+
+def _kinds(backend: str) -> tuple[str, ...]:
+    """The agent path moves gloo channels only (a CUDA worker's KV stays in its process)."""
+    return KINDS if backend == "gloo" else KINDS[:-1]
 
 
 def _filler(cache: torch.Tensor, ids: list[int], out: torch.Tensor):
@@ -258,6 +293,8 @@ def _row(n: int, results: dict, scatters: dict, cpu: list[dict]) -> dict:
     num_bytes = n * BLOCK_BYTES
     row: dict = {"blocks": n, "mib": num_bytes / 2**20}
     for kind, key in zip(KINDS, KEYS):
+        if (n, kind) not in results:
+            continue
         seconds = results[(n, kind)]
         row[f"{key}_ms"], row[f"{key}_gbps"] = seconds * 1e3, num_bytes / seconds / 1e9
         row[f"{key}_cpu_ms"] = sum(side[(n, kind)] for side in cpu) * 1e3
@@ -276,12 +313,17 @@ def _print_transfer(backend: str, rows: list[dict], conditions: dict) -> None:
     print(f"{'blocks':>6} {'MiB':>8} {'path':<14}{'ms':>9}{'GB/s':>8}{'vs raw':>8}{'CPU ms':>9}  of which scattering")
     for row in rows:
         for kind, key in zip(KINDS, KEYS):
+            if f"{key}_ms" not in row:
+                continue
             ms, gbps = row[f"{key}_ms"], row[f"{key}_gbps"]
             name = f"raw {backend}" if kind == "raw" else kind
             scatter = f"  {row[f'{key}_scatter_ms']:.2f} ms" if kind in HANDOFFS else ""
             line = f"{row['blocks']:>6} {row['mib']:>8.2f} {name:<14}{ms:>9.2f}{gbps:>8.2f}{row['raw_ms'] / ms:>7.2f}x"
             print(f"{line}{row[f'{key}_cpu_ms']:>9.2f}{scatter}")
-    print("CPU ms: both processes' CPU time (every thread) while the transfer ran, medians per side, summed")
+    print(
+        "CPU ms: both processes' CPU time (every thread; and their KV agents' for the agent path) while the "
+        "transfer ran, medians per side, summed"
+    )
 
 
 def latency(num_requests: int, prompt_len: int, output_len: int, json_path: str | None) -> None:

@@ -45,9 +45,9 @@ def listen(host: str) -> socket.socket:
     return sock
 
 
-def host_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """A TCPStore server on host (a free port: store.port)."""
-    sock = listen(host)
+def host_store(host: str, timeout_s: float, sock: socket.socket | None = None) -> dist.TCPStore:
+    """A TCPStore server on host (a free port: store.port), or on sock, a socket already listening there."""
+    sock = listen(host) if sock is None else sock
     try:
         store = dist.TCPStore(
             host,

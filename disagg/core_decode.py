@@ -36,7 +36,7 @@ from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.handoff import HandoffError
 from splitserve.disagg.prefill_client import GrpcPrefillClient
 from splitserve.disagg.rank_transfers import Endpoint
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver
+from splitserve.disagg.transfer.isolated import make_receiver
 from splitserve.engine.core_process import Send, refusal
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
@@ -72,7 +72,7 @@ class CoreDecode:
         self._handoff, self._client = self._loop.run(self._make_handoff(setup))
 
     async def _make_handoff(self, setup: CoreDecodeSetup) -> tuple[DecodeHandoff, GrpcPrefillClient]:
-        receiver = TorchDistReceiver(setup.host, setup.transfer_timeout_s)
+        receiver = make_receiver(setup.host, setup.transfer_timeout_s, HandoffPort(self._front).device)
         log.info("KV channels meet at TCPStore %s (in the engine core)", receiver.address)
         # follower ranks (children of this core) receive their own KV heads on endpoints of their own
         await open_endpoints(HandoffPort(self._front), Endpoint.RECEIVER, setup.host, setup.transfer_timeout_s)

@@ -37,7 +37,7 @@ from splitserve.disagg.prefill import prefill_and_send
 from splitserve.disagg.prefill_client import event_to_proto, job_from_proto
 from splitserve.disagg.rank_transfers import Endpoint
 from splitserve.disagg.transfer.base import TransferError
-from splitserve.disagg.transfer.torch_dist import TorchDistSender
+from splitserve.disagg.transfer.isolated import make_sender
 from splitserve.engine.core_process import Send, refusal
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff_port import HandoffPort
@@ -73,7 +73,7 @@ class CorePrefill:
         port = HandoffPort(self._front)
         self._num_kv_heads = port.num_kv_heads
         self._setup, self._send = setup, send
-        self._sender = TorchDistSender(setup.host, setup.transfer_timeout_s)
+        self._sender = make_sender(setup.host, setup.transfer_timeout_s, port.device)
         self._relay = ObservationRelay(send)
         self._loop = CoreLoop("core-prefills", port.device)
         # follower ranks (children of this core) send their own KV heads from endpoints of their own

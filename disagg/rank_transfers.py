@@ -59,7 +59,7 @@ from splitserve.disagg.transfer.base import (
     TransferError,
     TransferFailure,
 )
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.disagg.transfer.isolated import make_receiver, make_sender
 from splitserve.engine.handoff_port import HandoffPort, LandedPiece, held_reader, piece_buffer, release_piece_buffer
 from splitserve.engine.kv_cache.staging import Staging
 from splitserve.engine.layer_progress import LayerProgress
@@ -75,8 +75,8 @@ _REASONS = list(TransferFailure)
 class Endpoint(enum.IntEnum):
     """What OPEN_KV makes on a follower."""
 
-    RECEIVER = 1  # a decode worker's rank: a TorchDistReceiver (hosts its own TCPStore)
-    SENDER = 2  # a prefill worker's rank: a TorchDistSender
+    RECEIVER = 1  # a decode worker's rank: a receiver of its own (isolated.py make_receiver; its own TCPStore)
+    SENDER = 2  # a prefill worker's rank: a sender of its own (make_sender)
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,8 +279,8 @@ class RankAgent:
 
     def __init__(self, runner: ModelRunner, reply: Callable[[bytes], None]) -> None:
         self._runner, self._reply = runner, reply
-        self._receiver: TorchDistReceiver | None = None
-        self._sender: TorchDistSender | None = None
+        self._receiver: KVReceiver | None = None
+        self._sender: KVSender | None = None
         self._lock = threading.Lock()
         self._landed: dict[int, Staging] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -333,9 +333,9 @@ class RankAgent:
         name = host.tobytes().decode()
         try:
             if endpoint == Endpoint.RECEIVER:
-                self._receiver = TorchDistReceiver(name, timeout_ms / 1e3, self._runner.device)
+                self._receiver = make_receiver(name, timeout_ms / 1e3, self._runner.device)
             else:
-                self._sender = TorchDistSender(name, timeout_ms / 1e3, self._runner.device)
+                self._sender = make_sender(name, timeout_ms / 1e3, self._runner.device)
         except (OSError, RuntimeError) as e:  # the host is not this machine's, or its store failed
             raise TransferError(TransferFailure.CONNECT, f"no KV endpoint on {name}: {e}") from None
         return ()
@@ -385,12 +385,12 @@ class RankAgent:
         Op.CONNECT_KV: _connect,
     }
 
-    def _receiving(self) -> TorchDistReceiver:
+    def _receiving(self) -> KVReceiver:
         if self._receiver is None:
             raise TransferError(TransferFailure.CLOSED, "this rank has no KV receiver (OPEN_KV was not given)")
         return self._receiver
 
-    def _sending(self) -> TorchDistSender:
+    def _sending(self) -> KVSender:
         if self._sender is None:
             raise TransferError(TransferFailure.CLOSED, "this rank has no KV sender (OPEN_KV was not given)")
         return self._sender

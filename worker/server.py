@@ -28,7 +28,7 @@ from splitserve.disagg.decode import DecodeHandoff
 from splitserve.disagg.prefill_client import GrpcPrefillClient
 from splitserve.disagg.rank_transfers import Endpoint, open_rank_endpoints
 from splitserve.disagg.transfer.base import TransferFailure
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.disagg.transfer.isolated import make_receiver, make_sender
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.core_client import STALL_TIMEOUT_S, EngineCoreClient
@@ -111,12 +111,13 @@ def _make_handoffs(
         return None
     if isinstance(engine, EngineCoreClient):
         return HandoffsInCore(engine)
+    device = HandoffPort(engine).device
     if role is Role.PREFILL:
-        sender = TorchDistSender(config.public_host, config.kv_transfer_timeout_s)
+        sender = make_sender(config.public_host, config.kv_transfer_timeout_s, device)
         return HandoffsInProcess(
             engine, metrics, sender=sender, send_delay_s=_send_delay_s(), kv_streaming=config.kv_streaming
         )
-    receiver = TorchDistReceiver(config.public_host, config.kv_transfer_timeout_s)
+    receiver = make_receiver(config.public_host, config.kv_transfer_timeout_s, device)
     log.info("KV channels meet at TCPStore %s", receiver.address)
     handoff = DecodeHandoff(
         engine,

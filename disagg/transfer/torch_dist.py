@@ -32,7 +32,11 @@ holds gloo's addresses and the proofs as bytes. Keep it that way: never send_obj
 broadcast_object_list or any *_object collective (they unpickle what a peer sends).
 
 Sockets: the store and gloo's pair sockets listen on the worker's advertised host only (for a
-wildcard host the store listens on every interface and gloo on this machine's address). gloo
+wildcard host the store listens on every interface and gloo on this machine's address). Each
+channel has a gloo device of its own, so its listener lives with the channel: gloo's listener hands
+a connection to whichever pair waits for the sequence number the connection names, and those
+numbers count up from 0 per device, so on a listener every channel shared, connections planted
+ahead by anyone would be taken by the next channels' pairs in place of their peers. gloo
 neither encrypts nor authenticates its traffic after the handshake, and the store lets anyone
 who reaches it read, write (any size) or delete keys: the workers must share a private network
 (docs/security.md).
@@ -62,6 +66,7 @@ import hashlib
 import hmac
 import itertools
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -215,12 +220,12 @@ def _refused(link: _Link, channel: ChannelSpec, who: str) -> TransferError:
 
 
 def _accept_channel(
-    store: dist.Store, channel: ChannelSpec, device: Device, cuda: torch.device | None, timeout_s: float
+    store: dist.Store, channel: ChannelSpec, host: str, cuda: torch.device | None, timeout_s: float
 ) -> _Link:
     """Receiver side of a new channel: build the group and admit the peer only once it has proved
     itself (module docstring)."""
     scoped = dist.PrefixStore(f"kv/{channel.key}", store)
-    link, seen = _open(scoped, channel, RECEIVER_RANK, device, cuda, timeout_s)
+    link, seen = _open(scoped, channel, RECEIVER_RANK, gloo_device(host), cuda, timeout_s)
     rendezvous, nonce = seen.digest(), secrets.token_bytes(NONCE_BYTES)
     try:
         link.gloo.send([torch.frombuffer(bytearray(nonce), dtype=torch.uint8)], SENDER_RANK, AUTH_TAG).wait()
@@ -240,12 +245,12 @@ def _accept_channel(
 
 
 def _join_channel(
-    store: dist.Store, channel: ChannelSpec, device: Device, cuda: torch.device | None, timeout_s: float
+    store: dist.Store, channel: ChannelSpec, host: str, cuda: torch.device | None, timeout_s: float
 ) -> _Link:
     """Sender side of a new channel: answer the receiver's nonce; send KV only once the receiver
     has proved itself too."""
     scoped = dist.PrefixStore(f"kv/{channel.key}", store)
-    link, seen = _open(scoped, channel, SENDER_RANK, device, cuda, timeout_s)
+    link, seen = _open(scoped, channel, SENDER_RANK, gloo_device(host), cuda, timeout_s)
     rendezvous, received = seen.digest(), torch.empty(NONCE_BYTES, dtype=torch.uint8)
     try:
         link.gloo.recv([received], RECEIVER_RANK, AUTH_TAG).wait()
@@ -318,14 +323,28 @@ async def _link(future: Future) -> _Link:
     return future.result() if future.done() else await asyncio.wrap_future(future)
 
 
+def new_channel(address: str, backend: Backend = Backend.GLOO) -> ChannelSpec:
+    """A fresh channel at the store at address: the key is unguessable too, but only the secret (never
+    in the store) is relied on."""
+    return ChannelSpec(address, secrets.token_hex(16), secrets.token_bytes(SECRET_BYTES), backend)
+
+
 class TorchDistReceiver(KVReceiver):
     """Decode side. Hosts the TCPStore every channel of this worker meets through."""
 
-    def __init__(self, host: str = "127.0.0.1", timeout_s: float = 30.0, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        timeout_s: float = 30.0,
+        device: torch.device | None = None,
+        listener: socket.socket | None = None,
+    ) -> None:
+        """listener: a socket already listening on host for the store (a KV agent's: agent.py), which
+        the store takes over; else it listens on a free port of its own."""
         self.timeout_s = timeout_s
-        self.store = host_store(host, timeout_s)
+        self.store = host_store(host, timeout_s, listener)
         self.address = f"{host}:{self.store.port}"
-        self._device = gloo_device(host)
+        self._host = host  # where each channel's gloo device listens
         self.backend: Backend = Backend.GLOO  # of the channels named from now on
         self._cuda: torch.device | None = None
         if device is not None:
@@ -339,13 +358,17 @@ class TorchDistReceiver(KVReceiver):
     def channel_for(self, peer: str) -> ChannelSpec:
         entry = self._channels.get(peer)
         if entry is None:
-            # The key is unguessable too, but only the secret (never in the store) is relied on.
-            key, secret = secrets.token_hex(16), secrets.token_bytes(SECRET_BYTES)
-            spec = ChannelSpec(self.address, key, secret, self.backend)
-            store, device, cuda, timeout_s = self.store, self._device, self._cuda, self.timeout_s
-            future = _EXECUTOR.submit(_bound, cuda, _accept_channel, store, spec, device, cuda, timeout_s)
-            entry = self._channels[peer] = (spec, future)
+            spec = new_channel(self.address, self.backend)
+            self.accept(peer, spec)
+            return spec
         return entry[0]
+
+    def accept(self, peer: str, spec: ChannelSpec) -> None:
+        """Start building spec's group, as peer's channel (named by this receiver's KV agent's owner:
+        isolated.py; channel_for names its own)."""
+        store, cuda, timeout_s = self.store, self._cuda, self.timeout_s
+        future = _EXECUTOR.submit(_bound, cuda, _accept_channel, store, spec, self._host, cuda, timeout_s)
+        self._channels[peer] = (spec, future)
 
     def next_tag(self, channel: ChannelSpec) -> int:
         return next(self._tags.setdefault(channel.key, itertools.count(AUTH_TAG + 1)))
@@ -400,7 +423,7 @@ class TorchDistSender(KVSender):
         max_failed_channels: int = 4096,
     ) -> None:
         self.timeout_s = timeout_s
-        self._device = gloo_device(host)
+        self._host = host  # where each channel's gloo device listens
         self._cuda: torch.device | None = None  # for NCCL channels
         if device is not None:
             self.use_device(device)
@@ -427,12 +450,17 @@ class TorchDistSender(KVSender):
     def _join(self, channel: ChannelSpec) -> _Link:
         with self._lock:
             store = self._stores.get(channel.address)
-        if store is None:
-            host, port = channel.address.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s))
-            with self._lock:
-                self._stores[channel.address] = store
-        return _join_channel(store, channel, self._device, self._cuda, self.timeout_s)
+        if store is not None:
+            try:
+                return _join_channel(store, channel, self._host, self._cuda, self.timeout_s)
+            except dist.DistNetworkError:  # that store is gone (a new one may listen there: a KV agent's)
+                with self._lock:
+                    self._stores.pop(channel.address, None)
+        host, port = channel.address.rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        with self._lock:
+            self._stores[channel.address] = store
+        return _join_channel(store, channel, self._host, self._cuda, self.timeout_s)
 
     async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill: Fill | None = None) -> Moved:
         _check_tag(tag)
