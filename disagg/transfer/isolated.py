@@ -1,11 +1,11 @@
 """The KV transport workers use: torch_dist's, run in a KV agent process (agent.py) so that an abort in
 gloo or a store filled by another local user fails transfers, never the worker.
 
-AgentReceiver and AgentSender keep the KVReceiver/KVSender contract. A transfer's tensor goes through
-a memfd segment both processes map: the receiver copies each chunk from it into the caller's buffer
-(then drain) as the agent reports it landed; the sender fills each chunk (fill, then a copy into
-the segment) when the agent asks for it. The copies run on a helper thread while the next chunk is
-on the wire.
+AgentReceiver and AgentSender keep the KVReceiver/KVSender contract. A transfer's tensor goes
+through a memfd segment both processes map (kept for the next transfer of its size): the receiver
+copies each chunk from it into the caller's buffer (then drain) as the agent reports it landed; the
+sender fills each chunk (fill, then a copy into the segment) when the agent asks for it. The copies
+run on a helper thread while the next chunk is on the wire.
 
 When the agent dies, every transfer on it fails with peer_lost and a new agent starts at once (after
 a pause of RESTART_PAUSE_S if the last one lived less than that): a receiver names new channels on
@@ -58,6 +58,7 @@ log = logging.getLogger("splitserve.kv_agent")
 # tensors are segments, not heap); anything written into its store past this ends the agent.
 AGENT_DATA_BYTES = 256 << 20
 RESTART_PAUSE_S = 1.0
+IDLE_SEGMENT_BYTES = 512 << 20  # shared memory a worker keeps mapped between transfers
 AGENT_START_TIMEOUT_S = 120.0  # an agent imports torch: seconds on a loaded machine
 # The copies between segments and the caller's tensors; serial, as chunks.py's helpers.
 _COPIES = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kv-agent-copies", initializer=serial_torch_ops)
@@ -242,16 +243,52 @@ def _stop(incarnation: _Incarnation) -> int | None:
 
 
 class _Segment:
-    """A transfer's tensor in shared memory (a memfd), mapped here; the agent maps its descriptor."""
+    """Shared memory (a memfd) for transfers of one size, mapped here; the agent maps its descriptor
+    for each transfer."""
 
-    def __init__(self, like: torch.Tensor) -> None:
+    def __init__(self, num_bytes: int) -> None:
         self.fd = os.memfd_create("splitserve-kv", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, like.numel() * like.element_size())
-        self.tensor = map_segment(self.fd, tensor_to_proto(like))
-        self.rows = row_view(self.tensor)
+        os.ftruncate(self.fd, num_bytes)
+        self.num_bytes = num_bytes
+        self.flat = map_segment(self.fd, apb.AgentTensor(shape=[num_bytes], dtype="uint8"))
+
+    def view(self, like: torch.Tensor) -> torch.Tensor:
+        return self.flat.view(like.dtype).view(like.shape)
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class _Segments:
+    """Segments kept for reuse, by size: a fresh segment's pages cost a zero-filled page fault each,
+    on both sides (~0.3-0.5 ms per MB on this project's CPU machine), every transfer. A segment comes
+    back only once its agent has ended the call (a cancelled send's agent may still read it)."""
+
+    def __init__(self, max_idle_bytes: int) -> None:
+        self.max_idle_bytes = max_idle_bytes
+        self._lock = threading.Lock()
+        self._idle: dict[int, list[_Segment]] = {}
+        self._idle_bytes = 0
+
+    def take(self, like: torch.Tensor) -> _Segment:
+        num_bytes = like.numel() * like.element_size()
+        with self._lock:
+            idle = self._idle.get(num_bytes)
+            if idle:
+                self._idle_bytes -= num_bytes
+                return idle.pop()
+        return _Segment(num_bytes)
+
+    def give(self, segment: _Segment) -> None:
+        with self._lock:
+            if self._idle_bytes + segment.num_bytes <= self.max_idle_bytes:
+                self._idle.setdefault(segment.num_bytes, []).append(segment)
+                self._idle_bytes += segment.num_bytes
+                return
+        segment.close()
+
+
+_SEGMENTS = _Segments(IDLE_SEGMENT_BYTES)
 
 
 def _failure(event: apb.AgentEvent | None, role: str, channel: ChannelSpec) -> TransferError:
@@ -308,19 +345,21 @@ class AgentReceiver(KVReceiver):
         _check_tag(tag)
         if not self._live(channel):
             raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was dropped (or its KV agent died)")
-        start, segment = time.monotonic(), _Segment(buffer)
+        start, segment = time.monotonic(), _SEGMENTS.take(buffer)
         command = apb.AgentRecv(channel=channel_to_proto(channel), tag=tag, tensor=tensor_to_proto(buffer))
         call_id, call = self.agent.call(apb.AgentCommand(recv=command), segment.fd)
-        rows = row_view(buffer)
+        rows, landing = row_view(buffer), row_view(segment.view(buffer))
+        ended = False  # the agent is done with the segment
 
         def land(landed: slice) -> None:
-            rows[landed].copy_(segment.rows[landed])
+            rows[landed].copy_(landing[landed])
             if drain is not None:
                 drain(landed)
 
         try:
             while (event := await call.events.get()) is not None and event.HasField("landed"):
                 await _copy(land, slice(event.landed.start, event.landed.stop))
+            ended = True
             if event is None or event.HasField("failed"):
                 raise _failure(event, "receiver", channel)
             return Moved(time.monotonic() - start, event.moved.checksum)
@@ -329,7 +368,7 @@ class AgentReceiver(KVReceiver):
             raise
         finally:
             self.agent.end(call_id)
-            segment.close()
+            _SEGMENTS.give(segment) if ended else segment.close()
 
     def drop(self, channel: ChannelSpec) -> None:
         for peer, (spec, _) in list(self._channels.items()):
@@ -369,23 +408,24 @@ class AgentSender(KVSender):
         self.connect(channel)
         if self._joined.get(channel.key) != self.agent.generation:
             raise TransferError(TransferFailure.CLOSED, f"channel {channel.key} was joined by a KV agent that died")
-        start, segment = time.monotonic(), _Segment(blocks)
-        rows = row_view(blocks)
+        start, segment = time.monotonic(), _SEGMENTS.take(blocks)
+        rows, outgoing = row_view(blocks), segment.view(blocks)
+        ended = False  # the agent is done with the segment
 
         def filled(chunk: slice) -> None:
             if fill is not None:
                 fill(chunk)
-            segment.rows[chunk].copy_(rows[chunk])
+            row_view(outgoing)[chunk].copy_(rows[chunk])
 
         try:
             if fill is None:
-                await _copy(segment.tensor.copy_, blocks)
+                await _copy(outgoing.copy_, blocks)
             command = apb.AgentSend(
                 channel=channel_to_proto(channel), tag=tag, tensor=tensor_to_proto(blocks), fill=fill is not None
             )
             call_id, call = self.agent.call(apb.AgentCommand(send=command), segment.fd)
         except BaseException:
-            segment.close()
+            _SEGMENTS.give(segment)  # the agent never had it
             raise
         try:
             while (event := await call.events.get()) is not None and event.HasField("fill"):
@@ -395,6 +435,7 @@ class AgentSender(KVSender):
                 except Exception as e:  # the agent's send fails with it
                     error = f"{type(e).__name__}: {e}"
                 self.agent.command(apb.AgentCommand(call_id=call_id, filled=apb.AgentFilled(error=error)))
+            ended = True
             if event is None or event.HasField("failed"):
                 raise _failure(event, "sender", channel)
             return Moved(time.monotonic() - start, event.moved.checksum)
@@ -403,7 +444,7 @@ class AgentSender(KVSender):
             raise
         finally:
             self.agent.end(call_id)
-            segment.close()
+            _SEGMENTS.give(segment) if ended else segment.close()
 
     def close(self) -> None:
         self.agent.close()
