@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from splitserve.disagg.transfer import chunks
+from splitserve.disagg.transfer import chunks, isolated
 from splitserve.disagg.transfer.base import TransferError, TransferFailure
 from splitserve.disagg.transfer.checksum import checksum
 from splitserve.disagg.transfer.isolated import AgentReceiver, AgentSender
@@ -133,3 +133,26 @@ def test_a_cancelled_send_ends_without_filling_more_and_the_agent_serves_on(pair
     count, buffer, data = asyncio.run(main())
     assert count == len(filled)  # nothing was filled after the cancel
     assert torch.equal(buffer, data)
+
+
+def test_segments_are_kept_for_the_next_transfer_of_their_size_but_not_after_a_cancel(pair):
+    """A fresh segment's pages are zero-filled on both sides; a kept one is not. A cancelled receive's
+    agent may still write its segment, so that one is never handed out again."""
+    receiver, sender = pair
+    segments = isolated._SEGMENTS
+
+    async def main():
+        await _move(receiver, sender, torch.randn(SHAPE), "prefill-e")
+        kept = {id(s) for idle in segments._idle.values() for s in idle}
+        channel = receiver.channel_for("prefill-f")  # nothing sends: the receive waits in the agent
+        waiting = asyncio.ensure_future(receiver.recv(channel, receiver.next_tag(channel), torch.empty(SHAPE)))
+        await asyncio.sleep(0)  # the receive takes its segment before it first waits
+        taken = kept - {id(s) for idle in segments._idle.values() for s in idle}
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        return taken, {id(s) for idle in segments._idle.values() for s in idle}
+
+    taken, after = asyncio.run(main())
+    assert taken, "the receive made a new segment with one of its size idle"
+    assert not taken & after, "a cancelled receive's segment went back to the pool"
