@@ -28,13 +28,9 @@ ARG GATEWAY_DEPS="grpcio grpcio-health-checking grpcio-reflection protobuf prome
 ARG WORKER_SKIP_DEPS="torch"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md __init__.py ./
 COPY common common
-COPY engine engine
-COPY model model
-COPY disagg disagg
-COPY worker worker
-COPY launch launch
+COPY services services
 COPY gateway gateway
 COPY experiments experiments
 COPY kernels kernels
@@ -82,7 +78,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
  && pip install -r /tmp/splitserve/requirements-worker.txt \
  && pip install --no-deps /tmp/splitserve/splitserve-*.whl \
  && rm -rf /tmp/splitserve \
- && python -c "import torch, splitserve.worker.server; print('torch', torch.__version__)"
+ && python -c "import torch, splitserve.services.worker.server; print('torch', torch.__version__)"
 USER splitserve
 WORKDIR /home/splitserve
 EXPOSE 50061 9100
@@ -104,11 +100,11 @@ RUN python -c "import torch; print('torch', torch.__version__, 'cuda', torch.ver
  && pip install -r /tmp/splitserve/requirements-worker.txt \
  && pip install --no-deps /tmp/splitserve/splitserve-*.whl \
  && rm -rf /tmp/splitserve \
- && python -c "import torch, splitserve.worker.server; print('torch', torch.__version__)"
+ && python -c "import torch, splitserve.services.worker.server; print('torch', torch.__version__)"
 # Smoke test (no GPU at build time): one kernel call under the Triton interpreter, then the checks the
 # worker makes before choosing the triton backend on CUDA (triton version, compiler, kernels import).
 RUN TRITON_INTERPRET=1 python -c "import torch, splitserve.kernels as k; x = torch.randn(4, 64); w = torch.rand(64); torch.testing.assert_close(k.rms_norm(x, w, 1e-6), k.rms_norm_ref(x, w, 1e-6)); print('splitserve.kernels: rms_norm OK under the Triton interpreter')" \
- && python -c "import torch, triton; from splitserve.model.attention.triton_backend import TritonAttention; TritonAttention.check_supported(torch.device('cuda')); print('triton', triton.__version__, 'can run the triton backend')"
+ && python -c "import torch, triton; from splitserve.services.model.attention.triton_backend import TritonAttention; TritonAttention.check_supported(torch.device('cuda')); print('triton', triton.__version__, 'can run the triton backend')"
 USER splitserve
 WORKDIR /home/splitserve
 EXPOSE 50061 9100

@@ -71,7 +71,7 @@ def bench_ms(fn) -> float:
 def paged_batch(shape, seq_lens: list[int], query_lens: list[int]):
     """Random K/V for every context token in shuffled blocks, queries, and the metadata of one step
     (its new tokens already in the cache: their slots are rewritten with the same values)."""
-    from splitserve.model.attention import AttentionMetadata
+    from splitserve.services.model.attention import AttentionMetadata
 
     num_heads, num_kv_heads, head_dim = shape
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
@@ -113,7 +113,7 @@ def kv_gib(shape, batch: int, context: int) -> float:
 
 def torch_baseline(shape, q, k, v, kv_cache, meta, triton_out, limit_gib: float) -> dict:
     """The torch backend's forward on the same step: ms, and its largest difference from triton_out."""
-    from splitserve.model.attention.torch_backend import TorchAttention
+    from splitserve.services.model.attention.torch_backend import TorchAttention
 
     if 2 * kv_cache.numel() * DTYPE.itemsize / 1024**3 > limit_gib:  # the gather copies the context
         return {"torch_ms": None, "max_abs_diff": None}
@@ -246,9 +246,9 @@ def _synchronized(fn):
 
 
 def e2e_table(args) -> list[dict]:
-    from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.engine.llm import LLM
     from splitserve.experiments.offline import decode_step_ms
+    from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.services.engine.llm import LLM
 
     rows = []
     for backend in ("torch", "triton"):

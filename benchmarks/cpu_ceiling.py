@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.model.arch import ModelArchConfig
-from splitserve.model.loader import open_model
+from splitserve.services.model.arch import ModelArchConfig
+from splitserve.services.model.loader import open_model
 
 ROWS = (1, 8, 32, 64, 512, 2048)
 MEMORY_BYTES = 1 << 30

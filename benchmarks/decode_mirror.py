@@ -1,5 +1,5 @@
 """One layer's decode attention on CPU: the decode mirror (contiguous K/V copies kept across steps,
-model/attention/decode_mirror.py) against the paged gather, over batches of uniform and of mixed
+services/model/attention/decode_mirror.py) against the paged gather, over batches of uniform and of mixed
 context lengths (SmolLM2-135M's heads: 9 query, 3 KV, head_dim 64; blocks of 16).
 
 Per case: the same sequences step together (each context one token longer per step) through two
@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.model.attention.backend import AttentionMetadata
-from splitserve.model.attention.decode_mirror import DecodeMirror
-from splitserve.model.attention.torch_backend import TorchAttention
+from splitserve.services.model.attention.backend import AttentionMetadata
+from splitserve.services.model.attention.decode_mirror import DecodeMirror
+from splitserve.services.model.attention.torch_backend import TorchAttention
 
 H, KVH, D, BS = 9, 3, 64, 16
 CASES: dict[str, Callable[[random.Random], int]] = {

@@ -42,13 +42,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from splitserve.disagg.transfer.base import ChannelSpec
-from splitserve.disagg.transfer.isolated import AgentReceiver, AgentSender
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
-from splitserve.engine.kv_cache.staging import Staging, StagingPool
 from splitserve.experiments.stats import RequestRecord
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
+from splitserve.services.disagg.transfer.base import ChannelSpec
+from splitserve.services.disagg.transfer.isolated import AgentReceiver, AgentSender
+from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.services.engine.kv_cache.block_io import gather_blocks, scatter_blocks
+from splitserve.services.engine.kv_cache.staging import Staging, StagingPool
 
 SMOLLM2_KV = (30, 2, 600, 16, 3, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 SIZES = (1, 16, 256)
@@ -328,7 +328,7 @@ def _print_transfer(backend: str, rows: list[dict], conditions: dict) -> None:
 
 def latency(num_requests: int, prompt_len: int, output_len: int, json_path: str | None) -> None:
     from splitserve.experiments.loadgen import send_workload
-    from splitserve.launch.launcher import start_cluster, stop_cluster
+    from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
     # One at a time; the same prompts for both deployments; the first two requests warm up.
     workload = WorkloadConfig(

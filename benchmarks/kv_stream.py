@@ -1,7 +1,7 @@
 """Layer-by-layer KV streaming, as a timeline (issue 18, item 2): one prefill engine (bundled SmolLM2
 fp32, --threads torch threads) sends each prompt's KV over a real gloo pair (TorchDistSender to a
 TorchDistReceiver in this process, on their own threads) with the handoff's own code
-(disagg/prefill.py prefill_and_send), once sending after the first token ("after") and once
+(services/disagg/prefill.py prefill_and_send), once sending after the first token ("after") and once
 streaming the layers as the prompt's last step computes them ("streamed"), back to back per prompt.
 
 Recorded per request, from its submission: each layer of the last step marked written (the
@@ -29,14 +29,14 @@ from collections.abc import Callable
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.disagg.handoff import FirstToken, HandoffJob, PieceJob, SendStarted, TransferDone
-from splitserve.disagg.plan import Piece
-from splitserve.disagg.prefill import prefill_and_send
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.handoff_port import HandoffPort
-from splitserve.engine.layer_progress import LayerProgress
+from splitserve.services.disagg.handoff import FirstToken, HandoffJob, PieceJob, SendStarted, TransferDone
+from splitserve.services.disagg.plan import Piece
+from splitserve.services.disagg.prefill import prefill_and_send
+from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.handoff_port import HandoffPort
+from splitserve.services.engine.layer_progress import LayerProgress
 
 KV_CACHE_BYTES = 1024**3
 VOCAB = 49152

@@ -51,11 +51,11 @@ import torch
 
 from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.llm import LLM
-from splitserve.engine.step_stats import StepKind, StepTotals
 from splitserve.experiments.offline import FULL, QUICK, Settings, start_decodes, timed, timed_steps
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.step_stats import StepKind, StepTotals
 
 TABLES = ("throughput", "decode", "prefill", "prefix")
 HF_PAGE_SIZE = 256  # transformers' default page size, tokens per KV block

@@ -1,4 +1,4 @@
-"""What a second OpenMP pool costs the thread that computes (engine/cpu_threads.py).
+"""What a second OpenMP pool costs the thread that computes (services/engine/cpu_threads.py).
 
 Times a decode-sized linear ([32, 576] x [576, 1536], SmolLM2-135M's QKV projection at batch 32) on
 the main thread, in four conditions, each run back to back in one process:
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.engine.cpu_threads import serial_torch_ops
+from splitserve.services.engine.cpu_threads import serial_torch_ops
 
 
 def time_linear(calls: int) -> tuple[float, float]:

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from splitserve.experiments.loadgen import GenerationClient, GrpcClient, OpenAIConfig, record_one, run_load
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 VOCAB_SIZE = 49152
 KV_CACHE_BYTES = 1024**3

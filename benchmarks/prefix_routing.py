@@ -24,7 +24,7 @@ import urllib.request
 from splitserve.experiments.loadgen import send_workload
 from splitserve.experiments.stats import summarize
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 ROUTERS = (("kv-aware", "kv-aware"), ("round-robin", "round-robin"), ("oracle", "prefix-affinity"))
 HIT_METRICS = ("splitserve_prefix_cache_queries_total", "splitserve_prefix_cache_hits_total")

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.request import Request, RequestId
-from splitserve.engine.sampler import Sampler
-from splitserve.engine.sampling_ops import RefGenerators, sample_tokens_ref
+from splitserve.services.engine.request import Request, RequestId
+from splitserve.services.engine.sampler import Sampler
+from splitserve.services.engine.sampling_ops import RefGenerators, sample_tokens_ref
 
 BATCHES = (32, 256)
 VOCABS = (320, 49152)

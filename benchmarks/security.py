@@ -2,7 +2,7 @@
 
 Two 1P1D clusters of the bundled SmolLM2 on CPU, started side by side: one plaintext and open, one
 with public TLS + client certificates, API keys, cluster mTLS and the join secret (certificates
-made here by launch/certs.py). The same workload (every request sent at once) goes through each
+made here by services/launcher/certs.py). The same workload (every request sent at once) goes through each
 in turn, alternating, --rounds times; the idle cluster uses no CPU while the other is measured.
 
 Usage: python benchmarks/security.py [--rounds 3] [--num-requests 32] [--json PATH]
@@ -19,8 +19,8 @@ from pathlib import Path
 from splitserve.common.security import PLAINTEXT_GATEWAY, GatewayCredentials
 from splitserve.experiments.loadgen import send_workload
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
-from splitserve.launch.certs import SecureBundle, make_bundle
-from splitserve.launch.launcher import Child, start_cluster, stop_cluster
+from splitserve.services.launcher.certs import SecureBundle, make_bundle
+from splitserve.services.launcher.launcher import Child, start_cluster, stop_cluster
 
 WORKER_ARGV = ["--kv-cache-bytes", str(512 * 1024**2), "--num-threads", "1"]
 

@@ -30,13 +30,13 @@ from urllib.request import urlopen
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.llm import LLM
 from splitserve.experiments.cpu import cpu_seconds
 from splitserve.experiments.loadgen import send_workload
 from splitserve.experiments.offline import FULL, QUICK
 from splitserve.experiments.workload import LengthDist, RequestSpec, WorkloadConfig, make_requests
-from splitserve.launch.launcher import start_cluster, stop_cluster, threads_per_worker
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster, threads_per_worker
 
 KV_CACHE_BYTES = 3 * 1024**3
 PREFIX_KV_CACHE_BYTES = 1024**3  # ~23k tokens per worker: every prefix stays cached until its hit

@@ -54,11 +54,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from conftest import _save_tiny  # noqa: E402  (the tiny model the tests use)
 
-import splitserve.engine  # noqa: E402
+import splitserve.services.engine  # noqa: E402
 from splitserve.common.sampling_params import SamplingParams  # noqa: E402
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from splitserve.engine.engine import Engine  # noqa: E402
 from splitserve.experiments.cpu import cpu_seconds  # noqa: E402
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from splitserve.services.engine.engine import Engine  # noqa: E402
 
 MAX_MODEL_LEN = 512  # the tiny Llama's context
 NUM_LOGIT_BANKS = 8  # the stub cycles through this many random logit tensors
@@ -178,7 +178,7 @@ def time_pipelined(engine: Engine, batch: int, steps: int, warm_up: int) -> dict
 def time_async(engine: Engine, batch: int, steps: int) -> dict[str, float]:
     """The serving path: AsyncEngine with one consuming task per request (as the gRPC servicer has),
     from the first add to the last output. ms per step = wall time / steps run."""
-    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.services.engine.async_engine import AsyncEngine
 
     prompts = make_prompts(engine.vocab_size, batch)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps)
@@ -225,7 +225,7 @@ def time_core(model: str, batch: int, steps: int, forward_ms: float) -> dict[str
     """The serving path with the engine core in its own process (EngineCoreClient, as a worker with
     --engine-process runs it): one consuming task per request here, the step loop there. ms per
     step = wall time / steps the core ran (from its load reports)."""
-    from splitserve.engine.core_client import EngineCoreClient
+    from splitserve.services.engine.core_client import EngineCoreClient
 
     client = EngineCoreClient.launch(
         engine_config(model, batch), prepare=functools.partial(install_stub, batch, forward_ms)
@@ -359,7 +359,7 @@ def main() -> None:
             return
         baseline = run_baseline(args.baseline_pythonpath, args, model) if args.baseline_pythonpath else None
         rows = measure(model, batches, args.steps, args.warm_up, not args.no_core, args.forward_ms)
-    source = str(Path(splitserve.engine.__file__).parent)
+    source = str(Path(splitserve.services.engine.__file__).parent)
     if baseline:
         print_table(f"baseline ({baseline['settings']['engine_source']}), ms per decode step", baseline["results"])
     print_table(f"this tree ({source}), ms per decode step", rows)

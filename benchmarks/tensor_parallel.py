@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a worker (engine/ranks.py): decode step time at N ranks, and the KV handoff
+"""Tensor parallelism inside a worker (services/engine/ranks.py): decode step time at N ranks, and the KV handoff
 between tiers of equal and of mismatched sizes (prints numbers).
 
 The model: the bundled SmolLM2-135M has 9 query and 3 KV heads, which split over 1 or 3 ranks only. So
@@ -58,10 +58,10 @@ from cluster_helpers import greedy_request, metric, stub  # noqa: E402
 
 from splitserve.common.sampling_params import SamplingParams  # noqa: E402
 from splitserve.common.tokenizer import load_tokenizer  # noqa: E402
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from splitserve.engine.engine import Engine  # noqa: E402
-from splitserve.model.loader import open_model  # noqa: E402
-from splitserve.model.parallel import possible_sizes  # noqa: E402
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from splitserve.services.engine.engine import Engine  # noqa: E402
+from splitserve.services.model.loader import open_model  # noqa: E402
+from splitserve.services.model.parallel import possible_sizes  # noqa: E402
 
 DEFAULT_MODEL = "smollm2-8h"
 SEED = 0
@@ -214,7 +214,7 @@ def cluster_argv(model: str | None, a: argparse.Namespace) -> list[str]:
 def start_pair(model: str | None, prefill_tp: int, decode_tp: int, a: argparse.Namespace) -> list:
     """A 1P1D cluster; started a second time if a process exits or stalls while starting (on a shared
     machine another process can take a port between free_port and the bind)."""
-    from splitserve.launch.launcher import parse_devices, start_cluster
+    from splitserve.services.launcher.launcher import parse_devices, start_cluster
 
     for attempt in (1, 2):
         try:
@@ -235,7 +235,7 @@ def start_pair(model: str | None, prefill_tp: int, decode_tp: int, a: argparse.N
 
 
 def handoff_pair(model: str | None, prefill_tp: int, decode_tp: int, a: argparse.Namespace, vocab: int) -> dict:
-    from splitserve.launch.launcher import stop_cluster
+    from splitserve.services.launcher.launcher import stop_cluster
 
     start = time.perf_counter()
     children = start_pair(model, prefill_tp, decode_tp, a)

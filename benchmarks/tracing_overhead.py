@@ -43,7 +43,7 @@ def gateway_calls(request_id: str) -> tuple:
     trace.get_current_span().set_attributes({"splitserve.request_id": request_id, "splitserve.num_prompt_tokens": 40})
     with stage("gateway.plan", {"splitserve.attempt": 0}):
         pass
-    attempt = tracer.start_span("gateway.attempt", kind=SpanKind.CLIENT, attributes={"splitserve.worker": "w"})
+    attempt = tracer.start_span("gateway.attempt", kind=SpanKind.CLIENT, attributes={"splitserve.services.worker": "w"})
     with ended(attempt):
         metadata = trace_metadata(attempt)
         attempt.add_event("first token")

@@ -35,20 +35,20 @@ LATENCY_BUCKETS = (
     80.0,
 )
 
-# A draining worker's running requests get this long to finish (worker/server.py WorkerConfig).
+# A draining worker's running requests get this long to finish (services/worker/server.py WorkerConfig).
 DRAIN_TIMEOUT_S = 30.0
 
 
 def drain_bound_s(drain_timeout_s: float, kv_lease_s: float, kv_transfer_timeout_s: float) -> float:
-    """The longest a worker's drain lasts (worker/server.py `_drain`); whoever stops a worker waits
-    longer than this before killing it (launch/supervisor.py).
+    """The longest a worker's drain lasts (services/worker/server.py `_drain`); whoever stops a worker waits
+    longer than this before killing it (services/launcher/supervisor.py).
 
     Running requests get drain_timeout_s. KV the worker holds or awaits gets more, up to what its own
     timeouts already bound: a prefill worker's held blocks are claimed by their send within the lease
-    (engine/leases.py; else they expire), and a claimed send ends within joining the channel and
-    sending (4 transfer timeouts at most: disagg/transfer/torch_dist.py); a decode worker's landing
+    (services/engine/leases.py; else they expire), and a claimed send ends within joining the channel and
+    sending (4 transfer timeouts at most: services/disagg/transfer/torch_dist.py); a decode worker's landing
     waits at most 4 transfer timeouts for the prefill worker's first token, then 2 for the transfer
-    report (disagg/decode.py). kv_lease_s + 6 transfer timeouts covers either."""
+    report (services/disagg/decode.py). kv_lease_s + 6 transfer timeouts covers either."""
     return drain_timeout_s + kv_lease_s + 6 * kv_transfer_timeout_s
 
 

@@ -60,7 +60,7 @@ def logprobs_to_proto(entries) -> list[gen_pb.TokenLogprob]:
 
 def logprobs_from_proto(entries) -> list:
     """TokenLogprob protos back to the engine's TokenLogprobs."""
-    from splitserve.engine.sampler import TokenLogprobs  # torch: only workers call this
+    from splitserve.services.engine.sampler import TokenLogprobs  # torch: only workers call this
 
     return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
 

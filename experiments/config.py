@@ -42,9 +42,9 @@ from splitserve.experiments.intervals import METHODS
 from splitserve.experiments.loadgen import ENDPOINTS, Connect, OpenAIConfig, grpc_connect
 from splitserve.experiments.stats import SLO, Window
 from splitserve.experiments.workload import LengthDist, WorkloadConfig
-from splitserve.launch.autoscale import AutoscaleSettings
-from splitserve.launch.launcher import Child
-from splitserve.planner.cli import policy_args_from_table
+from splitserve.services.launcher.autoscale import AutoscaleSettings
+from splitserve.services.launcher.launcher import Child
+from splitserve.services.planner.cli import policy_args_from_table
 
 Workloads = tuple[tuple[str, WorkloadConfig], ...]  # (name, workload) in config order
 

@@ -32,8 +32,8 @@ from splitserve.experiments.goodput import search_goodput
 from splitserve.experiments.loadgen import Connect, progress_bar, run_connected
 from splitserve.experiments.stats import RequestRecord, attainment_samples, run_stats, summarize
 from splitserve.experiments.workload import WorkloadConfig
-from splitserve.launch.launcher import Child, start_cluster, stop_cluster
-from splitserve.launch.supervisor import Supervisor
+from splitserve.services.launcher.launcher import Child, start_cluster, stop_cluster
+from splitserve.services.launcher.supervisor import Supervisor
 
 __all__ = ["Deployment", "ExperimentConfig", "load_config", "run_experiment", "run_experiment_file"]
 

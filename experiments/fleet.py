@@ -2,7 +2,7 @@
 
 A fixed layout (unified xN, xPyD, an endpoint) has the same workers all along. An autoscaled one (a
 deployment with an `autoscale` table) starts every run at the planner's minimum with a fresh policy, and
-the planner (launch/autoscale.py, in this process) sizes its tiers while the run sends; its live workers
+the planner (services/launcher/autoscale.py, in this process) sizes its tiers while the run sends; its live workers
 per tier are sampled every second (a starting worker counts from its spawn, a drained one until it exits:
 both hold a core or a GPU). Goodput per worker-second = counted requests meeting the SLO / the integral of
 the live worker count over the measurement window: for a fixed layout, goodput per worker.
@@ -22,8 +22,8 @@ from typing import Protocol
 
 from splitserve.common.security import OPEN_CLUSTER, ClusterSecurity
 from splitserve.experiments.stats import RunStats
-from splitserve.launch.autoscale import AutoscaleSettings, PlannerThread, Scalable, SupervisorScaler
-from splitserve.launch.launcher import Child
+from splitserve.services.launcher.autoscale import AutoscaleSettings, PlannerThread, Scalable, SupervisorScaler
+from splitserve.services.launcher.launcher import Child
 
 SAMPLE_S = 1.0  # seconds between samples of an autoscaled deployment's workers
 SETTLE_S = 300.0  # after a run, how long to wait for a Scale call in flight before the next run resets
@@ -140,7 +140,7 @@ class Sampler:
 
 
 class Workers(Scalable, Protocol):
-    """What an autoscaled fleet needs of launch/supervisor.py's Supervisor besides scaling."""
+    """What an autoscaled fleet needs of services/launcher/supervisor.py's Supervisor besides scaling."""
 
     def workers(self, mode: str) -> list[Child]: ...
 

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 from unittest.mock import patch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.llm import LLM
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, make_requests
+from splitserve.services.engine.llm import LLM
 
 T = TypeVar("T")
 

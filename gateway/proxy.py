@@ -92,7 +92,10 @@ class Proxy:
 
 def _attributes(plan: Plan) -> dict[str, str]:
     """The attempt span's: which workers, and why the router picked them."""
-    attributes = {"splitserve.worker": plan.target.worker.address, "splitserve.route_reason": plan.target.reason}
+    attributes = {
+        "splitserve.services.worker": plan.target.worker.address,
+        "splitserve.route_reason": plan.target.reason,
+    }
     if plan.prefill is not None:
         attributes |= {"splitserve.prefill_worker": plan.prefill.worker.address}
         attributes |= {"splitserve.prefill_route_reason": plan.prefill.reason}

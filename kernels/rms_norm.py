@@ -1,6 +1,6 @@
 """rms_norm: y = weight * normalise(x), float32 statistics, with an optional fused residual add.
 
-Rounding follows transformers (and the torch path in model/llama.py): the normalised row is
+Rounding follows transformers (and the torch path in services/model/llama.py): the normalised row is
 rounded to x's dtype before the weight multiply, and the fused sum is rounded before it is normalised.
 """
 

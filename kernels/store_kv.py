@@ -1,8 +1,8 @@
 """store_kv: write the step's new K and V into their paged cache slots.
 
-Cache layout (see model/attention/backend.py): [2, num_blocks, block_size, num_kv_heads,
+Cache layout (see services/model/attention/backend.py): [2, num_blocks, block_size, num_kv_heads,
 head_dim]; a token's flat slot is block_id * block_size + offset. A negative slot (PAD_SLOT_ID) is
-skipped: the padded rows of a CUDA-graph decode step (engine/cuda_graphs.py) write nothing.
+skipped: the padded rows of a CUDA-graph decode step (services/engine/cuda_graphs.py) write nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from splitserve.kernels._common import (
 )
 
 # The slot of a token whose K/V must not be stored: a padding row of a captured decode step; the same
-# value as splitserve.model.attention.backend.PAD_SLOT_ID (these kernels import nothing of the model).
+# value as splitserve.services.model.attention.backend.PAD_SLOT_ID (these kernels import nothing of the model).
 PAD_SLOT_ID = -1
 
 

@@ -193,8 +193,8 @@ def compiled_variants() -> int | None:
 
 def holdout_engine(model_dir: str, dtype: str, tensor_parallel_size: int = 1, **overrides):
     """The checks' engine on the device under test; overrides replace EngineConfig fields."""
-    from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.engine.llm import LLM
+    from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.services.engine.llm import LLM
 
     fields = {
         "model": model_dir,
@@ -346,7 +346,7 @@ def run_cluster(name: str, up_args: list[str], model_dir: Path, timeout_s: float
     cmd = [
         sys.executable,
         "-m",
-        "splitserve.launch.cli",
+        "splitserve.services.launcher.cli",
         "up",
         *up_args,
         "--port",
@@ -461,7 +461,7 @@ def cluster_two_per_gpu(model_dir: Path, timeout_s: float) -> Result:
 
 # -- CUDA graphs (in a child: --graphs DIR OUT) ---------------------------------------------------------
 def graphs_engine(model_dir: str, dtype: str, graphs: bool):
-    from splitserve.engine.config import CudaGraphConfig, SchedulerConfig
+    from splitserve.services.engine.config import CudaGraphConfig, SchedulerConfig
 
     scheduler = SchedulerConfig(max_num_seqs=max(GRAPH_BATCHES), max_num_batched_tokens=2048)
     return holdout_engine(model_dir, dtype, scheduler=scheduler, cuda_graphs=CudaGraphConfig(enabled=graphs))
@@ -472,7 +472,7 @@ def decode_step_ms(runner, batch: int, iters: int = 50) -> float:
     host packing, the forward, replayed when a graph fits, and the logits)."""
     import torch
 
-    from splitserve.engine.model_runner import StepShape
+    from splitserve.services.engine.model_runner import StepShape
 
     run = runner.shape_forward(StepShape((GRAPH_CONTEXT,) * batch, (1,) * batch))
     for _ in range(5):

@@ -14,25 +14,25 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.launch.launcher import (
+from splitserve.protos.v1 import generation_pb2 as pb
+from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.services.launcher.launcher import (
     Child,
     spawn_worker,
     start_cluster,
     stop_cluster,
     threads_per_worker,
 )
-from splitserve.protos.v1 import generation_pb2 as pb
-from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
-from splitserve.protos.v1 import worker_pb2 as wpb
-from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 
 KV_BYTES = 4 * 1024**2
 
 
 def secrets_bundle(folder, api_keys: str):
-    """A throwaway CA, certificates and join secret in folder (launch/certs.py), plus `test-keys`:
+    """A throwaway CA, certificates and join secret in folder (services/launcher/certs.py), plus `test-keys`:
     the API keys file the test's gateway is given instead of the bundle's."""
-    from splitserve.launch.certs import make_bundle
+    from splitserve.services.launcher.certs import make_bundle
 
     bundle = make_bundle(folder, ("localhost", "127.0.0.1"))
     (folder / "test-keys").write_text(api_keys)
@@ -96,7 +96,7 @@ def metric(metrics_address: str, name: str, **labels: str) -> float:
 
 def engine_config(folder):
     """The in-process EngineConfig equal to engine_argv(folder) (a reference run's settings)."""
-    from splitserve.engine.config import CacheConfig, EngineConfig
+    from splitserve.services.engine.config import CacheConfig, EngineConfig
 
     return EngineConfig(model=str(folder), max_model_len=256, cache=CacheConfig(block_size=8, kv_cache_bytes=KV_BYTES))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 # The repository's root is the `splitserve` package (pyproject's package-dir): its folders are
-# subpackages (splitserve.kernels, splitserve.engine, ...), never top-level modules. `python -m pytest`
+# subpackages (splitserve.kernels, splitserve.services.engine, ...), never top-level modules. `python -m pytest`
 # puts the working directory first on sys.path, where `kernels/` shadows Hugging Face's `kernels`
 # package, which transformers 5.25 imports (and fails on ours): take the root off before anything
 # imports transformers.

@@ -47,11 +47,11 @@ from fault_report import (
 )
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.llm import LLM
-from splitserve.launch.launcher import Child
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.protos.v1 import worker_pb2 as wpb
-from splitserve.worker.server import SEND_DELAY_ENV
+from splitserve.services.engine.llm import LLM
+from splitserve.services.launcher.launcher import Child
+from splitserve.services.worker.server import SEND_DELAY_ENV
 
 SEEDED = dict(temperature=0.8, top_p=0.95)
 # Kill i takes the tier and timing KILL_PLAN[i % 4]; "busy" waits up to 2 s for a worker in the

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 import grpc
 from cluster_helpers import load_is_idle, metric
 
-from splitserve.launch.launcher import wait_healthy
 from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.services.launcher.launcher import wait_healthy
 
 # Statuses a stream may end with, by what its client did. UNAVAILABLE: a worker died under it (or no
 # pair was left); RESOURCE_EXHAUSTED: overload. Probes run after the faults stopped: only OK.

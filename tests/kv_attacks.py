@@ -90,8 +90,8 @@ def write_store(address: str, num_bytes: int) -> dict:
 def victim() -> None:
     import torch
 
-    from splitserve.disagg.transfer.base import TransferError
-    from splitserve.disagg.transfer.isolated import AgentReceiver, AgentSender
+    from splitserve.services.disagg.transfer.base import TransferError
+    from splitserve.services.disagg.transfer.isolated import AgentReceiver, AgentSender
 
     resource.setrlimit(resource.RLIMIT_NOFILE, (1024, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     receiver, sender = AgentReceiver(timeout_s=TIMEOUT_S), AgentSender(timeout_s=TIMEOUT_S)

@@ -20,13 +20,13 @@ from splitserve.experiments.experiment import Started, run_experiment
 from splitserve.experiments.fleet import AutoscaledFleet, FleetRun, WorkerTimeline, workers_used
 from splitserve.experiments.stats import SLO, RequestRecord, Window, run_stats
 from splitserve.experiments.workload import WorkloadConfig, arrival_offsets
-from splitserve.launch.autoscale import AutoscaleSettings, SupervisorScaler
-from splitserve.launch.cli import _up_planner, build_parser
-from splitserve.launch.launcher import Child
-from splitserve.planner.capacity import SloTargets
-from splitserve.planner.cli import policy_args_from_table
-from splitserve.planner.loop import ScaleFailed
-from splitserve.planner.policy import Mode, TierBounds
+from splitserve.services.launcher.autoscale import AutoscaleSettings, SupervisorScaler
+from splitserve.services.launcher.cli import _up_planner, build_parser
+from splitserve.services.launcher.launcher import Child
+from splitserve.services.planner.capacity import SloTargets
+from splitserve.services.planner.cli import policy_args_from_table
+from splitserve.services.planner.loop import ScaleFailed
+from splitserve.services.planner.policy import Mode, TierBounds
 
 pytestmark = pytest.mark.unit
 

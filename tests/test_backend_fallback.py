@@ -14,8 +14,8 @@ import types
 import pytest
 import torch
 
-from splitserve.model.attention import default_backend_name, get_backend, triton_backend
-from splitserve.model.attention.torch_backend import TorchAttention
+from splitserve.services.model.attention import default_backend_name, get_backend, triton_backend
+from splitserve.services.model.attention.torch_backend import TorchAttention
 
 pytestmark = pytest.mark.unit
 
@@ -25,7 +25,7 @@ CUDA = torch.device("cuda", 0)
 def _fallback_reason(caplog: pytest.LogCaptureFixture) -> str:
     """default_backend_name on CUDA picks torch and logs exactly one line; returns it."""
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="splitserve.model"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.services.model"):
         assert default_backend_name(CUDA) == "torch"
     (record,) = caplog.records
     assert record.getMessage().startswith("attention backend: torch, not triton: ")
@@ -79,6 +79,6 @@ def test_no_c_compiler_falls_back(monkeypatch, caplog):
 @pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")
 def test_a_supported_triton_is_the_cuda_default(monkeypatch, caplog):
     monkeypatch.setenv("CC", "cc")
-    with caplog.at_level(logging.WARNING, logger="splitserve.model"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.services.model"):
         assert default_backend_name(CUDA) == "triton"
     assert not caplog.records

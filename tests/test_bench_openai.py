@@ -18,8 +18,8 @@ from splitserve.common.serving import free_port
 from splitserve.experiments.experiment import load_config, run_experiment
 from splitserve.experiments.loadgen import OpenAIConfig, run_connected
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, make_requests
-from splitserve.launch.cli import main
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.cli import main
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from splitserve.common.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from splitserve.engine.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
-from splitserve.engine.kv_cache.manager import KVCacheManager
+from splitserve.services.engine.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
+from splitserve.services.engine.kv_cache.manager import KVCacheManager
 
 pytestmark = pytest.mark.unit
 

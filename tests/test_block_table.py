@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import RuntimeInfo, SchedulerConfig
-from splitserve.engine.kv_cache.block_table import BlockTable
-from splitserve.engine.kv_cache.manager import KVCacheManager
-from splitserve.engine.request import Request, RequestId
-from splitserve.engine.scheduler import Scheduler
+from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
+from splitserve.services.engine.kv_cache.block_table import BlockTable
+from splitserve.services.engine.kv_cache.manager import KVCacheManager
+from splitserve.services.engine.request import Request, RequestId
+from splitserve.services.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from splitserve.common.bounded import RecentMap
-from splitserve.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
-from splitserve.disagg.transfer.torch_dist import TorchDistSender
 from splitserve.gateway.router import PrefixAffinityRouter, RouteInput
 from splitserve.gateway.workers import WorkerHandle
+from splitserve.services.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
+from splitserve.services.disagg.transfer.torch_dist import TorchDistSender
 
 pytestmark = pytest.mark.unit
 

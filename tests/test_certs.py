@@ -1,4 +1,4 @@
-"""launch/certs.py: the throwaway PKI. Real gRPC servers on 127.0.0.1 check that the certificates do
+"""services/launcher/certs.py: the throwaway PKI. Real gRPC servers on 127.0.0.1 check that the certificates do
 what the gateway and workers need: public TLS, mTLS inside the cluster by the name CLUSTER_TLS_NAME,
 and mTLS for public clients."""
 
@@ -15,7 +15,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.common.security import CLUSTER_TLS_NAME
-from splitserve.launch.certs import FILE_NAMES, PRIVATE_NAMES, SecureBundle, main, make_bundle
+from splitserve.services.launcher.certs import FILE_NAMES, PRIVATE_NAMES, SecureBundle, main, make_bundle
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""The pipe between a worker's serving process and its engine core (engine/core_client.py,
-engine/core_process.py): a serving process that reads the core's events slowly, while adds the core
+"""The pipe between a worker's serving process and its engine core (services/engine/core_client.py,
+services/engine/core_process.py): a serving process that reads the core's events slowly, while adds the core
 refuses keep coming, never wedges either side; a core that makes no progress while work is queued
 is given up on (its streams fail, the worker stops serving and exits). Real spawned cores and pipes.
 
@@ -19,12 +19,12 @@ import time
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.core_client import EngineCoreClient
-from splitserve.engine.core_pipe import PipeWriter
-from splitserve.engine.request import FinishReason
-from splitserve.engine.step_loop import EngineDead
 from splitserve.protos.v1 import engine_core_pb2 as pb
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.core_client import EngineCoreClient
+from splitserve.services.engine.core_pipe import PipeWriter
+from splitserve.services.engine.request import FinishReason
+from splitserve.services.engine.step_loop import EngineDead
 
 NUM_REFUSED = 3000  # refused adds: their refusals alone are several times what the pipe holds
 NUM_LONG, LONG_TOKENS = 4, 120
@@ -203,8 +203,8 @@ def test_an_idle_core_still_says_it_is_alive(tiny_llama_dir):
     """With nothing to do, a core's load does not change; it still goes out every KEEPALIVE_S, so
     that a quiet core with work the serving process waits on (a decode worker's requests awaiting
     their KV) is never taken for a hung one. The core runs on a thread here, over a real pipe."""
-    from splitserve.engine.core_process import EngineCore
-    from splitserve.engine.step_loop import load_engine
+    from splitserve.services.engine.core_process import EngineCore
+    from splitserve.services.engine.step_loop import load_engine
 
     ours, theirs = multiprocessing.Pipe()
     core = EngineCore(load_engine(_config(tiny_llama_dir)), theirs)
@@ -229,7 +229,7 @@ def test_a_worker_whose_core_makes_no_progress_stops_serving_and_exits(tiny_llam
     from splitserve.common.serving import free_port
     from splitserve.protos.v1 import generation_pb2 as gpb
     from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
-    from splitserve.worker import server
+    from splitserve.services.worker import server
 
     statuses: list[int] = []
     real_set = health.aio.HealthServicer._set  # what set and enter_graceful_shutdown both call
@@ -299,7 +299,7 @@ def test_soak_a_worker_whose_serving_side_reads_slowly(tiny_llama_dir, monkeypat
     from splitserve.common.serving import free_port
     from splitserve.protos.v1 import generation_pb2 as gpb
     from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
-    from splitserve.worker import server
+    from splitserve.services.worker import server
 
     clients: list[EngineCoreClient] = []
     real_launch = EngineCoreClient.launch.__func__

@@ -1,4 +1,4 @@
-"""One OpenMP pool per worker process (engine/cpu_threads.py): transfer threads copy serially, and a
+"""One OpenMP pool per worker process (services/engine/cpu_threads.py): transfer threads copy serially, and a
 worker's model is loaded on a thread that ends, so the step thread's pool is the only one.
 
 A pool shows as OS threads of the process (/proc/self/task) that stay while the thread that started
@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from splitserve.disagg.transfer import chunks, torch_dist
-from splitserve.engine.cpu_threads import on_passing_thread, serial_torch_ops
+from splitserve.services.disagg.transfer import chunks, torch_dist
+from splitserve.services.engine.cpu_threads import on_passing_thread, serial_torch_ops
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc"),
@@ -65,7 +65,7 @@ def test_a_passing_thread_returns_its_result_or_raises_its_error():
 _COUNT = """
 import os, sys, threading, time
 import torch
-from splitserve.engine.cpu_threads import serial_torch_ops
+from splitserve.services.engine.cpu_threads import serial_torch_ops
 
 def count():
     return len(os.listdir("/proc/self/task"))
@@ -98,8 +98,8 @@ if case == "plain":
 elif case == "serial":
     print(left_by_a_live_thread(serial_torch_ops))
 else:
-    from splitserve.engine.config import CacheConfig, EngineConfig
-    from splitserve.engine.step_loop import load_engine
+    from splitserve.services.engine.config import CacheConfig, EngineConfig
+    from splitserve.services.engine.step_loop import load_engine
     before = count()
     load_engine(EngineConfig(model=case, dtype="float32", cache=CacheConfig(kv_cache_bytes=64 << 20)))
     print(settled(before))

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs (engine/cuda_graphs.py; issue 20). On CPU the recordings are
+"""Decode steps replayed from CUDA graphs (services/engine/cuda_graphs.py; issue 20). On CPU the recordings are
 EagerCapture's (each replay runs the recorded forward again), so the static buffers, the padding, the
 choice of size and the frozen metadata (the fixed split count) are what runs, on the Triton backend
 under the interpreter; the real torch.cuda.CUDAGraph capture runs only where CUDA is (make gpu-check)."""
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.cuda_graphs import EagerCapture, capture_sizes, graph_size
-from splitserve.engine.llm import LLM
-from splitserve.engine.model_runner import ModelRunner
-from splitserve.launch.cli import build_parser, engine_config_from_args
-from splitserve.model.attention import triton_backend
-from splitserve.model.attention.backend import AttentionMetadata
+from splitserve.services.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.cuda_graphs import EagerCapture, capture_sizes, graph_size
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.model_runner import ModelRunner
+from splitserve.services.launcher.cli import build_parser, engine_config_from_args
+from splitserve.services.model.attention import triton_backend
+from splitserve.services.model.attention.backend import AttentionMetadata
 
 pytestmark = pytest.mark.unit
 
@@ -159,12 +159,12 @@ def test_graph_metadata_is_frozen_for_the_longest_context(tiny_llama_dir, monkey
 
 def test_graphs_off_with_a_reason(tiny_llama_dir, caplog):
     llm = _llm(tiny_llama_dir, graphs=True, backend="torch")
-    with caplog.at_level(logging.WARNING, logger="splitserve.engine"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.services.engine"):
         assert llm.engine.runner.warm_up(capture=EagerCapture()).num_graphs == 0
     assert "torch attention backend cannot replay decodes" in caplog.text
     assert llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=2))[0].token_ids
     runner = _llm(tiny_llama_dir, graphs=True, backend="torch", device="cpu").engine.runner
-    with caplog.at_level(logging.WARNING, logger="splitserve.engine"):
+    with caplog.at_level(logging.WARNING, logger="splitserve.services.engine"):
         assert runner.warm_up().num_graphs == 0  # on CPU, no Capture given: nothing to gain
     assert "need a CUDA device, not cpu" in caplog.text
     tensor_parallel = SimpleNamespace(tp=SimpleNamespace(size=2), device=runner.device)

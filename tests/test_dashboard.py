@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
-from splitserve.disagg.transfer.base import TransferFailure
 from splitserve.gateway.server import GatewayMetrics
-from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+from splitserve.services.disagg.transfer.base import TransferFailure
+from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.model.attention.backend import AttentionMetadata
-from splitserve.model.attention.decode_mirror import padded_tokens, slot_ranges
-from splitserve.model.attention.torch_backend import TorchAttention
+from splitserve.services.model.attention.backend import AttentionMetadata
+from splitserve.services.model.attention.decode_mirror import padded_tokens, slot_ranges
+from splitserve.services.model.attention.torch_backend import TorchAttention
 
 pytestmark = pytest.mark.unit
 

@@ -20,8 +20,8 @@ import pytest
 import yaml  # PyYAML: installed with gguf, a core dependency
 from cryptography import x509
 
-from splitserve.launch.certs import SecureBundle, make_bundle
-from splitserve.launch.cli import build_parser
+from splitserve.services.launcher.certs import SecureBundle, make_bundle
+from splitserve.services.launcher.cli import build_parser
 
 pytestmark = pytest.mark.integration
 

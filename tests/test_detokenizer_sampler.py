@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.request import Request, RequestId
-from splitserve.engine.sampler import Sampler, _Plan
-from splitserve.engine.sampler import _penalised as penalised_batch
-from splitserve.engine.sampling_ops import apply_penalties_ref, filtered_probs_ref
+from splitserve.services.engine.detokenizer import IncrementalDetokenizer
+from splitserve.services.engine.request import Request, RequestId
+from splitserve.services.engine.sampler import Sampler, _Plan
+from splitserve.services.engine.sampler import _penalised as penalised_batch
+from splitserve.services.engine.sampling_ops import apply_penalties_ref, filtered_probs_ref
 
 pytestmark = pytest.mark.unit
 
@@ -26,7 +26,7 @@ MULTI_BYTE_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from splitserve.model.loader import open_model
+    from splitserve.services.model.loader import open_model
 
     return open_model(None).tokenizer
 
@@ -391,7 +391,7 @@ def test_logprobs_zero_gives_only_the_sampled_token():
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():
-    from splitserve.engine.sampler import _filtered_probs
+    from splitserve.services.engine.sampler import _filtered_probs
 
     logits = torch.log(torch.tensor([[0.5, 0.25, 0.25]]))
     assert filtered_probs_ref(logits[0], None, 0.5, 0.0).tolist() == [0.5, 0.0, 0.0]

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine import model_runner, step_loop
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.launch import cli, launcher, supervisor
-from splitserve.launch.launcher import Child, child_device, spawn_worker, start_cluster
-from splitserve.launch.supervisor import Supervisor
+from splitserve.services.engine import model_runner, step_loop
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.launcher import cli, launcher, supervisor
+from splitserve.services.launcher.launcher import Child, child_device, spawn_worker, start_cluster
+from splitserve.services.launcher.supervisor import Supervisor
 
 pytestmark = pytest.mark.unit
 
@@ -86,7 +86,7 @@ def test_child_device_gives_a_tensor_parallel_worker_its_gpus():
 def test_pick_devices_puts_the_ranks_of_a_worker_on_distinct_devices():
     from collections import Counter
 
-    from splitserve.launch.launcher import pick_devices
+    from splitserve.services.launcher.launcher import pick_devices
 
     gpus, used = [f"cuda:{i}" for i in range(4)], Counter()
     # 1 prefill worker of 2 ranks, then 2 decode workers of 1: every GPU used once.
@@ -221,7 +221,7 @@ def test_an_engine_core_s_handoff_thread_is_bound_to_the_engine_s_device(monkeyp
     """A prefill or decode worker's core runs its KV handoffs on a thread of its own (pinned staging,
     side streams, NCCL groups): bound to the engine's device, or on a multi-GPU host every core would
     also make a CUDA context on device 0."""
-    from splitserve.disagg import core_handoffs
+    from splitserve.services.disagg import core_handoffs
 
     bound = []
     monkeypatch.setattr(core_handoffs, "bind_thread", lambda device: bound.append((threading.current_thread(), device)))
@@ -243,7 +243,7 @@ def test_kv_transfer_threads_are_bound_to_the_worker_s_device(monkeypatch):
     staging, side streams, NCCL communicators are made there): each job runs bound to the device the
     worker's KV is on, or on a multi-GPU host it would make a CUDA context on device 0. A real gloo
     transfer of host tensors here (the device is only named)."""
-    from splitserve.disagg.transfer import torch_dist
+    from splitserve.services.disagg.transfer import torch_dist
 
     bound: list[tuple[str, torch.device]] = []
 

@@ -23,12 +23,12 @@ from cluster_helpers import (
 )
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.llm import LLM
-from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
-from splitserve.worker.server import SEND_DELAY_ENV
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
+from splitserve.services.worker.server import SEND_DELAY_ENV
 
 pytestmark = pytest.mark.integration
 

@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.llm import LLM
-from splitserve.engine.request import FinishReason
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.request import FinishReason
 
 pytestmark = pytest.mark.unit
 

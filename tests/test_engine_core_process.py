@@ -1,4 +1,4 @@
-"""The engine core in its own process (engine/core_process.py) behind EngineCoreClient: the same
+"""The engine core in its own process (services/engine/core_process.py) behind EngineCoreClient: the same
 outputs as the engine in process, refusals that leave it serving, aborts that free blocks, and a
 dead core that fails every stream instead of hanging it. Real spawned processes and pipes."""
 
@@ -17,10 +17,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.core_client import EngineCoreClient
-from splitserve.engine.core_wire import (
+from splitserve.protos.v1 import engine_core_pb2 as pb
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.core_client import EngineCoreClient
+from splitserve.services.engine.core_wire import (
     finishes_from_proto,
     load_from_proto,
     load_to_proto,
@@ -29,15 +30,14 @@ from splitserve.engine.core_wire import (
     params_to_proto,
     step_tokens_to_proto,
 )
-from splitserve.engine.handoff_port import engine_load
-from splitserve.engine.llm import LLM
-from splitserve.engine.outputs import Finish, RequestOutput, StepTokens
-from splitserve.engine.request import FinishReason
-from splitserve.engine.sampler import TokenLogprobs
-from splitserve.engine.step_loop import EngineDead
-from splitserve.engine.step_stats import StepKind
-from splitserve.protos.v1 import engine_core_pb2 as pb
-from splitserve.worker.server import WorkerConfig
+from splitserve.services.engine.handoff_port import engine_load
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.outputs import Finish, RequestOutput, StepTokens
+from splitserve.services.engine.request import FinishReason
+from splitserve.services.engine.sampler import TokenLogprobs
+from splitserve.services.engine.step_loop import EngineDead
+from splitserve.services.engine.step_stats import StepKind
+from splitserve.services.worker.server import WorkerConfig
 
 
 def _config(model_dir) -> EngineConfig:
@@ -333,8 +333,8 @@ def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_a
     import multiprocessing
     import threading
 
-    from splitserve.engine.core_process import EngineCore
-    from splitserve.engine.step_loop import load_engine
+    from splitserve.services.engine.core_process import EngineCore
+    from splitserve.services.engine.step_loop import load_engine
 
     ours, theirs = multiprocessing.Pipe()
     core = EngineCore(load_engine(_config(tiny_llama_dir)), theirs)
@@ -361,8 +361,8 @@ def test_a_handoffs_stages_when_its_landing_is_stamped_after_its_first_decode_st
     still add up, the landing counted as done by the schedule."""
     from types import SimpleNamespace
 
-    from splitserve.engine.core_client import _Record
-    from splitserve.engine.outputs import StageClock
+    from splitserve.services.engine.core_client import _Record
+    from splitserve.services.engine.outputs import StageClock
 
     clock = StageClock(1.0, 20.0, first_token_at=100.0)
     clock.landed_at = 100.060
@@ -387,7 +387,7 @@ def test_an_orphaned_core_exits_at_once_even_with_a_transfer_thread_stuck(tiny_l
     peer. The core exits once it has stopped, whatever its threads do."""
     import multiprocessing
 
-    from splitserve.engine.core_process import run_engine_core
+    from splitserve.services.engine.core_process import run_engine_core
 
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()

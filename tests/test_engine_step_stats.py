@@ -1,4 +1,4 @@
-"""The engine's per-step counters (engine/step_stats.py): known answers for a hand-built step, and the
+"""The engine's per-step counters (services/engine/step_stats.py): known answers for a hand-built step, and the
 totals of a tiny engine's steps (chunked prefill, a mixed step, decodes)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.step_stats import STEP_SECONDS_BUCKETS, StepKind, StepStats, StepTotals
-from splitserve.planner.profile import decode_features, prefill_features
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.step_stats import STEP_SECONDS_BUCKETS, StepKind, StepStats, StepTotals
+from splitserve.services.planner.profile import decode_features, prefill_features
 
 pytestmark = pytest.mark.unit
 

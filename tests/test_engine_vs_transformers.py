@@ -9,9 +9,9 @@ import torch
 from conftest import VOCAB_SIZE
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.llm import LLM
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.llm import LLM
 
 pytestmark = pytest.mark.unit
 

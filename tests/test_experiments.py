@@ -9,8 +9,8 @@ import pytest
 from cluster_helpers import engine_argv
 
 from splitserve.experiments.experiment import load_config, run_experiment
-from splitserve.launch.cli import main
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.cli import main
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from test_gateway_limits import VOCAB_SIZE, write_chat_model
 
-from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

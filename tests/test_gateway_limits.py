@@ -21,8 +21,8 @@ from cluster_helpers import collect, engine_argv, greedy_request, stub, tokens
 
 from splitserve.common.tokenizer import TooManyTokens, load_tokenizer
 from splitserve.gateway.validation import RequestLimits
-from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 VOCAB_SIZE = 320  # conftest's tiny models
 # Roles the template knows; "tool" hits raise_exception, "ghost" an undefined attribute (UndefinedError).

@@ -14,21 +14,21 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.disagg.decode import DecodeHandoff, PrefillClient
-from splitserve.disagg.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, SendStarted
-from splitserve.disagg.prefill import prefill_and_send
-from splitserve.disagg.rank_transfers import RankReceivers
-from splitserve.disagg.transfer.base import ChannelSpec, KVSender, Moved
-from splitserve.disagg.transfer.checksum import checksum
-from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
-from splitserve.engine.async_engine import AsyncEngine, RequestFailed
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.handoff_port import HandoffPort
-from splitserve.engine.llm import LLM
-from splitserve.engine.request import Request
-from splitserve.worker.handoffs import HandoffsInProcess
-from splitserve.worker.server import _moving_kv
+from splitserve.services.disagg.decode import DecodeHandoff, PrefillClient
+from splitserve.services.disagg.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, SendStarted
+from splitserve.services.disagg.prefill import prefill_and_send
+from splitserve.services.disagg.rank_transfers import RankReceivers
+from splitserve.services.disagg.transfer.base import ChannelSpec, KVSender, Moved
+from splitserve.services.disagg.transfer.checksum import checksum
+from splitserve.services.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
+from splitserve.services.engine.async_engine import AsyncEngine, RequestFailed
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.handoff_port import HandoffPort
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.request import Request
+from splitserve.services.worker.handoffs import HandoffsInProcess
+from splitserve.services.worker.server import _moving_kv
 
 pytestmark = pytest.mark.unit
 

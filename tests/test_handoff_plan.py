@@ -1,6 +1,6 @@
-"""The plan of a KV handoff between tensor-parallel tiers (disagg/plan.py) for every pair of sizes in
+"""The plan of a KV handoff between tensor-parallel tiers (services/disagg/plan.py) for every pair of sizes in
 {1, 2, 4} and 1, 2, 4 or 8 KV heads; and the wire of the follower ranks' transfer orders
-(disagg/rank_transfers.py)."""
+(services/disagg/rank_transfers.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from splitserve.disagg.plan import Piece, check_fits, handoff_plan, heads_of
-from splitserve.disagg.rank_transfers import (
+from splitserve.services.disagg.plan import Piece, check_fits, handoff_plan, heads_of
+from splitserve.services.disagg.rank_transfers import (
     PieceReport,
     _ask,
     _result,
@@ -22,8 +22,8 @@ from splitserve.disagg.rank_transfers import (
     report_from_wire,
     report_to_wire,
 )
-from splitserve.disagg.transfer.base import Backend, ChannelSpec, TransferError, TransferFailure
-from splitserve.engine.ranks import Message, Op, RanksLost, Status, bytes_array, decode, encode
+from splitserve.services.disagg.transfer.base import Backend, ChannelSpec, TransferError, TransferFailure
+from splitserve.services.engine.ranks import Message, Op, RanksLost, Status, bytes_array, decode, encode
 
 pytestmark = pytest.mark.unit
 

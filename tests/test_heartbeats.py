@@ -1,5 +1,5 @@
 """A worker's prefix-index heartbeats keep coming while its engine is stuck in a long step
-(worker/kv_events.py), so the index never purges a live worker; the purge metric tells the two
+(services/worker/kv_events.py), so the index never purges a live worker; the purge metric tells the two
 kinds of purge apart (gateway/prefix.py)."""
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ import time
 import grpc
 import pytest
 
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.handoff_port import HandoffPort
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.prefix import PrefixIndex
 from splitserve.gateway.server import RegistryServicer
 from splitserve.gateway.workers import WorkerSet
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.worker.kv_events import KVEventPublisher
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.handoff_port import HandoffPort
+from splitserve.services.worker.kv_events import KVEventPublisher
 
 pytestmark = pytest.mark.integration
 

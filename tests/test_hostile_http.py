@@ -20,7 +20,7 @@ import pytest
 from cluster_helpers import engine_argv
 from test_gateway_limits import write_chat_model
 
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

@@ -31,7 +31,7 @@ def gateway(tiny_llama_dir):
     grpc_port, metrics_port, http_port = (free_port() for _ in range(3))
     argv = ["gateway", "--model", str(tiny_llama_dir), "--port", str(grpc_port)]
     argv += ["--metrics-port", str(metrics_port), "--http-port", str(http_port)]
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.launch.cli", *argv])
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.services.launcher.cli", *argv])
     try:
         _wait_up(f"http://127.0.0.1:{http_port}/health", proc)
         yield proc, http_port, metrics_port

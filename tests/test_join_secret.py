@@ -17,12 +17,12 @@ import pytest
 
 from splitserve.common.serving import free_port
 from splitserve.gateway.workers import WorkerSet
-from splitserve.launch.access import InsecureSecrets, UpAccess, prepare_access
-from splitserve.launch.launcher import wait_healthy
-from splitserve.launch.supervisor import Supervisor, serve_launcher
 from splitserve.protos.v1 import launcher_pb2 as lpb
 from splitserve.protos.v1 import launcher_pb2_grpc as lpb_grpc
 from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.services.launcher.access import InsecureSecrets, UpAccess, prepare_access
+from splitserve.services.launcher.launcher import wait_healthy
+from splitserve.services.launcher.supervisor import Supervisor, serve_launcher
 
 sys.path.insert(0, str(Path(__file__).parent))
 from squatter import Squatter  # noqa: E402

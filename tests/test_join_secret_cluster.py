@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from cluster_helpers import engine_argv
 
-from splitserve.launch.access import prepare_access
-from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.services.launcher.access import prepare_access
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
 from squatter import Squatter  # noqa: E402

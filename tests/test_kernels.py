@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on CPU, tests/conftes
 if DEVICE == "cpu" and not _common.INTERPRETED:
     raise RuntimeError("Triton kernel tests on CPU need TRITON_INTERPRET=1 set before triton is imported")
 
-from splitserve.model.arch import ModelArchConfig, RopeScaling, rope_inv_freq  # noqa: E402
+from splitserve.services.model.arch import ModelArchConfig, RopeScaling, rope_inv_freq  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Kernels and references both compute in float32; the outputs differ by rounding of the result (and
@@ -86,7 +86,7 @@ def test_store_kv(dtype, block_size):
 def test_store_kv_skips_padding_slots():
     """PAD_SLOT_ID rows (a CUDA-graph decode step's padding) store nothing, wherever they sit."""
     from splitserve.kernels.store_kv import PAD_SLOT_ID
-    from splitserve.model.attention.backend import PAD_SLOT_ID as MODEL_PAD_SLOT_ID
+    from splitserve.services.model.attention.backend import PAD_SLOT_ID as MODEL_PAD_SLOT_ID
 
     assert PAD_SLOT_ID == MODEL_PAD_SLOT_ID
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def test_rotary_embedding(dtype, interleaved, head_dim):
 
 def test_rotary_neox_matches_the_model_table():
     """The half table from rope_cos_sin is the model's [max_len, head_dim] table cut in half."""
-    from splitserve.model.llama import apply_rotary
+    from splitserve.services.model.llama import apply_rotary
 
     cos, sin = _llama3_cos_sin(64, 100)
     positions = torch.tensor([3, 50, 99])

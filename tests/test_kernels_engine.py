@@ -12,9 +12,9 @@ import torch
 from conftest import VOCAB_SIZE
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.llm import LLM
-from splitserve.model.attention import default_backend_name, get_backend, triton_backend
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.model.attention import default_backend_name, get_backend, triton_backend
 
 pytestmark = [
     pytest.mark.unit,

@@ -1,4 +1,4 @@
-"""The KV transport workers use (disagg/transfer/isolated.py): torch_dist in a KV agent process per
+"""The KV transport workers use (services/disagg/transfer/isolated.py): torch_dist in a KV agent process per
 side, bytes through shared memory. The contract as in one process (bytes, checksums, drain, fill),
 and what one process could not give: its agent dying fails the transfers on it, never the worker, and
 the next channel works on a new agent at the same store address."""
@@ -12,10 +12,10 @@ import signal
 import pytest
 import torch
 
-from splitserve.disagg.transfer import chunks, isolated
-from splitserve.disagg.transfer.base import TransferError, TransferFailure
-from splitserve.disagg.transfer.checksum import checksum
-from splitserve.disagg.transfer.isolated import AgentReceiver, AgentSender
+from splitserve.services.disagg.transfer import chunks, isolated
+from splitserve.services.disagg.transfer.base import TransferError, TransferFailure
+from splitserve.services.disagg.transfer.checksum import checksum
+from splitserve.services.disagg.transfer.isolated import AgentReceiver, AgentSender
 
 pytestmark = pytest.mark.integration  # each side starts its agent process
 

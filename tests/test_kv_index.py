@@ -14,9 +14,9 @@ from redis_helpers import RedisServer
 
 from splitserve.common.block_hash import BlockHash, hash_block_tokens
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from splitserve.engine.kv_cache.block_pool import BlockPool, KVBlock
 from splitserve.gateway.kv_index import ApplyResult, EventBatch, IndexUnavailable, KVIndex, make_index
 from splitserve.gateway.kv_index.redis_index import RedisIndex
+from splitserve.services.engine.kv_cache.block_pool import BlockPool, KVBlock
 
 APPLIED, RESYNC = ApplyResult.APPLIED, ApplyResult.RESYNC
 BLOCK_SIZE = 4

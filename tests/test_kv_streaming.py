@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.handoff_port import held_reader
-from splitserve.engine.layer_progress import LayerProgress, StepFailed
-from splitserve.engine.ranks import Message, Op, _Follower, decode, encode, step_arrays_to_wire
-from splitserve.engine.step_inputs import StepArrays
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.handoff_port import held_reader
+from splitserve.services.engine.layer_progress import LayerProgress, StepFailed
+from splitserve.services.engine.ranks import Message, Op, _Follower, decode, encode, step_arrays_to_wire
+from splitserve.services.engine.step_inputs import StepArrays
 
 pytestmark = pytest.mark.unit
 

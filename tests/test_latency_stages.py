@@ -10,7 +10,7 @@ import pytest
 from cluster_helpers import collect, engine_argv, greedy_request, stub
 
 from splitserve.gateway.metrics import STAGES
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

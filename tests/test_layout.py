@@ -13,8 +13,8 @@ pytestmark = pytest.mark.unit
 def test_gateway_and_kv_bookkeeping_do_not_import_torch():
     code = (
         "import sys, splitserve.gateway, splitserve.common.block_hash, "
-        "splitserve.engine.kv_cache.manager, splitserve.engine.request, "
-        "splitserve.engine.scheduler, splitserve.gateway.server; "
+        "splitserve.services.engine.kv_cache.manager, splitserve.services.engine.request, "
+        "splitserve.services.engine.scheduler, splitserve.gateway.server; "
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -22,32 +22,53 @@ def test_gateway_and_kv_bookkeeping_do_not_import_torch():
 
 
 def test_the_planner_does_not_import_torch():
-    """It runs beside the gateway; only `splitserve profile` (planner/profiler.py) loads torch."""
+    """It runs beside the gateway; only `splitserve profile` (services/planner/profiler.py) loads torch."""
     code = (
-        "import sys, splitserve.planner.cli, splitserve.planner.loop, splitserve.planner.reader, "
-        "splitserve.planner.simulator, splitserve.planner.metrics; print('torch' in sys.modules)"
+        "import sys, splitserve.services.planner.cli, splitserve.services.planner.loop, "
+        "splitserve.services.planner.reader, splitserve.services.planner.simulator, "
+        "splitserve.services.planner.metrics; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
-def test_subpackages_live_under_one_root():
+def test_folder_path_is_import_path():
+    """The repository's root is the splitserve package: services/engine/scheduler.py is
+    splitserve.services.engine.scheduler, and the top level is the design card's."""
     import importlib
+    from pathlib import Path
 
+    import splitserve
+
+    root = Path(splitserve.__file__).parent
     for name in (
         "common",
-        "engine",
-        "model",
-        "disagg",
-        "worker",
-        "launch",
         "gateway",
-        "experiments",
-        "planner",
         "kernels",
         "protos",
+        "experiments",
+        "services.engine",
+        "services.model",
+        "services.disagg",
+        "services.worker",
+        "services.planner",
+        "services.launcher",
     ):
-        assert importlib.import_module(f"splitserve.{name}").__name__ == f"splitserve.{name}"
+        module = importlib.import_module(f"splitserve.{name}")
+        assert Path(module.__file__).parent == root.joinpath(*name.split(".")), name
+    for folder in ("protos", "services", "kernels", "gateway", "deploy", "tests"):
+        assert (root / folder).is_dir(), folder
+
+
+def test_the_public_api_loads_lazily_and_without_torch_until_used():
+    code = (
+        "import sys, splitserve; assert 'torch' not in sys.modules; "
+        "from splitserve import SamplingParams; assert 'torch' not in sys.modules; "
+        "from splitserve import LLM, EngineConfig; "
+        "from splitserve.services.engine.llm import LLM as L; assert LLM is L; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
 
 
 def test_the_gateway_imports_only_the_common_layer_and_protos():
@@ -89,16 +110,16 @@ def test_protos_follow_the_house_rules():
 
 
 def test_disagg_and_worker_reach_the_engine_only_through_its_interfaces():
-    """disagg/ and worker/ use AsyncEngine (streams), HandoffPort (everything else of a handoff) and
+    """services/disagg/ and services/worker/ use AsyncEngine (streams), HandoffPort (everything else of a handoff) and
     plain data types; never the engine's scheduler, block pool, runner or leases."""
     import re
     from pathlib import Path
 
-    import splitserve.disagg
-    import splitserve.worker
+    import splitserve.services.disagg
+    import splitserve.services.worker
 
     inside = re.compile(r"\.engine\.engine\b|\.(runner|scheduler|kv|leases|sampler|runtime|_tracked)\.")
-    for package in (splitserve.disagg, splitserve.worker):
+    for package in (splitserve.services.disagg, splitserve.services.worker):
         for path in Path(package.__file__).parent.rglob("*.py"):
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 code = line.split("#", 1)[0]

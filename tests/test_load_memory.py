@@ -15,9 +15,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from splitserve.model.arch import ModelArchConfig
-from splitserve.model.attention.torch_backend import TorchAttention
-from splitserve.model.loader import ModelSource, build_model
+from splitserve.services.model.arch import ModelArchConfig
+from splitserve.services.model.attention.torch_backend import TorchAttention
+from splitserve.services.model.loader import ModelSource, build_model
 
 pytestmark = pytest.mark.unit
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from splitserve.common.model_files import ModelLoadError
-from splitserve.model.gguf_loader import _unpermute
-from splitserve.model.loader import open_model
+from splitserve.services.model.gguf_loader import _unpermute
+from splitserve.services.model.loader import open_model
 
 pytestmark = pytest.mark.unit
 
@@ -49,8 +49,8 @@ def test_missing_weights(tiny_llama_dir, tmp_path):
 
 
 def test_shape_mismatch_names_the_tensor(tiny_llama_dir, tmp_path):
-    from splitserve.engine.config import EngineConfig
-    from splitserve.engine.engine import Engine
+    from splitserve.services.engine.config import EngineConfig
+    from splitserve.services.engine.engine import Engine
 
     folder = _copy(tiny_llama_dir, tmp_path)
     cfg = json.loads((folder / "config.json").read_text())

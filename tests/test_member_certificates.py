@@ -16,12 +16,12 @@ import pytest
 from splitserve.common.security import AccessGuard, ClusterSecurity, TlsIdentity
 from splitserve.common.serving import free_port
 from splitserve.gateway.server import GatewaySecurity
-from splitserve.launch.certs import SecureBundle, make_bundle
-from splitserve.launch.supervisor import Supervisor, serve_launcher
 from splitserve.protos.v1 import launcher_pb2 as lpb
 from splitserve.protos.v1 import launcher_pb2_grpc as lpb_grpc
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.services.launcher.certs import SecureBundle, make_bundle
+from splitserve.services.launcher.supervisor import Supervisor, serve_launcher
 
 pytestmark = pytest.mark.unit
 

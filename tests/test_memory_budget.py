@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.memory import MemorySnapshot, profile_memory
-from splitserve.engine.model_runner import _profile_seq_lens, kv_block_bytes
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.memory import MemorySnapshot, profile_memory
+from splitserve.services.engine.model_runner import _profile_seq_lens, kv_block_bytes
 
 pytestmark = pytest.mark.unit
 
@@ -143,7 +143,7 @@ def test_model_runner_sizes_blocks_from_the_profile_and_logs_them(runner, monkey
     )
     before = MemorySnapshot.take(DEVICE)
     gpu.alloc(2 * GIB)  # the weights
-    with caplog.at_level(logging.INFO, logger="splitserve.engine"):
+    with caplog.at_level(logging.INFO, logger="splitserve.services.engine"):
         num_blocks = runner._num_kv_blocks(config, 256, before)
     assert profiled == [(512, 16, 256)]
     assert num_blocks == (4 * GIB - 2 * GIB - GIB) // kv_block_bytes(runner.arch, 8, runner.dtype)

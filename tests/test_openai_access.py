@@ -38,7 +38,7 @@ def gateway(bundle, tiny_llama_dir):
     argv = ["gateway", "--model", str(tiny_llama_dir), "--port", str(ports[0]), "--metrics-port", str(ports[1])]
     argv += ["--http-port", str(ports[2]), "--tls-cert", str(bundle.gateway_cert), "--tls-key", str(bundle.gateway_key)]
     argv += ["--tls-client-ca", str(bundle.ca_cert), "--api-key-file", str(bundle.api_keys.parent / "test-keys")]
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.launch.cli", *argv])
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.services.launcher.cli", *argv])
     base = f"https://localhost:{ports[2]}"
     try:
         _wait_up(base, bundle, proc)

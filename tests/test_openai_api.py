@@ -16,9 +16,9 @@ import pytest
 from cluster_helpers import engine_argv, greedy_request, metric, stub, wait_all_free
 from test_gateway_limits import write_chat_model
 
-from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

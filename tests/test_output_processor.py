@@ -1,4 +1,4 @@
-"""Output processing off the step loop (engine/output_processor.py): stop strings still end their
+"""Output processing off the step loop (services/engine/output_processor.py): stop strings still end their
 request within one step, streamed text stays equal to the final text, and cancellation drops a
 request's outputs and frees its blocks, whether outputs are processed inline or on the output thread.
 """
@@ -12,12 +12,12 @@ import time
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.async_engine import AsyncEngine
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.engine import Engine, RequestOutput
-from splitserve.engine.output_processor import OutputProcessor
-from splitserve.engine.outputs import StepTokens
-from splitserve.engine.request import FinishReason, Request, RequestId, RequestStatus
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.engine import Engine, RequestOutput
+from splitserve.services.engine.output_processor import OutputProcessor
+from splitserve.services.engine.outputs import StepTokens
+from splitserve.services.engine.request import FinishReason, Request, RequestId, RequestStatus
 
 pytestmark = pytest.mark.unit
 

@@ -24,13 +24,13 @@ from cluster_helpers import drained_empty, greedy_request, metric, stub
 
 from splitserve.common.roles import Role
 from splitserve.common.security import OPEN_CLUSTER
-from splitserve.launch.launcher import start_cluster, stop_cluster
-from splitserve.launch.supervisor import Supervisor, serve_launcher
-from splitserve.planner.capacity import SloTargets
-from splitserve.planner.loop import LauncherScaler, PlannerLoop
-from splitserve.planner.metrics import PlannerMetrics
-from splitserve.planner.policy import Bounds, Mode, PlannerConfig, TierBounds, make_policy
-from splitserve.planner.reader import ClusterScraper
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.supervisor import Supervisor, serve_launcher
+from splitserve.services.planner.capacity import SloTargets
+from splitserve.services.planner.loop import LauncherScaler, PlannerLoop
+from splitserve.services.planner.metrics import PlannerMetrics
+from splitserve.services.planner.policy import Bounds, Mode, PlannerConfig, TierBounds, make_policy
+from splitserve.services.planner.reader import ClusterScraper
 
 pytestmark = pytest.mark.integration
 

@@ -16,15 +16,15 @@ from prometheus_client import generate_latest
 from splitserve.common.roles import Role
 from splitserve.common.security import OPEN_CLUSTER
 from splitserve.gateway.metrics import GatewayMetrics
-from splitserve.planner.capacity import SloTargets
-from splitserve.planner.cli import add_planner_args, add_profile_args, planner_config_from_args
-from splitserve.planner.loop import LauncherScaler, PlannerLoop
-from splitserve.planner.metrics import PlannerMetrics
-from splitserve.planner.policy import Bounds, Mode, PlannerConfig, TierBounds, make_policy
-from splitserve.planner.reader import Samples, Scrape, WorkerScrape
 from splitserve.protos.v1 import launcher_pb2 as pb
 from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
-from splitserve.worker.metrics import EngineSnapshot, WorkerMetrics
+from splitserve.services.planner.capacity import SloTargets
+from splitserve.services.planner.cli import add_planner_args, add_profile_args, planner_config_from_args
+from splitserve.services.planner.loop import LauncherScaler, PlannerLoop
+from splitserve.services.planner.metrics import PlannerMetrics
+from splitserve.services.planner.policy import Bounds, Mode, PlannerConfig, TierBounds, make_policy
+from splitserve.services.planner.reader import Samples, Scrape, WorkerScrape
+from splitserve.services.worker.metrics import EngineSnapshot, WorkerMetrics
 
 pytestmark = pytest.mark.unit
 

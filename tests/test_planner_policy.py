@@ -8,7 +8,7 @@ import math
 import pytest
 
 from splitserve.common.roles import Role
-from splitserve.planner.capacity import (
+from splitserve.services.planner.capacity import (
     Sizing,
     SloTargets,
     decode_batch,
@@ -17,8 +17,8 @@ from splitserve.planner.capacity import (
     unified_need,
     wait_p90_s,
 )
-from splitserve.planner.forecast import Holt, Load, LoadForecaster
-from splitserve.planner.policy import (
+from splitserve.services.planner.forecast import Holt, Load, LoadForecaster
+from splitserve.services.planner.policy import (
     Bounds,
     Mode,
     Observation,
@@ -27,7 +27,7 @@ from splitserve.planner.policy import (
     TierBounds,
     make_policy,
 )
-from splitserve.planner.profile import LinearModel, Profile, WorkerLimits
+from splitserve.services.planner.profile import LinearModel, Profile, WorkerLimits
 
 pytestmark = pytest.mark.unit
 

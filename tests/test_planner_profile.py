@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from splitserve.planner.profile import (
+from splitserve.services.planner.profile import (
     LinearModel,
     OnlineFit,
     Point,
@@ -103,9 +103,9 @@ def test_refined_profile_keeps_the_limits():
 
 
 def test_measure_profile_on_the_tiny_model(tiny_llama_dir, tmp_path):
-    from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-    from splitserve.engine.engine import Engine
-    from splitserve.planner.profiler import ProfileGrid, measure_profile
+    from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+    from splitserve.services.engine.engine import Engine
+    from splitserve.services.planner.profiler import ProfileGrid, measure_profile
 
     config = EngineConfig(
         model=str(tiny_llama_dir),

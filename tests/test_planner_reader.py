@@ -12,13 +12,13 @@ import pytest
 from prometheus_client import generate_latest
 
 from splitserve.common.roles import Role
-from splitserve.engine.step_stats import StepStats
 from splitserve.gateway.metrics import GatewayMetrics
-from splitserve.planner.metrics import PlannerMetrics
-from splitserve.planner.policy import Decision, Mode, Observation, Reason, TierDecision
-from splitserve.planner.profile import LinearModel, OnlineFit, decode_features, prefill_features
-from splitserve.planner.reader import Samples, Scrape, WorkerScrape, histogram_quantile, observe
-from splitserve.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+from splitserve.services.engine.step_stats import StepStats
+from splitserve.services.planner.metrics import PlannerMetrics
+from splitserve.services.planner.policy import Decision, Mode, Observation, Reason, TierDecision
+from splitserve.services.planner.profile import LinearModel, OnlineFit, decode_features, prefill_features
+from splitserve.services.planner.reader import Samples, Scrape, WorkerScrape, histogram_quantile, observe
+from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 
 from splitserve.common.roles import Role
-from splitserve.planner.capacity import SloTargets
-from splitserve.planner.policy import Bounds, Decision, Mode, PlannerConfig, TierBounds, make_policy
-from splitserve.planner.profile import LinearModel, Profile, WorkerLimits
-from splitserve.planner.simulator import (
+from splitserve.services.planner.capacity import SloTargets
+from splitserve.services.planner.policy import Bounds, Decision, Mode, PlannerConfig, TierBounds, make_policy
+from splitserve.services.planner.profile import LinearModel, Profile, WorkerLimits
+from splitserve.services.planner.simulator import (
     SimCluster,
     SimConfig,
     WorkerState,

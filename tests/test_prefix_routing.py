@@ -9,7 +9,7 @@ import time
 import pytest
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
 
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

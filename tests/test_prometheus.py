@@ -20,7 +20,7 @@ import pytest
 from cluster_helpers import engine_argv, greedy_request, stub, tokens
 
 from splitserve.common.serving import free_port
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

@@ -14,12 +14,12 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
-from splitserve.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.engine import Engine
-from splitserve.engine.llm import LLM
-from splitserve.engine.request import Request
+from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.detokenizer import IncrementalDetokenizer
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.request import Request
 
 pytestmark = pytest.mark.unit
 

@@ -14,14 +14,14 @@ import pytest
 from cluster_helpers import engine_argv, greedy_request, load, stub, tokens, wait_all_free
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.llm import LLM
-from splitserve.launch.launcher import free_port, start_cluster, stop_cluster, wait_healthy, wait_ready
-from splitserve.launch.supervisor import Supervisor
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
-from splitserve.worker.server import SEND_DELAY_ENV
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.launcher.launcher import free_port, start_cluster, stop_cluster, wait_healthy, wait_ready
+from splitserve.services.launcher.supervisor import Supervisor
+from splitserve.services.worker.server import SEND_DELAY_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ def test_out_of_vocab_stop_id_is_refused_and_the_worker_lives_on(slow_1p1d, tiny
 
 _POISONED_WORKER = """
 import sys
-from splitserve.engine import scheduler
+from splitserve.services.engine import scheduler
 real = scheduler.Scheduler.schedule
 def schedule(self):
     out = real(self)
@@ -100,7 +100,7 @@ def schedule(self):
         raise AssertionError("injected scheduler fault")
     return out
 scheduler.Scheduler.schedule = schedule
-from splitserve.launch.cli import main
+from splitserve.services.launcher.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

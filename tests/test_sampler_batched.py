@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.request import Request, RequestId
-from splitserve.engine.sampler import Sampler, _blocked_token_ids, _filtered_probs, _penalised, _Plan
-from splitserve.engine.sampling_ops import (
+from splitserve.services.engine.request import Request, RequestId
+from splitserve.services.engine.sampler import Sampler, _blocked_token_ids, _filtered_probs, _penalised, _Plan
+from splitserve.services.engine.sampling_ops import (
     RefGenerators,
     apply_penalties_ref,
     apply_top_p_min_p,

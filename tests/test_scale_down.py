@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.launch import supervisor as supervisor_module
-from splitserve.launch.launcher import Child
-from splitserve.launch.supervisor import EXIT_GRACE_S, Supervisor, drain_order
 from splitserve.protos.v1 import worker_pb2 as wpb
-from splitserve.worker import server
-from splitserve.worker.server import WorkerConfig
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.launcher import supervisor as supervisor_module
+from splitserve.services.launcher.launcher import Child
+from splitserve.services.launcher.supervisor import EXIT_GRACE_S, Supervisor, drain_order
+from splitserve.services.worker import server
+from splitserve.services.worker.server import WorkerConfig
 
 pytestmark = pytest.mark.unit
 

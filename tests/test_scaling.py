@@ -14,10 +14,10 @@ import pytest
 from cluster_helpers import drained_empty, engine_argv, greedy_request, metric, stub, tokens
 
 from splitserve.common.serving import free_port
-from splitserve.launch.launcher import start_cluster, stop_cluster, wait_healthy
-from splitserve.launch.supervisor import Supervisor
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster, wait_healthy
+from splitserve.services.launcher.supervisor import Supervisor
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
         [
             sys.executable,
             "-m",
-            "splitserve.launch.cli",
+            "splitserve.services.launcher.cli",
             "up",
             "--workers",
             "1",
@@ -109,7 +109,7 @@ def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    cli = [sys.executable, "-m", "splitserve.launch.cli"]
+    cli = [sys.executable, "-m", "splitserve.services.launcher.cli"]
     try:
         wait_healthy(f"127.0.0.1:{port}", 120, up)
         member = ["--join-secret-file", str(tmp_path / "join-secret")]  # `up` made it: 0600
@@ -166,7 +166,7 @@ def test_up_scale_and_workers_commands(tiny_llama_dir, tmp_path):
 def test_workers_are_spread_over_devices(tiny_llama_dir):
     from collections import Counter
 
-    from splitserve.launch.launcher import parse_devices, pick_devices
+    from splitserve.services.launcher.launcher import parse_devices, pick_devices
 
     assert parse_devices("cuda:0, cuda:1") == ["cuda:0", "cuda:1"] and parse_devices(None) is None
     used: Counter[str] = Counter()

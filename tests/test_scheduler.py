@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import RuntimeInfo, SchedulerConfig
-from splitserve.engine.kv_cache.manager import KVCacheManager
-from splitserve.engine.request import FinishReason, Request, RequestId, RequestStatus
-from splitserve.engine.scheduler import Scheduler, SchedulerOutput
+from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
+from splitserve.services.engine.kv_cache.manager import KVCacheManager
+from splitserve.services.engine.request import FinishReason, Request, RequestId, RequestStatus
+from splitserve.services.engine.scheduler import Scheduler, SchedulerOutput
 
 pytestmark = pytest.mark.unit
 
@@ -420,10 +420,10 @@ def test_preempted_request_keeps_its_first_num_cached_tokens():
 
 def test_abort_between_schedule_and_update_is_harmless():
     from splitserve.common.sampling_params import SamplingParams
-    from splitserve.engine.config import RuntimeInfo, SchedulerConfig
-    from splitserve.engine.kv_cache.manager import KVCacheManager
-    from splitserve.engine.request import Request, RequestStatus
-    from splitserve.engine.scheduler import Scheduler
+    from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
+    from splitserve.services.engine.kv_cache.manager import KVCacheManager
+    from splitserve.services.engine.request import Request, RequestStatus
+    from splitserve.services.engine.scheduler import Scheduler
 
     kv = KVCacheManager(8, 4)
     sched = Scheduler(SchedulerConfig(), RuntimeInfo(8, 4, 64, frozenset()), kv)

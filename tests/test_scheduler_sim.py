@@ -20,10 +20,10 @@ import pytest
 from test_scheduler import check_output
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import RuntimeInfo, SchedulerConfig
-from splitserve.engine.kv_cache.manager import KVCacheManager
-from splitserve.engine.request import Request, RequestId, RequestStatus
-from splitserve.engine.scheduler import Scheduler
+from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
+from splitserve.services.engine.kv_cache.manager import KVCacheManager
+from splitserve.services.engine.request import Request, RequestId, RequestStatus
+from splitserve.services.engine.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 

@@ -17,11 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.security import JOIN_SECRET_HEADER, ClusterSecurity, GatewayCredentials
 from splitserve.gateway.auth import RETRY_AFTER_KEY
-from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -163,7 +163,7 @@ def test_worker_without_the_secret_is_refused_and_exits(secure, bundle, tiny_lla
     argv = [
         sys.executable,
         "-m",
-        "splitserve.launch.cli",
+        "splitserve.services.launcher.cli",
         "worker",
         "--gateway",
         secure[0].registry,

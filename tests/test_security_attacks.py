@@ -2,7 +2,7 @@
 attackers run as user nobody where the machine allows it (tests/as_user.py, tests/kv_attacks.py).
 A test marked xfail(strict=True) is an attack that still succeeds (NOT HELD in `make security-check`);
 it fails loudly once someone fixes it, so the mark comes off with the fix. Workers run gloo and the
-store in a KV agent process (disagg/transfer/isolated.py): the attacks that kill gloo or fill the
+store in a KV agent process (services/disagg/transfer/isolated.py): the attacks that kill gloo or fill the
 store end the agent, whose worker starts another, and fail the transfers on it (their requests
 recompute); the victims here are agents."""
 
@@ -23,10 +23,10 @@ import torch.distributed as dist
 from as_user import spawn_as_nobody
 
 from splitserve.common.dist_store import gloo_device
-from splitserve.disagg.transfer import torch_dist
-from splitserve.disagg.transfer.base import ChannelSpec
-from splitserve.disagg.transfer.isolated import AGENT_DATA_BYTES, AgentReceiver, AgentSender
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.services.disagg.transfer import torch_dist
+from splitserve.services.disagg.transfer.base import ChannelSpec
+from splitserve.services.disagg.transfer.isolated import AGENT_DATA_BYTES, AgentReceiver, AgentSender
+from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 
 SHAPE = (2, 2, 3, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 TIMEOUT_S = 5.0

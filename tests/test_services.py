@@ -25,12 +25,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.serving import free_port
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.llm import LLM
-from splitserve.launch.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.launcher.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
 
 pytestmark = pytest.mark.integration
 

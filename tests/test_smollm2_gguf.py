@@ -7,7 +7,7 @@ import torch
 
 from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.llm import LLM
+from splitserve.services.engine.llm import LLM
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a worker (engine/ranks.py): follower rank processes over gloo, the KV cache
+"""Tensor parallelism inside a worker (services/engine/ranks.py): follower rank processes over gloo, the KV cache
 sharded by KV head, KV handed off rank to rank between tiers of different sizes, and a lost rank
 ending its worker. The model's sharding itself is tests/test_tp_model.py; the handoff's plan for every
 pair of sizes, tests/test_handoff_plan.py."""
@@ -17,15 +17,15 @@ import torch
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens, wait_all_free
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.disagg.plan import handoff_plan
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.llm import LLM
-from splitserve.engine.ranks import Op, RanksLost, decode, encode, step_arrays_from_wire, step_arrays_to_wire
-from splitserve.engine.step_inputs import StepArrays
-from splitserve.launch.launcher import start_cluster, stop_cluster
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
-from splitserve.worker.server import SEND_DELAY_ENV
+from splitserve.services.disagg.plan import handoff_plan
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.ranks import Op, RanksLost, decode, encode, step_arrays_from_wire, step_arrays_to_wire
+from splitserve.services.engine.step_inputs import StepArrays
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
+from splitserve.services.worker.server import SEND_DELAY_ENV
 
 PROMPTS = [[(5 * i + j) % 300 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=7)
@@ -247,8 +247,8 @@ def test_a_tensor_parallel_worker_steps_in_its_engine_core(tiny_llama_dir):
 _SCRIPT = """
 import sys
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.llm import LLM
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
 
 def main():
     cache = CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig
-from splitserve.engine.llm import LLM
-from splitserve.model.attention import triton_backend
+from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.llm import LLM
+from splitserve.services.model.attention import triton_backend
 
 pytestmark = [
     pytest.mark.integration,  # it spawns a rank process

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from splitserve.model.attention.backend import AttentionMetadata
-from splitserve.model.attention.torch_backend import TorchAttention, length_groups
+from splitserve.services.model.attention.backend import AttentionMetadata
+from splitserve.services.model.attention.torch_backend import TorchAttention, length_groups
 
 pytestmark = pytest.mark.unit
 

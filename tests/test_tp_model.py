@@ -1,4 +1,4 @@
-"""Tensor-parallel model layers (model/parallel.py): the sharding arithmetic, each rank's loaded shard,
+"""Tensor-parallel model layers (services/model/parallel.py): the sharding arithmetic, each rank's loaded shard,
 and sharded models on real gloo groups giving the logits of the unsharded model.
 
 The unit forward test runs 4 ranks as threads of this process (gloo over loopback, no process start-up):
@@ -25,11 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from splitserve.common.model_files import ModelLoadError
-from splitserve.engine.step_inputs import StepArrays, StepInputBuffer
-from splitserve.model.arch import ModelArchConfig
-from splitserve.model.attention.torch_backend import TorchAttention
-from splitserve.model.loader import build_model, open_model
-from splitserve.model.parallel import SINGLE, TensorParallel, possible_sizes
+from splitserve.services.engine.step_inputs import StepArrays, StepInputBuffer
+from splitserve.services.model.arch import ModelArchConfig
+from splitserve.services.model.attention.torch_backend import TorchAttention
+from splitserve.services.model.loader import build_model, open_model
+from splitserve.services.model.parallel import SINGLE, TensorParallel, possible_sizes
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 8

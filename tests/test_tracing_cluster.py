@@ -17,7 +17,7 @@ from cluster_helpers import engine_argv, greedy_request, stub, tokens
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from splitserve.common.security import ClusterSecurity
-from splitserve.launch.launcher import start_cluster, stop_cluster
+from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
 pytestmark = pytest.mark.integration
 

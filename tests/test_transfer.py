@@ -11,11 +11,11 @@ import threading
 import pytest
 import torch
 
-from splitserve.disagg.transfer import chunks
-from splitserve.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
-from splitserve.disagg.transfer.checksum import RunningChecksum, checksum
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from splitserve.engine.kv_cache.block_io import gather_blocks, scatter_blocks
+from splitserve.services.disagg.transfer import chunks
+from splitserve.services.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
+from splitserve.services.disagg.transfer.checksum import RunningChecksum, checksum
+from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.services.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 
 pytestmark = pytest.mark.unit
 
@@ -150,7 +150,7 @@ def test_gather_scatter_round_trip_through_scattered_block_ids():
 
 
 def test_staging_pool_reuses_buffers_by_power_of_two_class():
-    from splitserve.engine.kv_cache.staging import StagingPool
+    from splitserve.services.engine.kv_cache.staging import StagingPool
 
     pool = StagingPool((3, 2, 4, 2, 8), torch.float32, max_cached_bytes=10 * 3 * 2 * 4 * 2 * 8 * 4)
     a = pool.acquire(3)
@@ -168,7 +168,7 @@ def test_staging_pool_reuses_buffers_by_power_of_two_class():
 
 
 def test_in_process_transport_refuses_a_sender_without_the_channel_secret():
-    from splitserve.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
+    from splitserve.services.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
 
     async def main():
         hub = Hub(timeout_s=2)
@@ -192,8 +192,8 @@ def test_in_process_transport_refuses_a_sender_without_the_channel_secret():
 
 
 def test_the_receiver_picks_nccl_for_a_cuda_cache_only_when_torch_has_nccl(monkeypatch):
-    from splitserve.disagg.transfer import nccl
-    from splitserve.disagg.transfer.base import Backend
+    from splitserve.services.disagg.transfer import nccl
+    from splitserve.services.disagg.transfer.base import Backend
 
     assert nccl.backend_for(torch.device("cpu")) is Backend.GLOO
     monkeypatch.setattr(nccl.dist, "is_nccl_available", lambda: False)
@@ -220,7 +220,7 @@ def test_tags_count_per_channel_from_one():
 def test_the_issue_order_lets_each_tag_go_only_after_the_ones_before_it():
     import threading
 
-    from splitserve.disagg.transfer.order import IssueOrder
+    from splitserve.services.disagg.transfer.order import IssueOrder
 
     order, issued = IssueOrder(), []
 
@@ -240,7 +240,7 @@ def test_the_issue_order_lets_each_tag_go_only_after_the_ones_before_it():
 def test_a_tag_that_never_comes_times_out_the_ones_behind_it_and_a_broken_order_frees_them():
     import threading
 
-    from splitserve.disagg.transfer.order import IssueOrder, OrderTimeout
+    from splitserve.services.disagg.transfer.order import IssueOrder, OrderTimeout
 
     order = IssueOrder()
     with pytest.raises(OrderTimeout, match="waited for transfer 1"):
@@ -261,17 +261,17 @@ def test_a_tag_that_never_comes_times_out_the_ones_behind_it_and_a_broken_order_
 
 
 def test_a_channel_keeps_its_backend_across_the_handoff_rpc_and_the_rank_pipes():
-    from splitserve.disagg.prefill_client import channel_from_proto, channel_to_proto
-    from splitserve.disagg.rank_transfers import (
+    from splitserve.protos.v1 import worker_pb2 as pb
+    from splitserve.services.disagg.prefill_client import channel_from_proto, channel_to_proto
+    from splitserve.services.disagg.rank_transfers import (
         PieceReport,
         channel_from_wire,
         channel_to_wire,
         report_from_wire,
         report_to_wire,
     )
-    from splitserve.disagg.transfer.base import Backend
-    from splitserve.engine.ranks import decode, encode
-    from splitserve.protos.v1 import worker_pb2 as pb
+    from splitserve.services.disagg.transfer.base import Backend
+    from splitserve.services.engine.ranks import decode, encode
 
     for backend in Backend:
         spec = ChannelSpec("10.0.0.1:5", "k", b"\x07" * 32, backend)
@@ -288,7 +288,7 @@ def test_a_channel_keeps_its_backend_across_the_handoff_rpc_and_the_rank_pipes()
 
 
 def test_the_device_checksum_is_exact_in_chunks_and_catches_flips_and_swaps(monkeypatch):
-    from splitserve.disagg.transfer import checksum as module
+    from splitserve.services.disagg.transfer import checksum as module
 
     data = torch.randn(4, 2, 3, 8, 2, 16)
     whole = module.device_checksum(data)

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from splitserve.disagg.transfer.base import Backend
-from splitserve.disagg.transfer.checksum import checksum, device_checksum
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from splitserve.engine.kv_cache.block_io import gather_blocks
+from splitserve.services.disagg.transfer.base import Backend
+from splitserve.services.disagg.transfer.checksum import checksum, device_checksum
+from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.services.engine.kv_cache.block_io import gather_blocks
 
 pytestmark = pytest.mark.unit
 

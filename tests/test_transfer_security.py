@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from splitserve.disagg.transfer import chunks, torch_dist
-from splitserve.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
-from splitserve.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
+from splitserve.services.disagg.transfer import chunks, torch_dist
+from splitserve.services.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
+from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ import pytest
 from cluster_helpers import engine_argv
 
 from splitserve.common.serving import free_port
-from splitserve.launch import cli, launcher
-from splitserve.launch.launcher import Child, ChildNotReady, wait_ready
+from splitserve.services.launcher import cli, launcher
+from splitserve.services.launcher.launcher import Child, ChildNotReady, wait_ready
 
 
 @pytest.fixture
@@ -131,7 +131,7 @@ def test_children_of_up_exit_when_up_is_killed(tiny_llama_dir, tmp_path):
     """SIGKILL `up` (no handler runs): its gateway, its worker and the worker's engine core all exit."""
     argv = _up_argv(tmp_path, free_port(), 0, free_port())
     up = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.launch.cli", *argv, *engine_argv(tiny_llama_dir)],
+        [sys.executable, "-m", "splitserve.services.launcher.cli", *argv, *engine_argv(tiny_llama_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

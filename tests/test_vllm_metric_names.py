@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from splitserve.worker.metrics import VLLM_NAMES, EngineSnapshot, RequestTiming, WorkerMetrics
+from splitserve.services.worker.metrics import VLLM_NAMES, EngineSnapshot, RequestTiming, WorkerMetrics
 
 pytestmark = pytest.mark.unit
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.engine.engine import Engine
-from splitserve.engine.llm import LLM
-from splitserve.engine.model_runner import StepShape, warm_up_shapes
-from splitserve.model.attention import triton_backend
+from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.llm import LLM
+from splitserve.services.engine.model_runner import StepShape, warm_up_shapes
+from splitserve.services.model.attention import triton_backend
 
 pytestmark = pytest.mark.unit
 
@@ -195,9 +195,9 @@ def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch, e
     from grpc_health.v1 import health, health_pb2
 
     from splitserve.common.serving import free_port
-    from splitserve.engine.core_client import EngineCoreClient
     from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
-    from splitserve.worker import server
+    from splitserve.services.engine.core_client import EngineCoreClient
+    from splitserve.services.worker import server
 
     events: list[object] = []
 

@@ -1,0 +1,1 @@
+"""Everything that runs behind the gateway: workers, engine, model, KV handoff, planner, launcher."""

@@ -1,0 +1,218 @@
+"""What a worker's KV handoffs need inside its engine core process (`--engine-process`): a thread of
+their own with an asyncio loop, the core's step loop as HandoffPort drives it, the outputs of the
+prompts the core runs for itself, and their metrics relayed to the serving process.
+
+A decode worker's core (services/disagg/core_decode.py) receives KV; a prefill worker's
+(services/disagg/core_prefill.py) computes prompts and sends theirs. Either way the KV moves in the process
+that owns the cache, and the serving process keeps the gRPC streams. Each request's handoff runs as a
+task in the trace context its add carried (the serving process's span of the call), so the spans it
+makes in the core (decode.reserve, decode.prefill_rpc, decode.kv_transfer; prefill.queue,
+prefill.compute, prefill.kv_send) join the request's trace, exported by the core itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
+
+import torch
+
+from splitserve.common.tracing import remote_task_context
+from splitserve.protos.v1 import engine_core_pb2 as cpb
+from splitserve.services.disagg.rank_transfers import Endpoint, open_rank_endpoints
+from splitserve.services.disagg.transfer.base import TransferFailure
+from splitserve.services.engine.core_process import Send
+from splitserve.services.engine.cpu_threads import serial_torch_ops
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.handoff_port import HandoffPort
+from splitserve.services.engine.model_runner import bind_thread
+from splitserve.services.engine.output_processor import OutputProcessor
+from splitserve.services.engine.outputs import RequestOutput, StepTokens
+from splitserve.services.engine.request import Request
+from splitserve.services.engine.step_loop import StepLoop
+from splitserve.services.engine.streams import RequestFailed, answer_call, post_to_loop, set_exception, set_result
+
+log = logging.getLogger("splitserve.services.engine")
+
+T = TypeVar("T")
+
+
+class CorePrompts:
+    """Outputs of the prompts the core runs for itself (a prefill worker's): each step's tokens go
+    through an output processor of their own on the step loop (PipeOutputs' tap), and a prompt's
+    final output resolves its waiter. Everything here runs on the step loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._processor = OutputProcessor(engine.tokenizer)
+        self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestOutput]]] = {}
+
+    def add(self, request: Request, loop: asyncio.AbstractEventLoop, future: asyncio.Future[RequestOutput]) -> None:
+        self._processor.add(request, time.monotonic())
+        self._waiters[request.request_id] = (loop, future)
+        try:
+            self._engine.add_request(request)
+        except ValueError as e:  # its id is in use
+            self._forget(request.request_id)
+            post_to_loop(loop, set_exception, future, e)
+
+    def abort(self, request_id: str) -> None:
+        if self._forget(request_id):
+            self._engine.abort_request(request_id)
+
+    def on_step(self, step: StepTokens) -> None:
+        if not self._waiters:
+            return
+        for out in self._processor.process(step).outputs:
+            if out.finished and (waiter := self._waiters.pop(out.request_id, None)) is not None:
+                loop, future = waiter
+                if out.error is not None:
+                    post_to_loop(loop, set_exception, future, RequestFailed(out.error))
+                else:
+                    post_to_loop(loop, set_result, future, out)
+
+    def _forget(self, request_id: str) -> bool:
+        self._processor.abort(request_id)
+        return self._waiters.pop(request_id, None) is not None
+
+
+class CoreFront:
+    """The core's step loop as a HandoffPort drives it (services/engine/handoff_port.py EngineFront): calls
+    between steps, answered on the handoff thread's event loop; and, given CorePrompts, prompts run
+    to their first token (what services/disagg/prefill.py prefill_and_send reads of an AsyncEngine)."""
+
+    outputs_here = False  # a decode handoff's first token is processed in the serving process
+
+    def __init__(self, engine: Engine, steps: StepLoop, prompts: CorePrompts | None = None) -> None:
+        self.engine, self._steps, self._prompts = engine, steps, prompts
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._steps.post(answer_call, loop, future, fn, args)
+        return await future
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._steps.post(fn, *args)
+
+    async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Add a validated request and yield its final output (a prompt that stops after its prefill
+        has one); leaving early aborts it."""
+        assert self._prompts is not None, "this core runs no prompts of its own"
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[RequestOutput] = loop.create_future()
+        self._steps.post(self._prompts.add, request, loop, future)
+        try:
+            out = await future
+        except asyncio.CancelledError:
+            self._steps.post(self._prompts.abort, request.request_id)
+            raise
+        yield out
+
+
+class CoreLoop:
+    """The handoffs' thread and asyncio loop in the core, one task per request until the serving
+    process is told how it went."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        """device: the engine's; the thread is bound to it (pinned staging, side streams and NCCL groups
+        are made here: unbound, they would make a CUDA context on device 0 too)."""
+        self.loop = asyncio.new_event_loop()
+        self._tasks: dict[str, asyncio.Task] = {}  # on the loop only
+        self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, device: torch.device) -> None:
+        bind_thread(device)
+        serial_torch_ops()  # the cores belong to the step loop's forward (services/engine/cpu_threads.py)
+        self.loop.run_forever()
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """From another thread: run coroutine on the loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def start_task(
+        self,
+        request_id: str,
+        coroutine_fn: Callable[[], Coroutine[Any, Any, None]],
+        trace_context: Mapping[str, str] | None = None,
+    ) -> None:
+        """From another thread: run coroutine_fn() as request_id's task, its spans children of the
+        serving process's span that trace_context carries (and its log lines naming the request)."""
+
+        def start() -> None:
+            context = remote_task_context(trace_context or {}, request_id)
+            task = self.loop.create_task(coroutine_fn(), context=context)
+            self._tasks[request_id] = task
+            task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+
+        self.loop.call_soon_threadsafe(start)
+
+    def cancel(self, request_id: str) -> None:
+        """From another thread: cancel request_id's task, if it still runs."""
+
+        def cancel() -> None:
+            task = self._tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+
+        self.loop.call_soon_threadsafe(cancel)
+
+    def close(self, close: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Cancel every task, run close() on the loop, stop it."""
+
+        async def stop() -> None:
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await close()
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=5.0)
+        except Exception:  # the core is exiting either way
+            log.exception("closing the core's handoffs failed")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def open_endpoints(port: HandoffPort, endpoint: Endpoint, host: str, timeout_s: float) -> None:
+    """A tensor-parallel worker's follower ranks get their KV endpoints on the worker's host (once)."""
+    if port.tensor_parallel_size > 1:
+        await open_rank_endpoints(port, endpoint, host, timeout_s)
+        log.info(
+            "KV endpoints open on %d follower ranks (%s, in the engine core)",
+            port.tensor_parallel_size - 1,
+            endpoint.name.lower(),
+        )
+
+
+class ObservationRelay:
+    """A handoff's metrics (services/disagg/decode.py HandoffMetrics, services/disagg/prefill.py SendMetrics), sent to
+    the serving process, whose WorkerMetrics counts them (services/worker/metrics.py observe_core)."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+
+    def _observed(self, kind: cpb.CoreObservationKind, **fields: Any) -> None:
+        self._send(cpb.CoreEvent(observed=cpb.CoreHandoffObservation(kind=kind, **fields)))
+
+    def observe_blocks_skipped(self, num_blocks: int) -> None:
+        self._observed(cpb.CORE_OBSERVATION_KIND_BLOCKS_SKIPPED, num_blocks=num_blocks)
+
+    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
+        fields = dict(direction=direction, num_blocks=num_blocks, num_bytes=num_bytes, seconds=seconds)
+        self._observed(cpb.CORE_OBSERVATION_KIND_TRANSFER, **fields)
+
+    def observe_transfer_failure(self, reason: TransferFailure) -> None:
+        self._observed(cpb.CORE_OBSERVATION_KIND_TRANSFER_FAILURE, reason=reason.value)
+
+    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None:
+        self._observed(cpb.CORE_OBSERVATION_KIND_RANK_BYTES, direction=direction, rank=rank, num_bytes=num_bytes)
+
+    def observe_recompute_fallback(self) -> None:
+        self._observed(cpb.CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK)
+
+    def observe_streamed_send(self) -> None:
+        self._observed(cpb.CORE_OBSERVATION_KIND_STREAMED_SEND)

@@ -1,0 +1,417 @@
+"""Decode tier: continue requests whose prompt KV comes from a prefill worker.
+
+Lifecycle of a request here: awaiting_kv -> waiting -> running -> finished (the whole handoff,
+both sides and every failure, is described once, in services/disagg/handoff.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from splitserve.common.tracing import Span, ended, fail, stage, tracer
+from splitserve.protos.v1 import worker_pb2 as pb
+from splitserve.services.disagg.handoff import (
+    FirstToken,
+    HandoffError,
+    HandoffEvent,
+    HandoffJob,
+    HandoffProtocolError,
+    SendStarted,
+    TransferDone,
+)
+from splitserve.services.disagg.rank_transfers import RankReceivers, Received
+from splitserve.services.disagg.transfer.base import Backend, KVReceiver, TransferError, TransferFailure
+from splitserve.services.engine.async_engine import AsyncEngine
+from splitserve.services.engine.engine import RequestOutput
+from splitserve.services.engine.handoff_port import EngineFront, HandoffPort, Reservation
+from splitserve.services.engine.outputs import StageClock
+from splitserve.services.engine.request import Request
+
+log = logging.getLogger("splitserve.decode")
+
+# What a prefill worker's failure looks like from here: its RPC failed, it timed out, its stream
+# ended early, its events broke the protocol, or the transport failed. Anything else is a bug.
+PREFILL_FAILURES = (
+    grpc.aio.AioRpcError,
+    TimeoutError,
+    StopAsyncIteration,
+    ConnectionError,
+    HandoffProtocolError,
+    TransferError,
+)
+
+
+class HandoffMetrics(Protocol):
+    """What a handoff counts (services/worker/metrics.py WorkerMetrics; an engine core relays them over its pipe)."""
+
+    def observe_blocks_skipped(self, num_blocks: int) -> None: ...
+
+    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None: ...
+
+    def observe_transfer_failure(self, reason: TransferFailure) -> None: ...
+
+    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None: ...
+
+    def observe_recompute_fallback(self) -> None: ...
+
+
+class PrefillClient(ABC):
+    """How a decode worker reaches prefill workers (gRPC in production, direct calls in tests)."""
+
+    @abstractmethod
+    def prefill(
+        self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None, job: HandoffJob
+    ) -> AsyncIterator[HandoffEvent]:
+        """Stream FirstToken then TransferDone from the prefill worker at peer. wire is the request
+        as this worker received it (forwarded as is), when it came over gRPC."""
+
+    async def tensor_parallel_size(self, peer: str) -> int:
+        """The ranks of the prefill worker at peer (what the plan of a handoff needs); a client that
+        cannot ask (in-process tests) reaches single-rank workers only."""
+        return 1
+
+
+class DecodeHandoff:
+    def __init__(
+        self,
+        engine: EngineFront,
+        receiver: KVReceiver,
+        client: PrefillClient,
+        metrics: HandoffMetrics | None = None,
+        reserve_timeout_s: float = 10.0,
+        transfer_timeout_s: float = 30.0,
+    ) -> None:
+        self.engine, self.receiver, self.client, self.metrics = engine, receiver, client, metrics
+        self.port = HandoffPort(engine)
+        self.ranks = RankReceivers(receiver, self.port)  # this worker's receiving ranks
+        self._peer_sizes: dict[str, int] = {}  # prefill workers' tensor-parallel sizes, asked once
+        self.reserve_timeout_s = reserve_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        # Asks and transfers in flight, each holding a reservation (a drain waits for them).
+        self.landings: set[asyncio.Task] = set()
+
+    async def generate(
+        self, request: Request, peer: str, wire: pb.WorkerGenerateRequest | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs; raises HandoffError if it cannot start."""
+        rid, engine = request.request_id, self.engine
+        assert isinstance(engine, AsyncEngine), "an engine core's outputs reach its serving process (hand_off)"
+        engine.open_stream(rid, request.label)
+        finished = streaming = False
+        try:
+            out, stages, landing = await self.hand_off(request, peer, wire)
+            if out is None:  # aborted meanwhile
+                return
+            finished = out.finished
+            if finished:
+                out.stages = stages.as_dict()
+            yield out
+            if finished:
+                return
+            stages.landed_at = await asyncio.shield(landing)
+            streaming = True
+            with ended(tracer.start_span("decode.decode")) as span:  # in the continuous batch, to the end
+                async for out in engine.stream(rid):
+                    stages.decoded(request.first_scheduled_time)
+                    if out.finished:
+                        out.stages = stages.as_dict()
+                    yield out
+                span.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
+        finally:
+            if not streaming:
+                engine.close_stream(rid, finished)
+
+    async def hand_off(
+        self,
+        request: Request,
+        peer: str,
+        wire: pb.WorkerGenerateRequest | None = None,
+        on_first_token: Callable[[StageClock], None] | None = None,
+    ) -> tuple[RequestOutput | None, StageClock, asyncio.Task[float]]:
+        """Reserve, ask the prefill worker, start the landing and accept the first token: its output
+        (None if the request is gone, or if outputs are processed in another process: an engine
+        core's), the stage clock, and the landing (it ends when the KV landed). on_first_token(clock)
+        runs just before the first token is accepted. Raises HandoffError if the handoff cannot start;
+        a caller cancelled before the first token still receives whatever the prefill worker
+        announced, and drops it."""
+        with stage("decode.reserve") as span:  # waiting for room in the KV cache
+            reservation = await self._reserve(request)
+            span.set_attributes(
+                {
+                    "splitserve.num_held_blocks": reservation.num_held_blocks,  # prefix hits: not sent
+                    "splitserve.num_blocks_to_land": reservation.num_blocks_to_land,
+                }
+            )
+        ask = asyncio.create_task(self._ask(reservation, peer, wire))
+        self.landings.add(ask)  # its reservation is in flight too: a drain waits for it
+        try:
+            first, job, events, receiving = await asyncio.shield(ask)
+            stages = StageClock(first.queue_ms, first.compute_ms)
+        except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
+            ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
+            raise
+        finally:
+            if ask.done():  # else _land_if_asked lets go of it, once its landing (if any) is tracked
+                self.landings.discard(ask)
+        landing = self._start_landing(reservation, first, job, events, receiving)
+        if on_first_token is not None:
+            on_first_token(stages)
+        out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
+        return out, stages, landing
+
+    def _land_if_asked(self, reservation: Reservation, ask: asyncio.Task) -> None:
+        """The caller left while asking; if the blocks were announced anyway, receive and discard them."""
+        if not ask.cancelled() and ask.exception() is None:
+            self._start_landing(reservation, *ask.result())
+        self.landings.discard(ask)
+
+    def _start_landing(
+        self, reservation: Reservation, first: FirstToken, job: HandoffJob, events, receiving: Receiving | None
+    ) -> asyncio.Task:
+        landing = asyncio.create_task(self._land(reservation, job, first, events, receiving))
+        self.landings.add(landing)
+        landing.add_done_callback(self.landings.discard)
+        return landing
+
+    async def _reserve(self, request: Request) -> Reservation:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.reserve_timeout_s
+        while True:
+            reservation = await self.port.reserve(request)
+            if reservation is not None:
+                if self.metrics is not None and reservation.num_held_blocks:
+                    self.metrics.observe_blocks_skipped(reservation.num_held_blocks)
+                return reservation
+            if loop.time() > deadline:
+                raise HandoffError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"this decode worker's KV cache had no room "
+                    f"for the {request.num_prompt_tokens}-token prompt for "
+                    f"{self.reserve_timeout_s:.0f} s; retry later or add decode workers",
+                )
+            await asyncio.sleep(0.02)
+
+    async def _ask(self, reservation: Reservation, peer: str, wire: pb.WorkerGenerateRequest | None):
+        job: HandoffJob | None = None
+        try:
+            job = await self._job(reservation, peer)
+            events = aiter(self.client.prefill(peer, reservation.request, wire, job))
+            first, receiving = await self._first_token(reservation, job, events)
+        except HandoffError:
+            self._forget(peer, job)
+            raise
+        except PREFILL_FAILURES as e:
+            self._forget(peer, job)
+            if self.metrics is not None:
+                self.metrics.observe_transfer_failure(TransferFailure.PREFILL_FAILED)
+            raise HandoffError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"prefill worker {peer} failed before the first token ({_describe(e)}); retry the request",
+                failed_peer=peer,
+            ) from None
+        return first, job, events, receiving
+
+    async def _first_token(
+        self, reservation: Reservation, job: HandoffJob, events
+    ) -> tuple[FirstToken, Receiving | None]:
+        """The prefill worker's first token; if it streams the KV (SendStarted first), with the
+        receives posted on SendStarted, so the KV lands while its last layers still compute."""
+        first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
+        receiving = None
+        if isinstance(first, SendStarted):
+            _check_num_blocks(first.num_blocks, reservation)
+            if first.num_blocks:
+                receiving = self._post_receives(reservation, job, first.num_blocks)
+        try:
+            if isinstance(first, SendStarted):
+                first = await asyncio.wait_for(anext(events), self.transfer_timeout_s * 4)
+            if not isinstance(first, FirstToken):
+                raise HandoffProtocolError(f"expected the first token, got {type(first).__name__}")
+        except BaseException:
+            if receiving is not None:  # they end with the failed send (or time out), then are discarded
+                receiving.discard(self._discard_landed)
+            raise
+        return first, receiving
+
+    async def _job(self, reservation: Reservation, peer: str) -> HandoffJob:
+        size = self._peer_sizes.get(peer)
+        if size is None:
+            size = self._peer_sizes[peer] = await self.client.tensor_parallel_size(peer)
+        pieces = await self.ranks.plan(peer, size)
+        return HandoffJob(pieces, reservation.num_held_blocks, self.port.kv_layout, self.port.tensor_parallel_size)
+
+    def _forget(self, peer: str, job: HandoffJob | None) -> None:
+        """Before the first token: the peer's size is asked again next time, the job's channels dropped."""
+        self._peer_sizes.pop(peer, None)
+        for piece in job.pieces if job is not None else ():
+            self.ranks.drop(piece)
+
+    async def _land(
+        self, reservation: Reservation, job: HandoffJob, first: FirstToken, events, receiving: Receiving | None
+    ) -> float:
+        """The landing under its span (a child of the request's: this task inherits its context); returns
+        when it ended (time.monotonic())."""
+        with stage("decode.kv_transfer", {"splitserve.num_blocks": first.num_blocks}) as span:
+            await self._land_or_recompute(reservation, job, first, events, receiving, span)
+        return time.monotonic()
+
+    async def _land_or_recompute(
+        self,
+        reservation: Reservation,
+        job: HandoffJob,
+        first: FirstToken,
+        events,
+        receiving: Receiving | None,
+        span: Span,
+    ) -> None:
+        """Receive every piece (posted already when streamed) and admit the request, or fall back to
+        recomputing the prompt here."""
+        rid = reservation.request.request_id
+        try:
+            if receiving is not None and receiving.num_blocks != first.num_blocks:
+                receiving.discard(self._discard_landed)
+                raise HandoffProtocolError(f"{receiving.num_blocks} blocks were streamed, {first.num_blocks} announced")
+            _check_num_blocks(first.num_blocks, reservation)  # a streamed count was checked at SendStarted
+            if receiving is None and first.num_blocks:
+                receiving = self._post_receives(reservation, job, first.num_blocks)
+            done, received = await self._receive(job, events, receiving)
+            admitted = await self._admit(reservation, job, done, received)
+            num_bytes, seconds = self._observe_received(done, received)
+            log.debug("request %s: %d blocks landed (admitted=%s)", rid, done.num_blocks, admitted)
+            span.set_attributes({"splitserve.num_bytes": num_bytes, "splitserve.transfer_ms": seconds * 1e3})
+        except PREFILL_FAILURES as e:
+            fail(span, f"KV transfer failed: {_describe(e)}")
+            reason = e.reason if isinstance(e, TransferError) else TransferFailure.PREFILL_FAILED
+            if reason.drops_channel:
+                for piece in job.pieces:
+                    self.ranks.drop(piece)
+            if self.metrics is not None:
+                self.metrics.observe_transfer_failure(reason)
+            if await self.port.recompute(reservation):
+                span.set_attribute("splitserve.recomputed", True)
+                log.warning("request %s: KV transfer failed (%s); recomputing the prompt here", rid, _describe(e))
+                if self.metrics is not None:
+                    self.metrics.observe_recompute_fallback()
+
+    async def _admit(
+        self, reservation: Reservation, job: HandoffJob, done: TransferDone, received: list[Received]
+    ) -> bool:
+        """Every checksum checked, every rank writes its pieces (between steps), then the request joins the batch."""
+        try:
+            _check_pieces(job, done, received)
+            admitted = await self.port.land(reservation, [r.piece for r in received])
+        except BaseException:
+            for r in received:
+                self.ranks.release(r, committed=False)
+            raise
+        for r in received:
+            self.ranks.release(r, committed=admitted)
+        return admitted
+
+    def _observe_received(self, done: TransferDone, received: list[Received]) -> tuple[int, float]:
+        """(bytes, seconds) of the pieces every rank received (the slowest piece's time), counted."""
+        num_bytes = sum(r.report.num_bytes for r in received)
+        seconds = max((r.report.seconds for r in received), default=0.0)
+        if self.metrics is not None:
+            self.metrics.observe_transfer("received", done.num_blocks, num_bytes, seconds)
+            for r in received:
+                self.metrics.observe_rank_bytes("received", r.piece.rank, r.report.num_bytes)
+        return num_bytes, seconds
+
+    def _post_receives(self, reservation: Reservation, job: HandoffJob, num_blocks: int) -> Receiving:
+        """Every piece's receive, posted. Rank 0's piece is written into the reserved blocks chunk by
+        chunk as it lands (pinned until every receive has ended, whatever ends the reservation first)."""
+        pinned = self.port.pin(reservation)  # None: the request is gone; its pieces land to be discarded
+        recvs = [asyncio.ensure_future(self.ranks.recv(piece, num_blocks, pinned)) for piece in job.pieces]
+        if pinned is not None:
+            ended = asyncio.gather(*recvs, return_exceptions=True)
+            ended.add_done_callback(lambda _: self.port.unpin_soon(reservation))
+        return Receiving(num_blocks, recvs)
+
+    async def _receive(
+        self, job: HandoffJob, events, receiving: Receiving | None
+    ) -> tuple[TransferDone, list[Received]]:
+        """Await the posted receives and read the sender's report together; the first failure wins
+        (pieces that land anyway are discarded). None posted: nothing moves."""
+        if receiving is None:
+            self._skip(job)
+            return await anext(events), []
+        recvs = receiving.recvs
+        report = asyncio.ensure_future(asyncio.wait_for(anext(events), self.transfer_timeout_s * 2))
+        try:
+            await asyncio.wait({*recvs, report}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in (*recvs, report):
+                error = task.exception() if task.done() else None
+                if error is not None:
+                    raise error
+            done = report.result()
+            if not isinstance(done, TransferDone):
+                raise HandoffProtocolError(f"expected the transfer report, got {type(done).__name__}")
+            return done, [recv.result() for recv in recvs]
+        except BaseException:
+            receiving.discard(self._discard_landed)
+            raise
+        finally:
+            if not report.done():
+                report.cancel()
+            report.add_done_callback(_consume_error)
+
+    def _skip(self, job: HandoffJob) -> None:
+        """No piece moves: an NCCL channel, whose transfers go in tag order, would wait for these tags
+        forever, so it is dropped (the next handoff names a new one); a gloo channel is unaffected."""
+        for piece in job.pieces:
+            if piece.channel.backend is Backend.NCCL:
+                self.ranks.drop(piece)
+
+    def _discard_landed(self, recv: asyncio.Future) -> None:
+        if not recv.cancelled() and recv.exception() is None:
+            self.ranks.release(recv.result(), committed=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Receiving:
+    """A handoff's receives, posted (rank 0's piece first pinned its blocks)."""
+
+    num_blocks: int
+    recvs: Sequence[asyncio.Future[Received]]
+
+    def discard(self, discard_landed: Callable[[asyncio.Future], None]) -> None:
+        """The handoff failed: whatever lands is released uncommitted."""
+        for recv in self.recvs:
+            recv.add_done_callback(discard_landed)
+
+
+def _check_num_blocks(num_blocks: int, reservation: Reservation) -> None:
+    if num_blocks != reservation.num_blocks_to_land:
+        raise HandoffProtocolError(
+            f"the prefill worker announced {num_blocks} blocks, {reservation.num_blocks_to_land} were reserved"
+        )
+
+
+def _check_pieces(job: HandoffJob, done: TransferDone, received: list[Received]) -> None:
+    """Every piece's checksum as its rank received it equals the sender's (a mismatch: recompute)."""
+    if received and len(done.checksums) != len(received):
+        counts = f"{len(done.checksums)} checksums for {len(received)} pieces"
+        raise HandoffProtocolError(f"the transfer report has {counts}")
+    for piece, r, crc in zip(job.pieces, received, done.checksums):
+        if r.report.checksum != crc:
+            raise TransferError(TransferFailure.CHECKSUM, f"KV checksum mismatch on transfer {piece.tag}")
+
+
+def _consume_error(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, grpc.aio.AioRpcError):
+        return f"{e.code().name}: {e.details()}"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

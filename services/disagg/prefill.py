@@ -1,0 +1,277 @@
+"""Prefill tier: compute a prompt, hand its first token and KV blocks to a decode worker.
+
+Lifecycle of a request here: waiting -> running (chunked prefill) -> held (finished at its first
+token; blocks kept under a lease) -> sent (every piece, each from its rank) -> released (the whole
+handoff: services/disagg/handoff.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from splitserve.common.tracing import stage, tracer
+from splitserve.services.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, SendStarted, TransferDone
+from splitserve.services.disagg.plan import check_fits
+from splitserve.services.disagg.rank_transfers import PieceReport, connect_piece, send_order, send_piece
+from splitserve.services.disagg.transfer.base import KVSender, TransferError, TransferFailure
+from splitserve.services.engine.engine import RequestOutput
+from splitserve.services.engine.handoff_port import EngineFront, HandoffPort
+from splitserve.services.engine.layer_progress import LayerProgress
+from splitserve.services.engine.ranks import Message
+from splitserve.services.engine.request import Request
+
+log = logging.getLogger("splitserve.prefill")
+
+
+class PromptFront(EngineFront, Protocol):
+    """The engine a prefill worker computes prompts on: AsyncEngine in process, or its engine core's
+    step loop (services/disagg/core_handoffs.py CoreFront)."""
+
+    def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        """Add a validated request and stream its outputs."""
+        ...
+
+
+class SendMetrics(Protocol):
+    """What a send counts (services/worker/metrics.py WorkerMetrics; an engine core relays them over its pipe)."""
+
+    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None: ...
+
+    def observe_transfer_failure(self, reason: TransferFailure) -> None: ...
+
+    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None: ...
+
+    def observe_streamed_send(self) -> None: ...
+
+
+async def prefill_and_send(
+    engine: PromptFront,
+    request: Request,
+    sender: KVSender,
+    job: HandoffJob,
+    metrics: SendMetrics | None = None,
+    send_delay_s: float = 0.0,
+    stream: bool = False,
+) -> AsyncIterator[HandoffEvent]:
+    """Yield FirstToken, then TransferDone. request comes from HandoffPort.make_prefill_request.
+    stream: send the KV layer by layer while the step computing the prompt's last chunk runs (every
+    rank its own pieces); SendStarted comes first then, as soon as that step is scheduled.
+    Raises ValueError for a bad job, TransferError if the send fails. send_delay_s is a
+    fault-injection hook for tests (a slow or stuck sender)."""
+    port = HandoffPort(engine)
+    _check_job(port, job)
+    sender.use_device(port.device)  # an NCCL channel's group is built on it
+    for piece in job.pieces:
+        connect_piece(port, sender, piece)  # build the pairs' groups while the prompt computes
+    rid = request.request_id
+
+    def send(block_ids: Sequence[int], step: StreamedStep | None) -> asyncio.Task:
+        task = asyncio.create_task(
+            _send(port, sender, job, rid, block_ids[job.num_skip_blocks :], metrics, send_delay_s, step)
+        )
+        task.add_done_callback(_consume_error)  # if our caller is gone, nobody else awaits it
+        return task
+
+    streamed = _stream_from_step(port, job, request, send) if stream else asyncio.get_running_loop().create_future()
+    started_ns = time.time_ns()
+    run = asyncio.ensure_future(_run_prompt(engine, request))
+    sending: asyncio.Task | None = None
+    sent = False
+    try:
+        try:
+            first_done: list[asyncio.Future[Any]] = [run, streamed]
+            await asyncio.wait(first_done, return_when=asyncio.FIRST_COMPLETED)
+            if streamed.done():
+                yield SendStarted(max(request.num_prompt_blocks - job.num_skip_blocks, 0))
+            final = await run
+        finally:
+            run.cancel()  # a no-op once done; else the caller left: the prompt is aborted
+        _trace_compute(started_ns, final)
+        if final.handoff is None:
+            raise RuntimeError(f"request {rid} ended without its KV ({final.finish_reason})")
+        sending = streamed.result() if streamed.done() else send(final.handoff.block_ids, None)
+        logprobs = final.new_logprobs[0] if final.new_logprobs else None
+        queue_ms, ttft_ms = final.timings.queue_ms, final.timings.ttft_ms
+        compute_ms = 0.0 if ttft_ms is None else ttft_ms - queue_ms
+        num_blocks = len(final.handoff.block_ids[job.num_skip_blocks :])
+        yield FirstToken(
+            final.new_token_ids[0], logprobs, final.handoff.sampler_state, num_blocks, queue_ms, compute_ms
+        )
+        done = await asyncio.shield(sending)  # a cancel reaches the send below, where it waits
+        sent = True
+        yield done
+    finally:
+        if not sent:  # the call is gone (aborted, its decode worker lost) or failed: nobody takes the KV
+            _abandon_send(sending, streamed)
+
+
+def _stream_from_step(
+    port: HandoffPort,
+    job: HandoffJob,
+    request: Request,
+    send: Callable[[Sequence[int], StreamedStep], asyncio.Task],
+) -> asyncio.Future[asyncio.Task]:
+    """The send's task, once the step computing the prompt's last chunk is scheduled: the followers
+    are ordered on the step thread before that step reaches them, then send starts rank 0's on the
+    event loop, even if the caller is gone by then (the sender releases the blocks)."""
+    streamed: asyncio.Future[asyncio.Task] = asyncio.get_running_loop().create_future()
+    followers = [i for i, piece in enumerate(job.pieces) if piece.piece.src_rank != 0]
+
+    def follower_orders(block_ids: Sequence[int]) -> list[tuple[int, tuple[np.ndarray, ...]]]:
+        """On the step thread: STREAM_KV for each follower's piece."""
+        sent = block_ids[job.num_skip_blocks :]
+        return [(job.pieces[i].piece.src_rank, send_order(job.pieces[i], sent)) for i in followers] if sent else []
+
+    def start(block_ids: Sequence[int], layers: LayerProgress, streaming: list[Future[Message]]) -> None:
+        streamed.set_result(send(block_ids, StreamedStep(layers, dict(zip(followers, streaming)))))
+
+    port.stream_as_computed(request, start, follower_orders)
+    return streamed
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedStep:
+    """A send streamed from the step computing the prompt's last chunk: rank 0 reads its pieces as
+    layers marks them written; each follower piece (by its index in the job) was ordered before that
+    step (STREAM_KV), and its reply comes in followers."""
+
+    layers: LayerProgress
+    followers: dict[int, Future[Message]]
+
+
+def _check_job(port: HandoffPort, job: HandoffJob) -> None:
+    if job.kv_layout != port.kv_layout:
+        raise ValueError(
+            f"KV layout mismatch: the decode worker has {job.kv_layout}, this prefill worker "
+            f"has {port.kv_layout}; run both tiers with the same model, dtype and --block-size"
+        )
+    check_fits([p.piece for p in job.pieces], port.num_kv_heads, port.tensor_parallel_size, job.decode_size)
+
+
+def _trace_compute(started_ns: int, final: RequestOutput) -> None:
+    """The engine's queue time and compute time (to the first token), after the fact, as two spans."""
+    scheduled_ns = started_ns + int(final.timings.queue_ms * 1e6)
+    ttft_ms = final.timings.ttft_ms
+    first_token_ns = time.time_ns() if ttft_ms is None else started_ns + int(ttft_ms * 1e6)
+    tracer.start_span("prefill.queue", start_time=started_ns).end(end_time=scheduled_ns)
+    tokens = {
+        "splitserve.num_prompt_tokens": final.num_prompt_tokens,
+        "splitserve.num_cached_tokens": final.num_cached_tokens,  # prefix cache hits: not computed
+    }
+    tracer.start_span("prefill.compute", start_time=scheduled_ns, attributes=tokens).end(end_time=first_token_ns)
+
+
+def _abandon_send(sending: asyncio.Task | None, streamed: asyncio.Future[asyncio.Task]) -> None:
+    """End the send of a call that is gone where it waits (joining its channel, whose rendezvous may
+    be dead: TCPStore retries it for more than the transfer timeout), so the held blocks are released
+    now; bytes already moving finish first (the transport waits for them). A streamed send not
+    started yet is ended once its step starts it. The cancel is scheduled, not made: a task just
+    created has not run its first step, and a cancel before it would skip the release of its blocks."""
+    loop = asyncio.get_running_loop()
+    if sending is None and streamed.done():
+        sending = streamed.result()
+    if sending is not None:
+        loop.call_soon(sending.cancel)
+    elif not streamed.cancelled():
+        streamed.add_done_callback(lambda started: loop.call_soon(started.result().cancel))
+
+
+def _consume_error(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+async def _run_prompt(engine: PromptFront, request: Request) -> RequestOutput:
+    final = None
+    async for out in engine.generate_request(request):
+        final = out
+    assert final is not None and final.finished
+    return final
+
+
+async def _send(
+    port: HandoffPort,
+    sender: KVSender,
+    job: HandoffJob,
+    request_id: str,
+    block_ids: Sequence[int],
+    metrics: SendMetrics | None,
+    send_delay_s: float,
+    step: StreamedStep | None,
+) -> TransferDone:
+    """The send under its span (a child of the Prefill call's: this task inherits its context)."""
+    attributes = {"splitserve.num_blocks": len(block_ids), "splitserve.streamed": step is not None}
+    with stage("prefill.kv_send", attributes) as span:
+        started = time.monotonic()
+        try:
+            done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s, step)
+        except Exception as e:  # the decode worker recomputes; this side's log says why and how long it took
+            elapsed = time.monotonic() - started
+            log.warning("request %s: KV send failed after %.2f s (%s: %s)", request_id, elapsed, type(e).__name__, e)
+            raise
+        span.set_attributes({"splitserve.num_bytes": done.num_bytes, "splitserve.transfer_ms": done.seconds * 1e3})
+    return done
+
+
+async def _send_held(
+    port: HandoffPort,
+    sender: KVSender,
+    job: HandoffJob,
+    request_id: str,
+    block_ids: Sequence[int],
+    metrics: SendMetrics | None,
+    send_delay_s: float,
+    step: StreamedStep | None,
+) -> TransferDone:
+    """Sends the held blocks (a streamed send's were claimed when its step was scheduled)."""
+    if step is None and not await port.claim_held(request_id):
+        raise TransferError(
+            TransferFailure.CLOSED,
+            f"the KV of request {request_id} was released before its "
+            "send started (its lease expired or it was aborted)",
+        )
+    try:
+        if send_delay_s:
+            await asyncio.sleep(send_delay_s)
+        layers, streaming = (None, {}) if step is None else (step.layers, step.followers)
+        sends = (
+            send_piece(port, sender, piece, block_ids, layers, streaming.get(i)) for i, piece in enumerate(job.pieces)
+        )
+        results = await asyncio.gather(*sends, return_exceptions=True)
+    finally:  # every piece sent or failed; the decode worker gets TransferDone before the release is done
+        port.release_held_soon(request_id)
+    reports = _reports(results, metrics)
+    done = TransferDone(
+        len(block_ids),
+        sum(r.num_bytes for r in reports),
+        tuple(r.checksum for r in reports),
+        max((r.seconds for r in reports), default=0.0),
+    )
+    if metrics is not None:
+        metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, done.seconds)
+        if step is not None:
+            metrics.observe_streamed_send()
+        for piece, report in zip(job.pieces, reports):
+            metrics.observe_rank_bytes("sent", piece.piece.src_rank, report.num_bytes)
+    return done
+
+
+def _reports(results: list, metrics: SendMetrics | None) -> list[PieceReport]:
+    """The pieces' reports, or the first failure raised (each counted once per handoff)."""
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, TransferError):
+            raise result
+    errors = [r for r in results if isinstance(r, TransferError)]
+    if errors:
+        if metrics is not None:
+            metrics.observe_transfer_failure(errors[0].reason)
+        raise errors[0]
+    return results

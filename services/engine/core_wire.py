@@ -1,0 +1,108 @@
+"""The engine's types to and from the engine-core protos (protos/v1/engine_core.proto), both sides of
+the pipe between a worker's serving process and its engine core process."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.wire import logprobs_from_proto, logprobs_to_proto
+from splitserve.protos.v1 import engine_core_pb2 as pb
+from splitserve.services.engine.handoff_port import EngineLoad
+from splitserve.services.engine.outputs import Finish, StepTokens
+from splitserve.services.engine.request import FinishReason
+from splitserve.services.engine.sampler import TokenLogprobs
+from splitserve.services.engine.step_stats import StepKind, StepTotals
+
+# SamplingParams fields whose None the proto carries as "unset" (every other field is always set)
+_OPTIONAL_PARAMS = ("top_k", "seed", "max_tokens", "logprobs")
+_SEED_SPAN = 2**64  # the seed is uint64 on every hop (the public API's type)
+
+
+def params_to_proto(params: SamplingParams) -> pb.EngineSamplingParams:
+    """Every field, so that the core rebuilds the same SamplingParams (ValueError: a value the wire
+    cannot carry, such as a seed beyond 64 bits)."""
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if params.seed is not None:
+        fields["seed"] = _wire_seed(params.seed)
+    return pb.EngineSamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _wire_seed(seed: int) -> int:
+    """The uint64 the pipe carries. A negative seed (the Python API takes what torch takes) is the
+    one torch makes of it, seed mod 2^64, so the core samples as the engine in process would."""
+    if not -(2**63) <= seed < _SEED_SPAN:
+        raise ValueError(f"seed must be in [-2^63, 2^64), as torch takes it; got {seed}")
+    return seed % _SEED_SPAN
+
+
+def params_from_proto(msg: pb.EngineSamplingParams) -> SamplingParams:
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(SamplingParams)}
+    for name in _OPTIONAL_PARAMS:
+        if not msg.HasField(name):
+            fields[name] = None
+    fields["stop"], fields["stop_token_ids"] = tuple(msg.stop), tuple(msg.stop_token_ids)
+    return SamplingParams(**fields)
+
+
+def step_tokens_to_proto(step: StepTokens, ticket: int) -> pb.CoreStepTokens:
+    """A step's tokens, column by column (a step of hundreds is a few list copies)."""
+    requests = step.requests
+    msg = pb.CoreStepTokens(
+        ticket=ticket,
+        time=step.time,
+        request_ids=[r.request_id for r in requests],
+        token_ids=step.token_ids,
+        num_cached_tokens=[r.num_cached_tokens for r in requests],
+        first_scheduled_times=[
+            math.nan if r.first_scheduled_time is None else r.first_scheduled_time for r in requests
+        ],
+        failed=[pb.CoreFailure(request_id=r.request_id, message=message) for r, message in step.failed],
+    )
+    for request_id, finish in step.finished.items():
+        msg.finished.add(request_id=request_id, reason=finish.reason.value)
+        if finish.stop_reason is not None:
+            msg.finished[-1].stop_token_id = finish.stop_reason
+    if step.logprobs is not None:
+        for r in requests:
+            logprobs = step.logprobs.get(r.request_id)
+            if logprobs is not None:
+                msg.logprobs.add(request_id=r.request_id, logprobs=logprobs_to_proto([logprobs])[0])
+    return msg
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value
+
+
+def finishes_from_proto(msg: pb.CoreStepTokens) -> dict[str, Finish]:
+    return {
+        f.request_id: Finish(FinishReason(f.reason), f.stop_token_id if f.HasField("stop_token_id") else None)
+        for f in msg.finished
+    }
+
+
+def logprobs_from_step_proto(msg: pb.CoreStepTokens) -> dict[str, TokenLogprobs] | None:
+    if not msg.logprobs:
+        return None
+    return {entry.request_id: logprobs_from_proto([entry.logprobs])[0] for entry in msg.logprobs}
+
+
+def load_to_proto(load: EngineLoad, with_steps: bool = True) -> pb.CoreLoad:
+    """with_steps False: the counts only (the step totals, histograms included, cost most of the encoding)."""
+    fields = {f.name: getattr(load, f.name) for f in dataclasses.fields(load) if f.name != "steps"}
+    if not with_steps:
+        return pb.CoreLoad(**fields)
+    steps = [pb.CoreStepTotals(kind=kind.value, **dataclasses.asdict(totals)) for kind, totals in load.steps.items()]
+    return pb.CoreLoad(steps=steps, **fields)
+
+
+def load_from_proto(msg: pb.CoreLoad) -> EngineLoad:
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(EngineLoad) if f.name != "steps"}
+    steps = {}
+    for s in msg.steps:
+        totals = {f.name: getattr(s, f.name) for f in dataclasses.fields(StepTotals)}
+        totals["bucket_counts"] = list(s.bucket_counts)
+        steps[StepKind(s.kind)] = StepTotals(**totals)
+    return EngineLoad(steps=steps, **fields)

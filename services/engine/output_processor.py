@@ -1,0 +1,299 @@
+"""Output processing: from a step's token ids to the RequestOutputs callers stream.
+
+Per request: incremental detokenization, stop strings, logprobs formatting, timings and the
+RequestOutput itself. OutputProcessor keeps its own per-request state and is fed in step order
+(`add` when a request arrives, `process` after each step, `abort` when one is aborted). It runs
+inline (a bare Engine.step returns its outputs) or on its own thread, OutputThread (what
+AsyncEngine uses, as vLLM v1's output processor and SGLang's detokenizer manager run apart from
+their schedulers): the step loop hands over the token ids and starts the next step at once.
+
+Stop strings are found here, after the engine may have moved on: `process` returns the requests
+to finish (ProcessedStep.to_finish) and the engine finishes them before its next schedule; with
+the output thread the engine waits, before scheduling step N + 2, until step N went through here,
+so a stop string still ends its request within one step. A request's final output is its last:
+a token the engine computed for it meanwhile is dropped, never streamed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.common.tokenizer import Tokenizer
+from splitserve.services.engine.detokenizer import IncrementalDetokenizer
+from splitserve.services.engine.outputs import Finish, OutputRequest, RequestOutput, RequestTimings, StepTokens
+from splitserve.services.engine.request import FinishReason, RequestStatus
+
+log = logging.getLogger("splitserve.services.engine")
+# The output thread offers the GIL back every this many requests (~0.1 ms of work on this CPU).
+_REQUESTS_BETWEEN_PAUSES = 32
+
+
+@dataclass(slots=True)
+class ProcessedStep:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    # Requests the engine must finish: a stop string matched (FINISHED_STOPPED) or their output
+    # processing failed (FINISHED_ABORTED, error in their output).
+    to_finish: list[tuple[str, RequestStatus]] = field(default_factory=list)
+
+
+class _Tracked:
+    """A request's output state: its detokenizer, counts and times."""
+
+    __slots__ = ("request", "detokenizer", "arrival", "first_token", "num_output_tokens", "timings")
+
+    def __init__(self, request: OutputRequest, detokenizer: IncrementalDetokenizer, arrival: float) -> None:
+        self.request = request  # read for fields fixed before its first token (prompt, cached tokens)
+        self.detokenizer = detokenizer
+        self.arrival = arrival
+        self.first_token: float | None = None
+        self.num_output_tokens = 0  # tokens processed here (the engine may be a step ahead)
+        self.timings: RequestTimings | None = None  # fixed once scheduled and with its first token
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._tracked: dict[str, _Tracked] = {}
+
+    def add(self, request: OutputRequest, arrival: float) -> None:
+        """Track a request that has no output token yet (its prompt never changes, whatever thread reads it)."""
+        prompt = request.all_token_ids[: request.num_prompt_tokens]
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt)
+        self._tracked[request.request_id] = _Tracked(request, detokenizer, arrival)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """An aborted request's final output (finish reason abort), or None if it already had one;
+        tokens the engine computed for it meanwhile are dropped."""
+        t = self._tracked.pop(request_id, None)
+        return None if t is None else _ended(t)
+
+    def num_tracked(self) -> int:
+        return len(self._tracked)
+
+    def process(self, step: StepTokens, pause: Callable[[], None] | None = None) -> ProcessedStep:
+        """The step's outputs; pause() is called between runs of requests (the output thread
+        yields the GIL there, so that the step loop never waits long for it)."""
+        done = ProcessedStep()
+        tracked, finished, outputs = self._tracked, step.finished, done.outputs
+        for i, (request, token_id) in enumerate(zip(step.requests, step.token_ids)):
+            if pause is not None and i % _REQUESTS_BETWEEN_PAUSES == _REQUESTS_BETWEEN_PAUSES - 1:
+                pause()
+            t = tracked.get(request.request_id)
+            if t is None:  # finished here already (a stop string) or aborted: drop the token
+                continue
+            try:
+                outputs.append(self._output(t, token_id, finished.get(request.request_id), step, done))
+            except Exception as e:  # isolation boundary: e.g. detokenizing this request's tokens
+                log.exception("output processing failed for request %s", request.request_id)
+                done.to_finish.append((request.request_id, RequestStatus.FINISHED_ABORTED))
+                outputs.append(self._failure(t, e))
+        for request, message in step.failed:
+            t = tracked.get(request.request_id)
+            if t is not None:  # else its final output went out already (a stop string one step before)
+                outputs.append(self._failure(t, message))
+        return done
+
+    def _output(
+        self, t: _Tracked, token_id: int, finish: Finish | None, step: StepTokens, done: ProcessedStep
+    ) -> RequestOutput:
+        request = t.request
+        rid = request.request_id
+        t.num_output_tokens += 1
+        if t.first_token is None:
+            t.first_token = step.time
+        detok = t.detokenizer
+        stop = detok.add_tokens([token_id])
+        if stop is not None:  # a stop string wins over whatever else ended the request this step
+            if finish is None:
+                done.to_finish.append((rid, RequestStatus.FINISHED_STOPPED))
+            finish = Finish(FinishReason.STOP, None, finish.handoff if finish else None)
+        if finish is not None:
+            detok.flush()
+            del self._tracked[rid]
+        logprobs = step.logprobs.get(rid) if step.logprobs is not None else None
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=[token_id],
+            new_text=detok.take_delta(finish is not None),
+            finished=finish is not None,
+            finish_reason=finish.reason if finish else None,
+            stop_reason=stop if stop is not None else (finish.stop_reason if finish else None),
+            new_logprobs=[logprobs] if logprobs is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=t.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            timings=t.timings or _timings(t),
+            handoff=finish.handoff if finish else None,
+        )
+
+    def _failure(self, t: _Tracked, error: Exception | str) -> RequestOutput:
+        """The final output of a request the engine failed on (it was stopped, its blocks freed)."""
+        self._tracked.pop(t.request.request_id, None)
+        if isinstance(error, Exception):
+            error = f"{type(error).__name__}: {error}"
+        message = f"the engine failed on this request ({error}); it was stopped and its KV blocks freed; "
+        return _ended(t, message + "the worker goes on")
+
+
+def _ended(t: _Tracked, error: str | None = None) -> RequestOutput:
+    """The final output of a request stopped before it finished: aborted, or failed (error)."""
+    request = t.request
+    return RequestOutput(
+        request_id=request.request_id,
+        new_token_ids=[],
+        new_text="",
+        finished=True,
+        finish_reason=FinishReason.ABORT,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=t.num_output_tokens,
+        num_cached_tokens=request.num_cached_tokens,
+        timings=_timings(t),
+        error=error,
+    )
+
+
+def _timings(t: _Tracked) -> RequestTimings:
+    scheduled = t.request.first_scheduled_time
+    ttft = (t.first_token - t.arrival) * 1e3 if t.first_token is not None else None
+    timings = RequestTimings(queue_ms=((scheduled or t.arrival) - t.arrival) * 1e3, ttft_ms=ttft)
+    if scheduled is not None and ttft is not None:  # neither changes any more
+        t.timings = timings
+    return timings
+
+
+_CLOSE = object()
+
+
+def yield_gil() -> None:
+    time.sleep(0)  # releases the GIL: a waiting step loop takes it now, not after the switch interval
+
+
+class OutputSink(ABC):
+    """Where an engine's step tokens go when it does not process them inline (Engine.step then
+    returns as soon as the sampled ids are known). Calls come from the step loop, in step order;
+    the requests to finish (stop strings, failed processing) come back to the engine through the
+    `report` callback its implementations are given, before the matching ticket is done."""
+
+    @abstractmethod
+    def add(self, request: OutputRequest, arrival: float) -> None:
+        """A request arrived: its outputs will be asked for."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """A request was aborted: its final output (finish reason abort) is delivered after what is
+        queued; later tokens of it are dropped."""
+
+    @abstractmethod
+    def submit(self, step: StepTokens) -> int:
+        """Queue a step's tokens; returns its ticket for wait()."""
+
+    @abstractmethod
+    def wait(self, ticket: int | None = None) -> None:
+        """Until the step with this ticket (default: every step so far) went through."""
+
+    @abstractmethod
+    def process_now(self, step: StepTokens) -> ProcessedStep | None:
+        """Process these tokens after what is queued and return the result instead of delivering it
+        (a decode worker's first token, whose output the handoff yields itself); None where outputs
+        are processed in another process (the tokens go there like a step's)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish what is queued (deliver it), then stop."""
+
+
+class OutputThread(OutputSink):
+    """Runs an OutputProcessor on its own thread; work is done in the order it was submitted.
+
+    A step's outputs go to `deliver` (from this thread); the requests to finish go to `report`
+    (from this thread: the engine applies them before its next step). If processing raises
+    outside the per-request boundary, the thread stops and every later call raises.
+    """
+
+    def __init__(
+        self,
+        processor: OutputProcessor,
+        deliver: Callable[[list[RequestOutput]], None],
+        report: Callable[[list[tuple[str, RequestStatus]]], None],
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._processor = processor
+        self._deliver, self._report, self._on_error = deliver, report, on_error
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._num_submitted = 0
+        self._num_done = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-output", daemon=True)
+        self._thread.start()
+
+    def submit(self, step: StepTokens) -> int:
+        """Queue a step's tokens; returns its ticket for wait()."""
+        return self._put((lambda p: p.process(step, yield_gil)), None)
+
+    def add(self, request: OutputRequest, arrival: float) -> None:
+        self._put(lambda p: p.add(request, arrival), None)
+
+    def abort(self, request_id: str) -> None:
+        self._put(lambda p: ProcessedStep(outputs=[out] if (out := p.abort(request_id)) else []), None)
+
+    def process_now(self, step: StepTokens) -> ProcessedStep:
+        future: Future[ProcessedStep] = Future()
+        self._put(lambda processor: processor.process(step), future)
+        return future.result()
+
+    def wait(self, ticket: int | None = None) -> None:
+        """Until the work with this ticket (default: all submitted so far) is done."""
+        ticket = self._num_submitted if ticket is None else ticket
+        with self._done:
+            self._done.wait_for(lambda: self._num_done >= ticket or self._error is not None)
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Finish what is queued, then end the thread."""
+        self._queue.put(_CLOSE)
+        self._thread.join()
+
+    def _put(self, fn: Callable[[OutputProcessor], Any], future: Future | None) -> int:
+        self._raise_if_failed()
+        self._num_submitted += 1
+        self._queue.put((fn, future))
+        return self._num_submitted
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the output thread died ({type(self._error).__name__}: {self._error})")
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not _CLOSE:
+            fn, future = item
+            try:
+                result = fn(self._processor)
+                if future is not None:
+                    future.set_result(result)
+                elif isinstance(result, ProcessedStep):  # a step's, or an abort's
+                    if result.to_finish:
+                        self._report(result.to_finish)
+                    if result.outputs:
+                        self._deliver(result.outputs)
+            except BaseException as e:  # nothing more can be trusted to reach the streams
+                log.exception("the output thread died")
+                if future is not None:
+                    future.set_exception(e)
+                with self._done:
+                    self._error = e
+                    self._done.notify_all()
+                if self._on_error is not None:
+                    self._on_error(e)
+                return
+            with self._done:
+                self._num_done += 1
+                self._done.notify_all()

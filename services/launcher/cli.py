@@ -1,0 +1,752 @@
+"""`splitserve` command line: generate, up, gateway, worker."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import TYPE_CHECKING
+
+from splitserve.common.roles import MODES, Role
+from splitserve.services.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
+from splitserve.services.launcher.lifeline import hold_lifeline
+from splitserve.services.launcher.security_args import (
+    add_certs_args,
+    add_client_args,
+    add_cluster_args,
+    add_gateway_security_args,
+    cluster_from_args,
+    gateway_credentials_from_args,
+    gateway_security_from_args,
+)
+
+if TYPE_CHECKING:
+    from splitserve.services.launcher.autoscale import UpPlanner
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--model", default=None, help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"
+    )
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    g.add_argument(
+        "--tensor-parallel-size",
+        "--tp",
+        type=int,
+        default=1,
+        help="ranks per worker, the model sharded over them by head (on CUDA rank r uses cuda:N+r)",
+    )
+    g.add_argument("--attention-backend", default=None, help="attention backend name (default: per device)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
+    g.add_argument(
+        "--decode-mirror-bytes",
+        type=int,
+        default=None,
+        help="CPU: bytes for contiguous copies of the decoding sequences' K/V kept across steps (default: "
+        "up to the KV cache's size; 0: off, every decode step gathers its context from the paged cache)",
+    )
+    g.add_argument(
+        "--gpu-memory-fraction",
+        type=float,
+        default=0.85,
+        help="CUDA: share of the device's total memory this worker may use (weights, activations, KV)",
+    )
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="run each prompt in one step (requests over --max-num-batched-tokens are refused)",
+    )
+    g.add_argument(
+        "--kv-lease-s",
+        type=float,
+        default=30.0,
+        help="prefill tier: release a finished prompt's KV blocks if no send claims them in this time",
+    )
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="replay decode steps from CUDA graphs captured at warm-up (CUDA, triton backend, one rank). "
+        "Off by default: untested on a GPU until `make gpu-check` passes there",
+    )
+    g.add_argument(
+        "--cuda-graph-max-batch",
+        type=int,
+        default=CudaGraphConfig().max_batch_size,
+        help="largest decode batch captured (sizes 1, 2, 4, ... up to min(this, --max-num-seqs))",
+    )
+
+
+def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=a.model,
+        dtype=a.dtype,
+        device=a.device,
+        tensor_parallel_size=a.tensor_parallel_size,
+        attention_backend=a.attention_backend,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        cache=CacheConfig(
+            block_size=a.block_size,
+            kv_cache_bytes=a.kv_cache_bytes,
+            decode_mirror_bytes=a.decode_mirror_bytes,
+            enable_prefix_caching=not a.no_prefix_caching,
+            kv_lease_s=a.kv_lease_s,
+            gpu_memory_fraction=a.gpu_memory_fraction,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            policy=a.policy,
+            enable_chunked_prefill=not a.no_chunked_prefill,
+        ),
+        cuda_graphs=CudaGraphConfig(enabled=a.cuda_graphs, max_batch_size=a.cuda_graph_max_batch),
+    )
+
+
+def _generate(a: argparse.Namespace) -> int:
+    if a.url:
+        return _generate_remote(a)
+    from splitserve.common.sampling_params import SamplingParams
+    from splitserve.services.engine.engine import Engine
+
+    params = SamplingParams(
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        max_tokens=a.max_tokens,
+        seed=a.sampling_seed,
+        stop=a.stop or (),
+    )
+    engine = Engine(engine_config_from_args(a))
+    try:
+        if a.cuda_graphs:  # graphs are captured by the warm-up a worker runs before serving
+            engine.warm_up()
+        _generate_in_process(engine, a, params)
+    finally:
+        engine.close()  # its tensor-parallel ranks, if any
+    return 0
+
+
+def _generate_in_process(engine, a: argparse.Namespace, params) -> None:
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": a.prompt}]) if a.chat else a.prompt
+    start = time.monotonic()
+    engine.add_request(prompt, params)
+    last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            last = out
+    elapsed = time.monotonic() - start
+    if last is not None:
+        assert last.finish_reason is not None  # the last output is the one that finished the request
+        print(
+            f"\n[{last.num_output_tokens} tokens, {last.num_output_tokens / elapsed:.1f} tok/s, "
+            f"TTFT {last.timings.ttft_ms or 0:.0f} ms, finish: {last.finish_reason.value}]",
+            file=sys.stderr,
+        )
+
+
+def _generate_remote(a: argparse.Namespace) -> int:
+    import grpc
+
+    from splitserve.protos.v1 import generation_pb2 as pb
+    from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
+
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParameters(
+            temperature=a.temperature, top_p=a.top_p, top_k=a.top_k or 0, seed=a.sampling_seed
+        ),
+        stopping=pb.StoppingCriteria(max_tokens=a.max_tokens, stop=a.stop or []),
+    )
+    if a.chat:
+        request.chat.messages.add(role="user", content=a.prompt)
+    else:
+        request.text = a.prompt
+    with gateway_credentials_from_args(a).blocking_channel(a.url) as channel:
+        try:
+            for chunk in pb_grpc.GenerationStub(channel).Generate(request):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.finish_reason:
+                    print(
+                        f"\n[{chunk.usage.completion_tokens} tokens, TTFT {chunk.timings.ttft_ms:.0f} ms, "
+                        f"E2E {chunk.timings.e2e_ms:.0f} ms, finish: {pb.FinishReason.Name(chunk.finish_reason)}]",
+                        file=sys.stderr,
+                    )
+        except grpc.RpcError as e:
+            print(f"\nsplitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _worker(a: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    import torch
+
+    from splitserve.common.tracing import setup_tracing
+    from splitserve.services.worker.server import EngineDied, WorkerConfig, serve_worker
+
+    tracing = setup_tracing(a.mode, a.otlp_traces_endpoint)  # logging too: lines name their request and trace
+    if a.cpus:
+        cores = {int(c) for c in a.cpus.split(",")}
+        os.sched_setaffinity(0, cores)  # this worker's cores only (fair colocated vs disaggregated runs)
+        torch.set_num_threads(a.num_threads or len(cores))
+    elif a.num_threads:
+        torch.set_num_threads(a.num_threads)
+    config = WorkerConfig(
+        engine=engine_config_from_args(a),
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        gateway=a.gateway,
+        mode=a.mode,
+        advertise_host=a.advertise_host,
+        kv_transfer_timeout_s=a.kv_transfer_timeout,
+        kv_streaming=a.kv_streaming,
+        engine_process=a.engine_process,
+        vllm_metric_names=a.vllm_metric_names,
+        engine_stall_timeout_s=a.engine_stall_timeout,
+        cluster=cluster_from_args(a),
+        otlp_traces_endpoint=a.otlp_traces_endpoint,
+    )
+    try:
+        asyncio.run(serve_worker(config))
+    except EngineDied as e:
+        print(f"worker: {e}", file=sys.stderr, flush=True)
+        return 3  # non-zero: `splitserve up` or the container's restart policy starts a new one
+    finally:
+        tracing.shutdown()  # sends the spans still buffered
+    return 0
+
+
+def _gateway(a: argparse.Namespace) -> int:
+    import asyncio
+
+    from splitserve.common.tracing import setup_tracing
+    from splitserve.gateway.server import GatewayConfig, serve_gateway
+    from splitserve.gateway.validation import RequestLimits
+
+    tracing = setup_tracing("gateway", a.otlp_traces_endpoint)  # logging too: lines name their request and trace
+    limits = RequestLimits(
+        max_prompt_bytes=a.max_prompt_bytes,
+        max_stop_bytes=a.max_stop_bytes,
+        max_stop_total_bytes=a.max_stop_total_bytes,
+        max_stops=a.max_stops,
+    )
+    config = GatewayConfig(
+        model=a.model,
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        workers=tuple(a.worker or ()),
+        max_pending=a.max_pending,
+        router=a.router,
+        forget_unhealthy_after_s=a.forget_unhealthy_after,
+        redis_url=a.redis_url,
+        limits=limits,
+        max_streams_per_connection=a.max_streams_per_connection,
+        security=gateway_security_from_args(a),
+        http_port=_http_port(a),
+        http_cors_origins=tuple(a.http_cors_origin),
+        internal_port=a.internal_port,
+    )
+    try:
+        with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
+            runner.run(serve_gateway(config))
+    finally:
+        tracing.shutdown()  # sends the spans still buffered
+    return 0
+
+
+def _http_port(a: argparse.Namespace) -> int | None:
+    return None if a.no_http or a.http_port < 0 else a.http_port
+
+
+def _event_loop_factory():
+    """uvloop's loop where it is installed (faster sockets for both servers), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+_WORKER_MODES = ("unified", "prefill", "decode")
+
+
+def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
+    from pathlib import Path
+
+    from splitserve.services.launcher.access import prepare_access
+    from splitserve.services.launcher.launcher import parse_devices, run_up
+
+    workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
+    gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
+    gateway_argv += [arg for flag in _LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
+    traces = ["--otlp-traces-endpoint", a.otlp_traces_endpoint] if a.otlp_traces_endpoint else []
+    return run_up(
+        workers,
+        engine_argv + traces,
+        a.host,
+        a.port,
+        a.prefill,
+        a.decode,
+        gateway_argv + traces,
+        a.admin_port or a.port + 1,
+        parse_devices(a.devices),
+        prepare_access(Path(a.secrets_dir), a.secure, a.host),
+        _http_port(a),
+        {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
+        _up_planner(a) if a.autoscale else None,
+        ready_timeout_s=a.ready_timeout,
+        mode_argv=None if a.engine_process else {mode: ["--no-engine-process"] for mode in _WORKER_MODES},
+        internal_port=a.internal_port or a.port + 2,
+    )
+
+
+def _up_planner(a: argparse.Namespace) -> UpPlanner:
+    """`up --autoscale`: the planner's settings; its tiers are those `up` starts (unified, or prefill and decode)."""
+    from pathlib import Path
+
+    from splitserve.services.launcher.autoscale import AutoscaleSettings, UpPlanner
+
+    colocated = not (a.prefill or a.decode)
+    if a.colocated and not colocated:
+        raise ValueError("--colocated plans unified workers: start them with --workers N, not --prefill/--decode")
+    log = None if a.planner_log == "-" else Path(a.planner_log or Path(a.secrets_dir) / "planner-decisions.jsonl")
+    return UpPlanner(AutoscaleSettings.from_args(a, colocated), log, a.planner_metrics_port)
+
+
+def _health(a: argparse.Namespace) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.common.security import GatewayCredentials
+
+    cluster = cluster_from_args(a)
+    if a.tls_ca:  # the gateway, verified with its CA
+        channel = GatewayCredentials(a.tls_ca).blocking_channel(a.address)
+    else:
+        channel = cluster.blocking_channel(a.address, to_worker=a.cluster_cert is not None)
+    with channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=a.timeout)
+        except grpc.RpcError as e:
+            print(f"{a.address}: {e.code().name}", file=sys.stderr)
+            return 1
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    print(f"{a.address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+    return 0 if serving else 1
+
+
+def _workers(a: argparse.Namespace) -> int:
+    import grpc
+
+    from splitserve.protos.v1 import worker_pb2 as pb
+    from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+
+    with cluster_from_args(a).blocking_channel(a.url, to_worker=False) as channel:
+        try:
+            reply = pb_grpc.RegistryStub(channel).ListWorkers(pb.ListWorkersRequest(), timeout=5)
+        except grpc.RpcError as e:
+            print(f"splitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(
+        f"{'id':<5}{'role':<9}{'address':<22}{'healthy':<9}{'in flight':>10}{'running':>9}{'waiting':>9}{'KV used':>9}"
+    )
+    for w in reply.workers:
+        total = w.load.num_total_blocks
+        used = f"{1 - w.load.num_free_blocks / total:.0%}" if total else "-"
+        role = (Role.from_proto(w.role) or Role.UNIFIED).value
+        print(
+            f"{w.worker_id:<5}{role:<9}{w.address:<22}{str(w.healthy).lower():<9}{w.outstanding:>10}"
+            f"{w.load.num_running:>9}{w.load.num_waiting:>9}{used:>9}"
+        )
+    return 0
+
+
+def _scale(a: argparse.Namespace) -> int:
+    import grpc
+
+    from splitserve.protos.v1 import launcher_pb2 as pb
+    from splitserve.protos.v1 import launcher_pb2_grpc as pb_grpc
+
+    request = pb.ScaleRequest()
+    for mode, value in (("unified", a.workers), ("prefill", a.prefill), ("decode", a.decode)):
+        if value is not None:
+            setattr(request, f"num_{mode}", value)
+    with cluster_from_args(a).blocking_channel(a.url, to_worker=False) as channel:
+        try:
+            reply = pb_grpc.LauncherStub(channel).Scale(request, timeout=600)
+        except grpc.RpcError as e:
+            print(f"splitserve: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    for line in reply.started:
+        print(f"started {line}")
+    for line in reply.drained:
+        print(f"drained {line}")
+    print(f"now: {reply.shape}")
+    return 0
+
+
+def _bench(a: argparse.Namespace) -> int:
+    from splitserve.experiments.bench import run_bench
+
+    return run_bench(a)
+
+
+def _experiment(a: argparse.Namespace) -> int:
+    from splitserve.experiments.experiment import run_experiment_file
+
+    return run_experiment_file(a.config, a.out)
+
+
+def _certs(a: argparse.Namespace) -> int:
+    from splitserve.services.launcher.certs import run  # cryptography: not in the gateway image, and only needed here
+
+    return run(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text in process and stream it to stdout")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--url", default=None, help="stream from a gateway at HOST:PORT instead of in process")
+    add_client_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    worker = sub.add_parser("worker", help="run one worker (an engine behind the Worker gRPC API)")
+    _add_server_args(worker)
+    worker.add_argument("--gateway", default=None, help="gateway HOST:PORT to register with")
+    worker.add_argument(
+        "--advertise-host",
+        default=None,
+        help="host the gateway and peers reach this worker at (default: --host, or this "
+        "machine's IP when --host is 0.0.0.0)",
+    )
+    worker.add_argument(
+        "--mode",
+        default=Role.UNIFIED.value,
+        choices=MODES,
+        help="unified: whole requests; prefill: prompts only, sends KV; decode: continues "
+        "requests whose KV a prefill worker sends",
+    )
+    worker.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="seconds any KV transfer step may take before it counts as failed",
+    )
+    worker.add_argument(
+        "--kv-streaming",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill: send a prompt's KV layer by layer while its last chunk computes (single-rank "
+        "workers; --no-kv-streaming: send it after the first token)",
+    )
+    worker.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine's step loop in a process of its own, fed over a pipe, so that the serving "
+        "thread's per-stream work never delays a step (services/engine/core_process.py; a prefill or decode worker's "
+        "KV handoffs run there too, services/disagg/core_prefill.py and services/disagg/core_decode.py); the default; "
+        "--no-engine-process: step in the serving process",
+    )
+    worker.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds the engine core may send nothing while work is queued before the worker gives up on it "
+        "(NOT_SERVING, exit 3: `up` or the container restarts it)",
+    )
+    worker.add_argument(
+        "--vllm-metric-names",
+        action="store_true",
+        help="also export the metrics vLLM has under vLLM's names (vllm:num_requests_running, ...) for tools "
+        "built for vLLM (docs/observability.md); `up` passes it to every worker",
+    )
+    worker.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    worker.add_argument("--cpus", default=None, help="pin this worker to these cores, e.g. 0,1 (threads = count)")
+    add_cluster_args(worker)
+    _add_tracing_args(worker)
+    add_engine_args(worker)
+    worker.set_defaults(func=_worker)
+
+    gateway = sub.add_parser("gateway", help="run the gateway (public Generation API: gRPC and OpenAI HTTP)")
+    _add_server_args(gateway)
+    gateway.add_argument(
+        "--forget-unhealthy-after",
+        type=float,
+        default=30.0,
+        help="seconds a worker may stay unhealthy before the gateway forgets it (it died without "
+        "deregistering); a live one registers again",
+    )
+    gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
+    gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
+    gateway.add_argument("--max-pending", type=int, default=256)
+    gateway.add_argument(
+        "--router",
+        default="kv-aware",
+        help="kv-aware (prefix index + load), least-outstanding, round-robin, prefix-affinity",
+    )
+    gateway.add_argument(
+        "--redis-url",
+        default=None,
+        help="keep the prefix index in Redis (redis://HOST:PORT/DB); default: in gateway memory",
+    )
+    _add_http_args(gateway, default_port=0)
+    gateway.add_argument(
+        "--http-cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let browser pages from ORIGIN (e.g. https://app.example) call the HTTP API (CORS); repeatable; "
+        "default: none (CORS off)",
+    )
+    gateway.add_argument(
+        "--internal-port",
+        type=int,
+        default=None,
+        help="serve the Registry (workers, operators) on this port instead of the public one, over the cluster's "
+        "mTLS only (needs --cluster-ca/--cluster-cert/--cluster-key; 0: a free one; `up` always gives one); the "
+        "public API then stays plaintext unless --tls-cert",
+    )
+    _add_limit_args(gateway)
+    add_gateway_security_args(gateway)
+    add_cluster_args(gateway)
+    _add_tracing_args(gateway)
+    gateway.set_defaults(func=_gateway)
+
+    bench = sub.add_parser(
+        "bench", help="send a workload to a gateway or an OpenAI-compatible server; report latency, goodput"
+    )
+    bench.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50 (goodput counts requests meeting both)")
+    bench.add_argument("--json", default=None, help="write the report (summary + every request) here")
+    bench.add_argument("--no-progress", action="store_true")
+    add_client_args(bench)
+    from splitserve.experiments.bench import add_target_args, add_workload_args
+
+    add_target_args(bench)
+    add_workload_args(bench)
+    bench.set_defaults(func=_bench)
+
+    health = sub.add_parser("health", help="exit 0 iff the gRPC server at ADDRESS reports SERVING")
+    health.add_argument("address")
+    health.add_argument("--timeout", type=float, default=2.0)
+    health.add_argument("--tls-ca", default=None, help="the server is a TLS gateway: verify it with this CA")
+    add_cluster_args(health)
+    health.set_defaults(func=_health)
+
+    workers = sub.add_parser("workers", help="list a gateway's workers: role, address, load, KV usage")
+    workers.add_argument("--url", default="127.0.0.1:50051", help="gateway HOST:PORT")
+    add_cluster_args(workers)
+    workers.set_defaults(func=_workers)
+
+    scale = sub.add_parser("scale", help="change the number of workers per tier of a running `splitserve up`")
+    scale.add_argument("--url", default="127.0.0.1:50052", help="the launcher control address `up` printed")
+    scale.add_argument("--workers", type=int, default=None, help="unified workers")
+    scale.add_argument("--prefill", type=int, default=None)
+    scale.add_argument("--decode", type=int, default=None)
+    add_cluster_args(scale)
+    scale.set_defaults(func=_scale)
+
+    experiment = sub.add_parser("experiment", help="run deployments x request rates from a TOML config")
+    experiment.add_argument("config", help="TOML file (see experiments/configs/)")
+    experiment.add_argument("--out", default=None, help="report folder (default: runs/<config name>-<time>)")
+    experiment.set_defaults(func=_experiment)
+
+    certs = sub.add_parser("certs", help="write a throwaway CA, certificates, an API key and a join secret")
+    add_certs_args(certs)
+    certs.set_defaults(func=_certs)
+
+    from splitserve.services.planner.cli import add_planner_args, add_policy_args, add_profile_args
+
+    add_planner_args(sub)
+    add_profile_args(sub)
+
+    from splitserve.services.launcher.launcher import READY_TIMEOUT_S
+
+    up = sub.add_parser("up", help="start a gateway and its workers as local processes")
+    up.add_argument(
+        "--workers", type=int, default=None, help="unified workers (default 1, or 0 with --prefill/--decode)"
+    )
+    up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
+    up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
+    up.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="workers run their engine (and a prefill or decode worker its KV handoffs) in a process of "
+        "their own (`splitserve worker --engine-process`, the default; --no-engine-process: in the "
+        "serving process)",
+    )
+    up.add_argument(
+        "--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill worker (default: --tp)"
+    )
+    up.add_argument(
+        "--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode worker (default: --tp)"
+    )
+    up.add_argument(
+        "--devices",
+        default=None,
+        help="spread workers over devices round robin: 'cuda' (every visible GPU, one worker each "
+        "in turn) or a list like cuda:0,cuda:1; default: every worker uses --device",
+    )
+    up.add_argument(
+        "--admin-port",
+        type=int,
+        default=0,
+        help="port of the launcher control service for `splitserve scale` (0: gateway port + 1)",
+    )
+    up.add_argument(
+        "--internal-port",
+        type=int,
+        default=0,
+        help="the gateway's port for workers and operators (Registry over the cluster's mTLS; `splitserve workers` "
+        "calls it) (0: gateway port + 2)",
+    )
+    up.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=READY_TIMEOUT_S,
+        metavar="S",
+        help=f"seconds each process may take to come up (load, warm up, report SERVING), at start and when "
+        f"scaled or restarted; past it `up` names the one that is not ready and its last log lines (default "
+        f"{READY_TIMEOUT_S:.0f})",
+    )
+    up.add_argument("--router", default="kv-aware", help="the gateway's router (see `splitserve gateway -h`)")
+    up.add_argument("--redis-url", default=None, help="prefix index in Redis; default: in gateway memory")
+    _add_limit_args(up)
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway port")
+    _add_http_args(up, default_port=8000)
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="TLS on the public API and an API key as well (default: the public API is plaintext and open; the "
+        "internal plane always runs mTLS with a join secret from a throwaway CA made in --secrets-dir)",
+    )
+    up.add_argument(
+        "--secrets-dir",
+        default=".splitserve",
+        help="where `up` keeps the cluster CA, certificates, join secret (and API key); reused only if it and "
+        "its files belong to this user and no one else can change them (keys and secrets: 0600)",
+    )
+    _add_tracing_args(up)
+    _add_autoscale_args(up)
+    add_policy_args(up, required=False)
+    up.set_defaults(func=None)
+    return parser
+
+
+def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("autoscaling (the SLO planner in this process: docs/planner.md)")
+    g.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="size the tiers to --ttft-ms and --itl-ms with the planner's options below (the tiers: prefill and "
+        "decode with --prefill/--decode, else unified)",
+    )
+    g.add_argument(
+        "--planner-log",
+        default=None,
+        help="append the planner's decisions here as JSON lines ('-': stderr; default: "
+        "<--secrets-dir>/planner-decisions.jsonl)",
+    )
+    g.add_argument("--planner-metrics-port", type=int, default=0, help="the planner's /metrics port (0: a free one)")
+
+
+_LIMIT_FLAGS = ("--max-prompt-bytes", "--max-stop-bytes", "--max-stop-total-bytes", "--max-stops")
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """The gateway's request limits (checked before tokenizing; over one: INVALID_ARGUMENT)."""
+    from splitserve.gateway.validation import RequestLimits
+
+    d = RequestLimits()
+    g = p.add_argument_group("request limits (gateway)")
+    g.add_argument(
+        "--max-prompt-bytes",
+        type=int,
+        default=d.max_prompt_bytes,
+        help="largest prompt text, or chat messages, in bytes (also raises gRPC's 4 MiB message limit)",
+    )
+    g.add_argument("--max-stop-bytes", type=int, default=d.max_stop_bytes, help="largest stop string in bytes")
+    g.add_argument(
+        "--max-stop-total-bytes",
+        type=int,
+        default=d.max_stop_total_bytes,
+        help="all stop strings of a request together, in bytes",
+    )
+    g.add_argument(
+        "--max-stops", type=int, default=d.max_stops, help="most stop strings, and most stop token ids, per request"
+    )
+
+
+def _add_http_args(p: argparse.ArgumentParser, default_port: int) -> None:
+    g = p.add_argument_group("OpenAI-compatible HTTP API (gateway; docs/openai.md)")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=default_port,
+        help=f"port of /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics ... "
+        f"(HTTPS with --tls-cert; 0: a free one, -1: off; default {default_port})",
+    )
+    g.add_argument("--no-http", action="store_true", help="serve no HTTP API (gRPC only)")
+
+
+def _add_tracing_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send traces (OpenTelemetry) to this OTLP/gRPC collector, e.g. http://localhost:4317; the standard "
+        "OTEL_TRACES_EXPORTER=otlp / OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT variables turn them on too (default: off)",
+    )
+
+
+def _add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: a free one)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    hold_lifeline()  # started by `up` (or a launcher): die with it
+    argv = sys.argv[1:] if argv is None else argv
+    args, extra = build_parser().parse_known_args(argv)
+    try:
+        if args.command == "up":  # the rest of the arguments go to every worker
+            return _up(args, extra)
+        if extra:
+            raise SystemExit(f"splitserve: error: unrecognized arguments: {' '.join(extra)}")
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"splitserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""The Worker gRPC service: streams an AsyncEngine's outputs, aborts on cancel, reports load, and
+(by role) serves the Prefill RPC or continues requests prefilled elsewhere."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from splitserve.common.roles import Role
+from splitserve.common.tracing import (
+    Context,
+    Span,
+    SpanKind,
+    context_from_metadata,
+    ended,
+    fail,
+    request_context,
+    steps_in,
+    tracer,
+)
+from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
+from splitserve.protos.v1 import generation_pb2 as gen_pb
+from splitserve.protos.v1 import worker_pb2 as pb
+from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
+from splitserve.services.disagg.handoff import HandoffError
+from splitserve.services.disagg.transfer.base import TransferError
+from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
+from splitserve.services.engine.core_client import CoreRefused, EngineCoreClient
+from splitserve.services.engine.engine import RequestOutput
+from splitserve.services.engine.handoff_port import EngineReports
+from splitserve.services.worker.handoffs import WorkerHandoffs
+from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+
+
+def engine_snapshot(port: EngineReports) -> EngineSnapshot:
+    load = port.load()
+    return EngineSnapshot(
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        kv_cache_usage=load.kv_usage,
+        num_preemptions=load.num_preemptions,
+        prefix_cache_queries=load.prefix_cache_queries,
+        prefix_cache_hits=load.prefix_cache_hits,
+        num_awaiting_kv=load.num_awaiting_kv,
+        num_held_blocks=load.num_held_blocks,
+        num_lease_expiries=load.num_lease_expiries,
+        num_failed_requests=load.num_failed_requests,
+        num_kv_blocks=load.num_total_blocks,
+        steps=load.steps,
+    )
+
+
+# What the caller gets for the engine's errors: its own bad parameters; a failure of the engine on
+# this request only (the worker goes on); or a dead engine loop (retry on another worker).
+_ENGINE_ERRORS = (ValueError, RequestFailed, EngineDead)
+
+
+def _status_of(error: Exception) -> grpc.StatusCode:
+    if isinstance(error, RequestFailed):
+        return grpc.StatusCode.INTERNAL
+    if isinstance(error, EngineDead):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _server_span(
+    name: str, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext, role: Role
+) -> tuple[Span, Context]:
+    """A call's span, a child of the caller's (its traceparent), and the context its work runs in."""
+    parent = context_from_metadata(context.invocation_metadata())
+    attributes = {
+        "splitserve.request_id": request.request_id,
+        "splitserve.role": role.value,
+        "splitserve.num_prompt_tokens": len(request.prompt_token_ids),
+    }
+    span = tracer.start_span(name, parent, SpanKind.SERVER, attributes=attributes)
+    return span, request_context(span, request.request_id, parent)
+
+
+def _stages(out: RequestOutput) -> gen_pb.StageTimings:
+    """The request's stages on this tier: the decode handoff's, or this engine's queue and compute."""
+    if out.stages is not None:
+        return gen_pb.StageTimings(**out.stages)
+    ttft_ms = out.timings.ttft_ms
+    compute_ms = 0.0 if ttft_ms is None else ttft_ms - out.timings.queue_ms
+    return gen_pb.StageTimings(prefill_queue_ms=out.timings.queue_ms, prefill_compute_ms=compute_ms)
+
+
+async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.StatusCode, message: str) -> None:
+    """Ends the call with this status, recorded on its span first (ended() does not count the abort)."""
+    fail(span, f"{code.name}: {message}")
+    await context.abort(code, message)
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine | EngineCoreClient,
+        metrics: WorkerMetrics,
+        port: EngineReports,
+        role: Role = Role.UNIFIED,
+        handoffs: WorkerHandoffs | None = None,
+    ) -> None:
+        """engine: in process (--no-engine-process) or an engine core process; port: the worker's view
+        of its load (HandoffPort, or the core's client); handoffs: a prefill or decode worker's."""
+        self.engine, self.metrics, self.port, self.role = engine, metrics, port, role
+        self.handoffs = handoffs
+        self.draining = False
+        self.request_drain: Callable[[], None] | None = None  # set by the server: starts the drain
+
+    async def Generate(self, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker is shutting down; retry on another")
+        timing = RequestTiming(arrival=time.monotonic())
+        span, ctx = _server_span("worker.generate", request, context, self.role)
+        with ended(span):
+            try:
+                async for out in steps_in(ctx, self._outputs(request, context)):
+                    yield self._response(out, timing, span)
+            except _ENGINE_ERRORS as e:
+                await _abort(context, span, _status_of(e), str(e))
+            except (HandoffError, CoreRefused) as e:  # CoreRefused: a HandoffError in an engine core
+                if e.failed_peer:
+                    context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
+                code = e.code if isinstance(e, HandoffError) else grpc.StatusCode[e.code]
+                await _abort(context, span, code, e.message)
+
+    async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
+        params = sampling_params_from_proto(
+            request.sampling, request.stopping, request.logprobs if request.HasField("logprobs") else None
+        )
+        # The client's id is a label only: the engine names the request itself, so a reused id can
+        # never reach another request's blocks.
+        prompt, label = list(request.prompt_token_ids), request.request_id
+        if request.prefill_address:
+            if self.role is not Role.DECODE:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this worker is not a decode worker; "
+                    "send requests with a prefill_address to one started with --mode decode",
+                )
+                return  # abort raised; this keeps type checkers from assuming it returns
+            assert self.handoffs is not None, "a decode worker has handoffs"
+            stream = self.handoffs.decode(prompt, params, request)
+        elif self.role is Role.PREFILL:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "a prefill worker runs prompts only (the "
+                "Prefill RPC); send whole requests to a unified or decode worker",
+            )
+        else:
+            stream = self.engine.generate(prompt, params, priority=request.priority, label=label)
+        async for out in stream:
+            yield out
+
+    def _response(self, out: RequestOutput, timing: RequestTiming, span: Span) -> pb.WorkerGenerateResponse:
+        now = time.monotonic()
+        if timing.first_token is None:
+            timing.first_token = now
+            span.add_event("first token")
+        elif timing.last_token is not None:
+            self.metrics.observe_token_gap(now - timing.last_token)
+        timing.last_token = now
+        msg = pb.WorkerGenerateResponse(
+            text=out.new_text, token_ids=out.new_token_ids, logprobs=logprobs_to_proto(out.new_logprobs)
+        )
+        if out.finished:
+            timing.finished, timing.queue_s = now, out.timings.queue_ms / 1e3
+            reason = out.finish_reason.value if out.finish_reason else "abort"
+            self.metrics.observe_finished(timing, out.num_prompt_tokens, out.num_output_tokens, reason)
+            msg.finish_reason = FINISH_REASONS[reason]
+            msg.stop_reason = "" if out.stop_reason is None else str(out.stop_reason)
+            msg.usage.CopyFrom(
+                gen_pb.Usage(
+                    prompt_tokens=out.num_prompt_tokens,
+                    completion_tokens=out.num_output_tokens,
+                    cached_prompt_tokens=out.num_cached_tokens,
+                )
+            )
+            msg.queue_ms = out.timings.queue_ms
+            msg.stages.CopyFrom(_stages(out))
+            span.set_attributes({"splitserve.num_output_tokens": out.num_output_tokens, "splitserve.finish": reason})
+        return msg
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
+        if self.role is not Role.PREFILL or self.handoffs is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
+        span, ctx = _server_span("worker.prefill", request.request, context, self.role)
+        with ended(span):
+            try:
+                async for response in steps_in(ctx, self._prefill(request)):
+                    yield response
+            except _ENGINE_ERRORS as e:
+                await _abort(context, span, _status_of(e), str(e))
+            except TransferError as e:
+                await _abort(context, span, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
+            except CoreRefused as e:  # the call ran in the engine core: the same codes and messages
+                await _abort(context, span, grpc.StatusCode[e.code], e.message)
+
+    async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[pb.PrefillResponse]:
+        r = request.request
+        timing = RequestTiming(arrival=time.monotonic())
+        params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
+        assert self.handoffs is not None  # checked by Prefill
+        async for response in self.handoffs.prefill(request, params):
+            if response.HasField("first_token"):
+                timing.first_token = timing.finished = time.monotonic()
+                timing.queue_s = response.first_token.queue_ms / 1e3
+                self.metrics.observe_finished(timing, len(r.prompt_token_ids), 1, "length")
+            yield response
+
+    async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
+        if self.request_drain is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker cannot be drained over RPC")
+            raise AssertionError("unreachable: abort raises")
+        self.request_drain()
+        return pb.DrainResponse(draining=True)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        """Aborts every request the client sent with this id (ids are labels, so there may be several)."""
+        return pb.AbortResponse(aborted=self.engine.abort_label(request.request_id) > 0)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.LoadReport:
+        load = self.port.load()
+        return pb.LoadReport(
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            num_free_blocks=load.num_free_blocks,
+            num_total_blocks=load.num_total_blocks,
+            block_size=load.block_size,
+            num_awaiting_kv=load.num_awaiting_kv,
+            role=self.role.proto,
+            num_held_blocks=load.num_held_blocks,
+            num_held_requests=load.num_held_requests,
+            tensor_parallel_size=load.tensor_parallel_size,
+        )
