@@ -1,0 +1,68 @@
+"""The fault suite on real processes: a 2P2D cluster (in-memory prefix index, then Redis) under
+concurrent load while workers are killed with SIGKILL and restarted, Redis stops and hangs, and
+clients cancel streams, let short deadlines expire and reuse each other's request ids. What is checked
+afterwards is listed at the top of fault_harness.py. A short run with a fixed seed; `make soak DURATION=600`
+runs it longer."""
+
+from __future__ import annotations
+
+import pytest
+from fault_harness import SoakConfig, run_soak
+from fault_report import (
+    Outcome,
+    Report,
+    check_outcomes,
+    format_details,
+    format_table,
+    traceback_summary,
+    write_json,
+)
+
+
+
+
+
+
+def _outcome(kind: str, status: str, tokens: list[int], details: str = "", elapsed_s: float = 0.1) -> Outcome:
+    deadline_s = 1.0 if kind == "deadline" else 30.0
+    return Outcome("c0-1", "c0-1", 0, kind, deadline_s, 0.0, elapsed_s, status, details, tokens)
+
+
+@pytest.mark.unit
+def test_the_checks_flag_what_they_must_and_nothing_else():
+    want = [[5, 6, 7, 8]]
+    fine = [
+        _outcome("normal", "OK", [5, 6, 7, 8]),
+        _outcome("cancel", "CANCELLED", [5, 6]),
+        _outcome("deadline", "DEADLINE_EXCEEDED", []),
+        _outcome("normal", "RESOURCE_EXHAUSTED", []),
+        _outcome(
+            "normal",
+            "UNAVAILABLE",
+            [5],
+            "decode worker w1 failed during the request (UNAVAILABLE: failed "
+            "to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused)",
+        ),
+    ]
+    report = Report("unit", {})
+    check_outcomes(report, want, fine)
+    assert report.failures == [] and report.wrong_tokens == 0
+    bad = [
+        _outcome("normal", "OK", [5, 6, 7, 9]),
+        _outcome("normal", "UNAVAILABLE", [6]),
+        _outcome("normal", "CANCELLED", []),
+        _outcome("normal", "DEADLINE_EXCEEDED", []),
+        _outcome("cancel", "UNKNOWN", []),
+        _outcome("probe", "UNAVAILABLE", []),
+        _outcome("normal", "UNAVAILABLE", [], "decode worker w2 failed during the request (INTERNAL: boom)"),
+        _outcome("deadline", "OK", [5, 6, 7, 8], elapsed_s=9.0),
+    ]
+    check_outcomes(report, want, bad)
+    assert report.wrong_tokens == 2 and len(report.failures) == len(bad)
+    lines = [
+        "1.0 [decode-0] Traceback (most recent call last):",
+        "1.0 [gateway] INFO ok",
+        '1.1 [decode-0]   File "x"',
+        "1.1 [decode-0] RuntimeError: engine step failed",
+    ]
+    assert traceback_summary(lines) == {"decode-0: RuntimeError: engine step failed": 1}
