@@ -28,7 +28,7 @@ ARG GATEWAY_DEPS="grpcio grpcio-health-checking grpcio-reflection protobuf prome
 ARG WORKER_SKIP_DEPS="torch"
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-COPY pyproject.toml README.md __init__.py ./
+COPY pyproject.toml README.md __init__.py __main__.py ./
 COPY common common
 COPY services services
 COPY gateway gateway

@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate lint test security-check bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix bench-tp experiment experiment-distserve bench-kernels gpu-check soak clean
+.PHONY: install serve serve-disagg generate lint test unit security-check bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix bench-tp experiment experiment-distserve bench-kernels gpu-check soak clean
 
 install: $(VENV)/.installed
 
@@ -40,9 +40,14 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/typecheck.py
 
+# Everything: tests/unit (with the kernels grids) and tests/integration, after lint.
 test: install lint
 	scripts/install-system-deps.sh
 	$(PY) -m pytest -q
+
+# The quick run while working: tests/unit only, one case per kernel, fewer random cases (under a minute).
+unit: install
+	$(PY) -m pytest -q -m unit
 
 # The attack tests of docs/security.md (already part of `make test`), run alone with one line per attack:
 # HELD, NOT HELD (an attack that still succeeds, with why) or SKIPPED. As root, attackers run as user nobody.
@@ -90,7 +95,7 @@ GPU_CHECK_JSON ?= runs/gpu-check/gpu_check.json
 gpu-check: install
 	$(PY) scripts/gpu_check.py --json $(GPU_CHECK_JSON)
 
-# The fault suite of tests/test_fault_suite.py, DURATION seconds per prefix-index backend (memory,
+# The fault suite of tests/integration/test_fault_suite.py, DURATION seconds per prefix-index backend (memory,
 # Redis): a table of requests, faults, outcomes, wrong tokens and leaked blocks; JSON to SOAK_JSON.
 DURATION ?= 300
 SOAK_JSON ?= runs/soak/soak.json

@@ -48,7 +48,7 @@ def require_cuda() -> None:
     if not torch.cuda.is_available():
         sys.exit(
             "benchmarks/attention_kernels.py needs a CUDA GPU (torch sees none); the kernels' CPU tests are "
-            "`python -m pytest tests/test_kernels.py` under the Triton interpreter"
+            "`python -m pytest tests/unit/kernels/test_kernels.py` under the Triton interpreter"
         )
 
 

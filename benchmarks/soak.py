@@ -1,4 +1,4 @@
-"""`make soak DURATION=600`: the fault suite of tests/test_fault_suite.py run longer (one harness,
+"""`make soak DURATION=600`: the fault suite of tests/integration/test_fault_suite.py run longer (one harness,
 tests/fault_harness.py). A 2P2D cluster on the tiny test model, with the in-memory prefix index and
 then with Redis, under concurrent load while workers are killed and restarted, Redis stops and
 hangs, and clients cancel and let deadlines expire. Prints a table (requests, faults by kind,

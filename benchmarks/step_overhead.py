@@ -24,7 +24,7 @@ much less disturbed than wall time by other processes on a shared machine):
   share one GIL, so their wall times add up; a real forward leaves the GIL to the output thread).
 
 --baseline-pythonpath DIR runs the same measurement first in a subprocess importing `splitserve`
-from DIR (e.g. a symlink farm over a `git worktree` of HEAD: docs/benchmarks.md gives the commands),
+from DIR (e.g. a folder whose one link, `splitserve`, points at a `git worktree` of HEAD: docs/benchmarks.md),
 so that both sides are measured in one session, and prints the ratios.
 
 Usage: python benchmarks/step_overhead.py [--batches 32,256] [--steps 200] [--json runs/step_overhead.json]

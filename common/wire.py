@@ -58,13 +58,6 @@ def logprobs_to_proto(entries) -> list[gen_pb.TokenLogprob]:
     ]
 
 
-def logprobs_from_proto(entries) -> list:
-    """TokenLogprob protos back to the engine's TokenLogprobs."""
-    from splitserve.services.engine.sampler import TokenLogprobs  # torch: only workers call this
-
-    return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
-
-
 def kv_events_to_proto(events) -> list[wpb.KVCacheEvent]:
     out = []
     for e in events:

@@ -103,7 +103,7 @@ async def measure(
 
 def connect_from_args(a: argparse.Namespace) -> tuple[Connect, dict]:
     """The client the flags name, and the settings to record with its report."""
-    from splitserve.services.launcher.security_args import gateway_credentials_from_args
+    from splitserve.common.security_args import gateway_credentials_from_args
 
     if a.backend == "grpc":
         return grpc_connect(a.url, credentials=gateway_credentials_from_args(a)), {"backend": "grpc", "url": a.url}

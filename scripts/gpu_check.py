@@ -4,7 +4,7 @@ on a GPU, perhaps 1 to 2).
 
 Checks, in this order (each pass / fail / skip with its key numbers; one table at the end, and JSON
 with --json):
-  kernel-tests   tests/test_kernels.py, test_kernels_engine.py, test_warm_up.py and test_cuda_graphs.py
+  kernel-tests   tests/unit/kernels/test_kernels.py, test_kernels_engine.py, test_warm_up.py and test_cuda_graphs.py
                  compiled on the device (three pytest processes at once: compiling is CPU-bound)
   holdout-bf16   a tiny Llama made on the fly as tests/conftest.py does (no hub download), our engine in
                  bf16 on the Triton backend vs transformers on the same weights, teacher-forced on our
@@ -137,9 +137,14 @@ def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
 def kernel_tests(timeout_s: float) -> Result:
     attention = "paged_decode_attention or paged_prefill_attention"
     groups = [
-        ["tests/test_kernels.py", "-k", "paged_decode_attention"],
-        ["tests/test_kernels.py", "-k", "paged_prefill_attention"],
-        ["tests/test_kernels.py", "tests/test_kernels_engine.py", "tests/test_warm_up.py", "tests/test_cuda_graphs.py"]
+        ["tests/unit/kernels/test_kernels.py", "-k", "paged_decode_attention"],
+        ["tests/unit/kernels/test_kernels.py", "-k", "paged_prefill_attention"],
+        [
+            "tests/unit/kernels/test_kernels.py",
+            "tests/unit/model/test_kernels_engine.py",
+            "tests/unit/engine/test_warm_up.py",
+            "tests/unit/engine/test_cuda_graphs.py",
+        ]
         + ["-k", f"not ({attention})"],
     ]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]

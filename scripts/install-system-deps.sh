@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tests need three Debian packages: redis-server (the prefix-index tests start a real one, no
-# fakes), prometheus (tests/test_prometheus.py scrapes a real cluster and evaluates the Grafana
-# dashboard's queries) and docker-compose (tests/test_deploy.py validates the compose files with
+# fakes), prometheus (tests/integration/test_prometheus.py scrapes a real cluster and evaluates the Grafana
+# dashboard's queries) and docker-compose (tests/integration/test_deploy.py validates the compose files with
 # `docker-compose config`; that needs no Docker daemon). Install whichever is missing.
 set -euo pipefail
 

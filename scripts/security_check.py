@@ -16,12 +16,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTACK_GLOBS = (
-    "tests/test_join_secret*.py",
-    "tests/test_http_limits*.py",
-    "tests/test_security.py",
-    "tests/test_security_attacks.py",
-    "tests/test_transfer_security.py",
-    "tests/test_member_certificates.py",
+    "tests/**/test_join_secret*.py",
+    "tests/**/test_http_limits*.py",
+    "tests/integration/test_security.py",
+    "tests/integration/test_security_attacks.py",
+    "tests/unit/disagg/test_kv_store_records.py",
+    "tests/integration/test_transfer_security.py",
+    "tests/unit/common/test_member_certificates.py",
 )
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import random
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -312,3 +315,27 @@ def kill_engine_core_mid_stream(worker, stream) -> None:
     else:
         raise AssertionError("the stream ended OK after its engine core was killed")
     assert worker.proc.wait(30) == 3
+
+
+# Roles the template knows; "tool" hits raise_exception, "ghost" an undefined attribute (UndefinedError).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'ghost' %}{{ m.nothing.deeper }}{% endif %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant', 'ghost'] %}"
+    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def write_chat_model(src, dst):
+    """A copy of a tiny model folder with CHAT_TEMPLATE in its tokenizer_config.json."""
+    shutil.copytree(src, dst)
+    (dst / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return dst
+
+
+def big_text(num_bytes: int) -> str:
+    """About num_bytes of plain words (a big prompt that tokenizes to many tokens)."""
+    words, rng = "the quick brown fox jumps over the lazy dog paged attention".split(), random.Random(0)
+    return " ".join(rng.choices(words, k=num_bytes // 3))[:num_bytes]

@@ -24,15 +24,30 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 VOCAB_SIZE = 320
-# Every test is exactly one of these (registered in pyproject.toml): unit tests run in this process in
-# seconds (`pytest -m unit`); integration tests start real processes (gateway and workers, redis-server,
-# docker-compose) or run the real bundled model. Mark a whole file with `pytestmark = pytest.mark.unit`;
-# a file holding both kinds marks each test (or fixture parameter) instead.
-SUITES = frozenset({"unit", "integration"})
+# Where a test lives says what it is. tests/unit/<area>/ (the package it covers): in this process, in
+# seconds; `pytest -m unit` (`make unit`) runs them, with fewer random cases (tests/suites.py). Their
+# slow part, whole engines on the Triton interpreter and kernel grids past one case each, carries the
+# marker `kernels` instead. tests/integration/: real processes (gateway and workers, redis-server,
+# docker-compose) or the real bundled model. `make test` runs all three; every test is exactly one.
+SUITES = frozenset({"unit", "kernels", "integration"})
+_TESTS = Path(__file__).resolve().parent
+_FOLDER_SUITE = {_TESTS / "unit": "unit", _TESTS / "integration": "integration"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    import suites
+
+    suites.configure(quick=config.option.markexpr == "unit")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects, so a test without its suite fails every run
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        suite = next((s for folder, s in _FOLDER_SUITE.items() if folder in Path(item.path).parents), None)
+        if suite == "unit" and item.get_closest_marker("kernels"):
+            continue
+        if suite is not None:
+            item.add_marker(suite)
     wrong = [
         f"{item.nodeid}: {sorted(found) or 'none'}"
         for item in items
@@ -40,8 +55,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     ]
     if wrong:
         raise pytest.UsageError(
-            "every test needs exactly one of the markers unit or integration "
-            "(see tests/conftest.py); these have:\n  " + "\n  ".join(wrong)
+            "every test is in tests/unit/ (unit, or kernels) or tests/integration/, with no other suite's "
+            "marker (see tests/conftest.py); these are not:\n  " + "\n  ".join(wrong)
         )
 
 

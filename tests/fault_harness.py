@@ -14,7 +14,7 @@ Afterwards (settle_and_check):
     the gateway has no request outstanding on any worker;
   - the gateway is the process started at the beginning and serves every request right again.
 
-The one harness behind tests/test_fault_suite.py (short, fixed seed) and benchmarks/soak.py
+The one harness behind tests/integration/test_fault_suite.py (short, fixed seed) and benchmarks/soak.py
 (`make soak`); fault_report.py holds the checks, the table and the JSON, cluster_helpers.Cluster
 kills and restarts the processes. A seed fixes the workload and the fault plan; how they interleave
 with real processes still varies from run to run.

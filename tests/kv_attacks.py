@@ -87,6 +87,17 @@ def write_store(address: str, num_bytes: int) -> dict:
         return {"written": written, "error": f"{type(e).__name__}: {e}"[:200]}
 
 
+async def move_once(receiver, sender) -> None:
+    """One transfer of SHAPE on a new channel; its bytes arrive whole (the tests' known-good transfer)."""
+    import torch
+
+    channel = receiver.channel_for("prefill-a")
+    buffer, data = torch.zeros(SHAPE), torch.randn(SHAPE)
+    tag = receiver.next_tag(channel)
+    await asyncio.gather(receiver.recv(channel, tag, buffer), sender.send(channel, tag, data))
+    assert torch.equal(buffer, data)
+
+
 def victim() -> None:
     import torch
 

@@ -15,8 +15,7 @@ from redis_helpers import RedisServer
 
 from splitserve.common.block_hash import BlockHash, hash_block_tokens
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from splitserve.gateway.kv_index import ApplyResult, EventBatch, IndexUnavailable, KVIndex, make_index
-from splitserve.gateway.kv_index.redis_index import RedisIndex
+from splitserve.gateway.kv_index import ApplyResult, EventBatch, KVIndex, make_index
 from splitserve.services.engine.kv_cache.block_pool import BlockPool, KVBlock
 
 APPLIED, RESYNC = ApplyResult.APPLIED, ApplyResult.RESYNC
@@ -315,5 +314,3 @@ def test_random_events_with_lost_batches_and_restarts_converge(backend, run, see
         assert run(index.lookup(hashes, names + ["nobody"])) == {**expected_lookup(workers, hashes), "nobody": 0}
     assert sum(w.pool.num_cached_blocks() for w in workers) > 0
     assert min(counts.values()) > 0, counts  # every path (resync, events, loss) was exercised
-
-

@@ -1,6 +1,6 @@
 """The prefix index contract: which live worker holds which KV blocks, kept from the workers' own
 block-pool events. Two backends behind it (memory: the embedded default; redis: --redis-url),
-both checked by the same contract tests (tests/test_kv_index.py).
+both checked by the same contract tests (tests/unit/gateway/test_kv_index.py).
 
 Protocol with a worker (one writer per worker: the gateway that worker publishes to):
 - A worker publishes EventBatches with seq 1, 2, 3, ... under an instance id that changes when the

@@ -3,7 +3,9 @@ blocks, EOS ids, the model's context) live in RuntimeInfo, never written back he
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _POLICIES = ("fcfs", "priority")
@@ -82,6 +84,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    # A follower rank's KV transfer agent, (its ModelRunner, send to rank 0) -> ranks.TransferAgent: a
+    # worker names disagg's (services/disagg/rank_transfers.py RankAgent, pickled by name into each rank);
+    # None (the offline engine): the ranks take no transfer orders.
+    rank_agent: Callable[[Any, Callable[[bytes], None]], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

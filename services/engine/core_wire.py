@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.common.wire import logprobs_from_proto, logprobs_to_proto
+from splitserve.common.wire import logprobs_to_proto
 from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.services.engine.handoff_port import EngineLoad
 from splitserve.services.engine.outputs import Finish, StepTokens
@@ -18,6 +18,11 @@ from splitserve.services.engine.step_stats import StepKind, StepTotals
 # SamplingParams fields whose None the proto carries as "unset" (every other field is always set)
 _OPTIONAL_PARAMS = ("top_k", "seed", "max_tokens", "logprobs")
 _SEED_SPAN = 2**64  # the seed is uint64 on every hop (the public API's type)
+
+
+def logprobs_from_proto(entries) -> list[TokenLogprobs]:
+    """TokenLogprob protos back to the engine's TokenLogprobs."""
+    return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
 
 
 def params_to_proto(params: SamplingParams) -> pb.EngineSamplingParams:

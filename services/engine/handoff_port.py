@@ -1,5 +1,5 @@
 """The engine's side of a KV handoff between tiers: the one door through which services/disagg/ and services/worker/
-reach the engine's insides (tests/test_layout.py checks that they use nothing else of it).
+reach the engine's insides (tests/unit/test_layout.py checks that they use nothing else of it).
 
 Split by role, as vLLM's KV connector is (scheduler side / worker side):
 

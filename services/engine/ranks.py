@@ -396,7 +396,8 @@ def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe:
     device = rank_device(resolve_device(config.device), rank)
     groups = make_groups(store, rank, config.tensor_parallel_size, device)
     runner = ModelRunner(config, open_model(config.model), max_model_len, groups)
-    agent = _transfer_agent(runner, pipe)
+    # The KV transfers are disagg's (its transport and wire): the worker names their agent in the config.
+    agent = config.rank_agent(runner, pipe.send_bytes) if config.rank_agent is not None else None
     follower = _Follower(runner, agent)
     try:
         while True:
@@ -408,7 +409,8 @@ def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe:
                 break
             follower.carry_out(order)
     finally:
-        agent.close()
+        if agent is not None:
+            agent.close()
     # Not a return into the interpreter's exit: the agent's thread (a daemon) may still hold the last
     # reference to the runner and its gloo groups, and a gloo group freed there while the interpreter
     # finalizes aborts the process ("terminate called without an active exception", exit -6).
@@ -418,21 +420,22 @@ def follow(config: EngineConfig, max_model_len: int, rank: int, port: int, pipe:
     os._exit(0)
 
 
-def _transfer_agent(runner: ModelRunner, pipe: Connection) -> TransferAgent:
-    # The transfers are disagg's (its transport and wire); imported in the follower process only.
-    from splitserve.services.disagg.rank_transfers import RankAgent
-
-    return RankAgent(runner, pipe.send_bytes)
-
-
 class _Follower:
     """A follower's step loop: steps and commits here, transfers on the agent's thread. A STREAM_KV
     order comes just before the STEP that computes its blocks: that step marks the layers it writes
     in the progress the order's send waits on."""
 
-    def __init__(self, runner: ModelRunner, agent: TransferAgent) -> None:
-        self.runner, self.agent = runner, agent
+    def __init__(self, runner: ModelRunner, agent: TransferAgent | None) -> None:
+        self.runner, self._agent = runner, agent
         self._next_step: LayerProgress | None = None  # what the next STEP's streamed sends wait on
+
+    @property
+    def agent(self) -> TransferAgent:
+        if self._agent is None:
+            raise RuntimeError(
+                "a KV transfer order reached a rank started without a transfer agent (EngineConfig.rank_agent)"
+            )
+        return self._agent
 
     def carry_out(self, order: Message) -> None:
         op, runner = Op(order.kind), self.runner

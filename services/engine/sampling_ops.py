@@ -5,7 +5,7 @@ index tensors built once per step on the host), so a step costs a fixed number o
 whatever the batch size. Penalties and min_tokens blocking are sparse: they read and write only
 the (row, token id) pairs they concern. On CPU the ops give bit-identical values to the per-row
 reference, except that top-p keeps every token tied with its last one, where the reference's sort
-order decides (tests/test_sampler_batched.py compares values bit for bit and tokens one for one).
+order decides (tests/unit/engine/test_sampler_batched.py compares values bit for bit and tokens one for one).
 On CUDA, top-p reads back which rows its partial sort settled (one synchronisation).
 
 The `*_ref` functions are the per-row sampler this replaced, kept as the reference for tests and

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from splitserve.common.security import CLUSTER_TLS_NAME, ClusterSecurity, TlsIdentity
-from splitserve.services.launcher.security_args import DEFAULT_HOSTS, add_certs_args
+from splitserve.services.launcher.cli import DEFAULT_HOSTS, add_certs_args
 
 VALID_FOR = timedelta(days=365)
 CLOCK_SKEW = timedelta(hours=1)  # valid from an hour ago, for hosts whose clocks run a little behind

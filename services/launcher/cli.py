@@ -5,112 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from splitserve.common.roles import MODES, Role
-from splitserve.services.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
-from splitserve.services.launcher.lifeline import hold_lifeline
-from splitserve.services.launcher.security_args import (
-    add_certs_args,
+from splitserve.common.security_args import (
     add_client_args,
     add_cluster_args,
-    add_gateway_security_args,
     cluster_from_args,
     gateway_credentials_from_args,
-    gateway_security_from_args,
 )
+from splitserve.gateway.security_args import add_gateway_security_args, gateway_security_from_args
+from splitserve.services.engine.arg_utils import add_engine_args, engine_config_from_args
+from splitserve.services.launcher.lifeline import hold_lifeline
 
 if TYPE_CHECKING:
     from splitserve.services.launcher.autoscale import UpPlanner
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument(
-        "--model", default=None, help="Hugging Face folder or .gguf file (default: bundled SmolLM2-135M-Instruct)"
-    )
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    g.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    g.add_argument(
-        "--tensor-parallel-size",
-        "--tp",
-        type=int,
-        default=1,
-        help="ranks per worker, the model sharded over them by head (on CUDA rank r uses cuda:N+r)",
-    )
-    g.add_argument("--attention-backend", default=None, help="attention backend name (default: per device)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes")
-    g.add_argument(
-        "--decode-mirror-bytes",
-        type=int,
-        default=None,
-        help="CPU: bytes for contiguous copies of the decoding sequences' K/V kept across steps (default: "
-        "up to the KV cache's size; 0: off, every decode step gathers its context from the paged cache)",
-    )
-    g.add_argument(
-        "--gpu-memory-fraction",
-        type=float,
-        default=0.85,
-        help="CUDA: share of the device's total memory this worker may use (weights, activations, KV)",
-    )
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument(
-        "--no-chunked-prefill",
-        action="store_true",
-        help="run each prompt in one step (requests over --max-num-batched-tokens are refused)",
-    )
-    g.add_argument(
-        "--kv-lease-s",
-        type=float,
-        default=30.0,
-        help="prefill tier: release a finished prompt's KV blocks if no send claims them in this time",
-    )
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--policy", default="fcfs", choices=["fcfs", "priority"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="replay decode steps from CUDA graphs captured at warm-up (CUDA, triton backend, one rank). "
-        "Off by default: untested on a GPU until `make gpu-check` passes there",
-    )
-    g.add_argument(
-        "--cuda-graph-max-batch",
-        type=int,
-        default=CudaGraphConfig().max_batch_size,
-        help="largest decode batch captured (sizes 1, 2, 4, ... up to min(this, --max-num-seqs))",
-    )
-
-
-def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        tensor_parallel_size=a.tensor_parallel_size,
-        attention_backend=a.attention_backend,
-        max_model_len=a.max_model_len,
-        seed=a.seed,
-        cache=CacheConfig(
-            block_size=a.block_size,
-            kv_cache_bytes=a.kv_cache_bytes,
-            decode_mirror_bytes=a.decode_mirror_bytes,
-            enable_prefix_caching=not a.no_prefix_caching,
-            kv_lease_s=a.kv_lease_s,
-            gpu_memory_fraction=a.gpu_memory_fraction,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
-            policy=a.policy,
-            enable_chunked_prefill=not a.no_chunked_prefill,
-        ),
-        cuda_graphs=CudaGraphConfig(enabled=a.cuda_graphs, max_batch_size=a.cuda_graph_max_batch),
-    )
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -402,27 +313,23 @@ def _scale(a: argparse.Namespace) -> int:
     return 0
 
 
-def _bench(a: argparse.Namespace) -> int:
-    from splitserve.experiments.bench import run_bench
-
-    return run_bench(a)
-
-
-def _experiment(a: argparse.Namespace) -> int:
-    from splitserve.experiments.experiment import run_experiment_file
-
-    return run_experiment_file(a.config, a.out)
-
-
 def _certs(a: argparse.Namespace) -> int:
     from splitserve.services.launcher.certs import run  # cryptography: not in the gateway image, and only needed here
 
     return run(a)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*more_commands: Callable[[Any], None]) -> argparse.ArgumentParser:
+    """The commands of the processes `up` starts and manages, and the planner's; `splitserve` passes
+    the experiments' in more_commands (splitserve/__main__.py)."""
     parser = argparse.ArgumentParser(prog="splitserve", description="Disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (add_commands, *more_commands):
+        add(sub)
+    return parser
+
+
+def add_commands(sub) -> None:
     gen = sub.add_parser("generate", help="generate text in process and stream it to stdout")
     gen.add_argument("prompt")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -540,19 +447,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tracing_args(gateway)
     gateway.set_defaults(func=_gateway)
 
-    bench = sub.add_parser(
-        "bench", help="send a workload to a gateway or an OpenAI-compatible server; report latency, goodput"
-    )
-    bench.add_argument("--slo", default="", help="e.g. ttft_ms=500,tpot_ms=50 (goodput counts requests meeting both)")
-    bench.add_argument("--json", default=None, help="write the report (summary + every request) here")
-    bench.add_argument("--no-progress", action="store_true")
-    add_client_args(bench)
-    from splitserve.experiments.bench import add_target_args, add_workload_args
-
-    add_target_args(bench)
-    add_workload_args(bench)
-    bench.set_defaults(func=_bench)
-
     health = sub.add_parser("health", help="exit 0 iff the gRPC server at ADDRESS reports SERVING")
     health.add_argument("address")
     health.add_argument("--timeout", type=float, default=2.0)
@@ -572,11 +466,6 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--decode", type=int, default=None)
     add_cluster_args(scale)
     scale.set_defaults(func=_scale)
-
-    experiment = sub.add_parser("experiment", help="run deployments x request rates from a TOML config")
-    experiment.add_argument("config", help="TOML file (see experiments/configs/)")
-    experiment.add_argument("--out", default=None, help="report folder (default: runs/<config name>-<time>)")
-    experiment.set_defaults(func=_experiment)
 
     certs = sub.add_parser("certs", help="write a throwaway CA, certificates, an API key and a join secret")
     add_certs_args(certs)
@@ -659,7 +548,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_autoscale_args(up)
     add_policy_args(up, required=False)
     up.set_defaults(func=None)
-    return parser
 
 
 def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
@@ -733,10 +621,21 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: a free one)")
 
 
-def main(argv: list[str] | None = None) -> int:
+DEFAULT_HOSTS = ("localhost", "127.0.0.1")  # the names a `splitserve certs` gateway certificate holds by default
+
+
+def add_certs_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `splitserve certs` (services/launcher/certs.py; here because that module needs cryptography)."""
+    p.add_argument("--out", required=True, type=Path, help="folder for the bundle (made 0700)")
+    hosts = f"a name or IP clients and workers dial the gateway by (repeatable; default: {' '.join(DEFAULT_HOSTS)})"
+    p.add_argument("--host", action="append", dest="hosts", help=hosts)
+    p.add_argument("--overwrite", action="store_true", help="replace a complete bundle already in --out")
+
+
+def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     hold_lifeline()  # started by `up` (or a launcher): die with it
     argv = sys.argv[1:] if argv is None else argv
-    args, extra = build_parser().parse_known_args(argv)
+    args, extra = (parser or build_parser()).parse_known_args(argv)
     try:
         if args.command == "up":  # the rest of the arguments go to every worker
             return _up(args, extra)

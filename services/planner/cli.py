@@ -23,7 +23,7 @@ def add_planner_args(subparsers) -> None:
     p.add_argument("--log", default=None, help="append the decisions here as JSON lines (default: stdout)")
     p.add_argument("--host", default="127.0.0.1", help="where to serve the planner's own /metrics")
     p.add_argument("--metrics-port", type=int, default=0, help="the planner's /metrics port (0: a free one)")
-    from splitserve.services.launcher.security_args import add_cluster_args
+    from splitserve.common.security_args import add_cluster_args
 
     add_cluster_args(p)
     p.set_defaults(func=run_planner)
@@ -108,8 +108,8 @@ def planner_config_from_args(a: argparse.Namespace, colocated: bool | None = Non
 
 
 def run_planner(a: argparse.Namespace) -> int:
+    from splitserve.common.security_args import cluster_from_args
     from splitserve.common.serving import start_metrics_server
-    from splitserve.services.launcher.security_args import cluster_from_args
     from splitserve.services.planner.loop import LauncherScaler, PlannerLoop
     from splitserve.services.planner.metrics import PlannerMetrics
     from splitserve.services.planner.policy import make_policy
@@ -138,7 +138,7 @@ def run_planner(a: argparse.Namespace) -> int:
 
 
 def add_profile_args(subparsers) -> None:
-    from splitserve.services.launcher.cli import add_engine_args
+    from splitserve.services.engine.arg_utils import add_engine_args
 
     p = subparsers.add_parser(
         "profile", help="time a worker's prefill and decode steps at a grid of shapes into a performance profile"
@@ -153,8 +153,8 @@ def add_profile_args(subparsers) -> None:
 
 
 def run_profile(a: argparse.Namespace) -> int:
+    from splitserve.services.engine.arg_utils import engine_config_from_args
     from splitserve.services.engine.engine import Engine
-    from splitserve.services.launcher.cli import engine_config_from_args
     from splitserve.services.planner.profiler import ProfileGrid, measure_profile
 
     def ints(text: str) -> tuple[int, ...]:

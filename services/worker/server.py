@@ -8,6 +8,7 @@ requests whose prompt a prefill worker computes; hosts the TCPStore its KV chann
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -28,7 +29,7 @@ from splitserve.services.disagg.core_decode import CoreDecodeSetup
 from splitserve.services.disagg.core_prefill import CorePrefillSetup
 from splitserve.services.disagg.decode import DecodeHandoff
 from splitserve.services.disagg.prefill_client import GrpcPrefillClient
-from splitserve.services.disagg.rank_transfers import Endpoint, open_rank_endpoints
+from splitserve.services.disagg.rank_transfers import Endpoint, RankAgent, open_rank_endpoints
 from splitserve.services.disagg.transfer.base import TransferFailure
 from splitserve.services.disagg.transfer.isolated import make_receiver, make_sender
 from splitserve.services.engine.async_engine import AsyncEngine
@@ -155,6 +156,7 @@ class EngineDied(RuntimeError):
 def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient, EngineReports]:
     """The engine in this process (its step thread shares the GIL with the serving thread), or in a
     core process of its own; and the worker's view of it."""
+    engine_config = dataclasses.replace(config.engine, rank_agent=RankAgent)  # follower ranks move their KV heads
     if config.engine_process:
         # The core runs the KV handoffs: the KV leaves from and lands in the process that owns the cache.
         handoffs: HandoffsSetup | None = None
@@ -165,10 +167,10 @@ def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient,
             handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, _send_delay_s())
         traces = CoreTraces(config.mode, config.otlp_traces_endpoint)  # the core's spans: its handoffs'
         stall_s = config.engine_stall_timeout_s  # the watchdog: a hung or wedged core ends as a dead one
-        client = EngineCoreClient.launch(config.engine, handoffs=handoffs, traces=traces, stall_timeout_s=stall_s)
+        client = EngineCoreClient.launch(engine_config, handoffs=handoffs, traces=traces, stall_timeout_s=stall_s)
         client.start()
         return client, client
-    engine = AsyncEngine(load_engine(config.engine))
+    engine = AsyncEngine(load_engine(engine_config))
     engine.start()
     return engine, HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
 

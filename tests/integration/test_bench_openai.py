@@ -11,17 +11,14 @@ import asyncio
 import json
 
 import pytest
-from cluster_helpers import engine_argv
-from test_gateway_limits import write_chat_model
+from cluster_helpers import engine_argv, write_chat_model
 
+from splitserve.__main__ import main
 from splitserve.common.serving import free_port
 from splitserve.experiments.experiment import load_config, run_experiment
 from splitserve.experiments.loadgen import OpenAIConfig, run_connected
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, make_requests
-from splitserve.__main__ import main
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-
-pytestmark = pytest.mark.integration
 
 KEY = "sk-bench"
 WORKLOAD = WorkloadConfig(

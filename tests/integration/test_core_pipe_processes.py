@@ -22,7 +22,6 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.core_client import EngineCoreClient
-from splitserve.services.engine.core_pipe import PipeWriter
 from splitserve.services.engine.request import FinishReason
 from splitserve.services.engine.step_loop import EngineDead
 
@@ -74,7 +73,6 @@ async def _refusal(stream) -> BaseException | None:
     return None
 
 
-@pytest.mark.integration
 def test_a_slow_event_reader_and_refused_adds_never_wedge_the_pipe(tiny_llama_dir):
     """The reviewer's deadlock (issue 43, item 2), made deterministic: with the event reader paused,
     the core's events fill core->serving; the core refuses adds as they come, and must keep reading
@@ -131,15 +129,10 @@ def test_a_slow_event_reader_and_refused_adds_never_wedge_the_pipe(tiny_llama_di
     assert client.exitcode == 0 and not client.died.is_set()
 
 
-
-
-
-
 # -- the watchdog ------------------------------------------------------------------------------------
 STALL_S = 2.0  # the watchdog's bound in these tests
 
 
-@pytest.mark.integration
 def test_a_core_that_makes_no_progress_with_work_queued_is_given_up_on(tiny_llama_dir):
     """A hung core (stopped here with SIGSTOP: its pipe stays open, it never sends again) would
     leave every stream waiting for ever and the worker serving. The watchdog kills it: the streams
@@ -165,9 +158,6 @@ def test_a_core_that_makes_no_progress_with_work_queued_is_given_up_on(tiny_llam
     assert client.exitcode == -signal.SIGKILL
 
 
-
-
-@pytest.mark.integration
 def test_a_worker_whose_core_makes_no_progress_stops_serving_and_exits(tiny_llama_dir, monkeypatch):
     """The worker's side of the watchdog: health goes NOT_SERVING, the stream ends UNAVAILABLE, and
     serve_worker raises EngineDied (the CLI exits 3: restarted by `up` or the container's policy)."""
@@ -234,7 +224,6 @@ SOAK_REQUESTS, SOAK_CONCURRENCY = 2000, 200  # a quarter refused by the core, a 
 SOAK_READ_DELAY_S = 0.02
 
 
-@pytest.mark.integration
 def test_soak_a_worker_whose_serving_side_reads_slowly(tiny_llama_dir, monkeypatch):
     """A real worker and core, the event reader slowed, many concurrent requests (valid, refused by
     the core, abandoned): every request ends as it should, health answers SERVING throughout (the
@@ -339,3 +328,26 @@ async def _idle_load(client: EngineCoreClient):
         if idle or asyncio.get_running_loop().time() > deadline:
             return load
         await asyncio.sleep(0.05)
+
+
+def test_an_idle_core_still_says_it_is_alive(tiny_llama_dir):
+    """With nothing to do, a core's load does not change; it still goes out every KEEPALIVE_S, so
+    that a quiet core with work the serving process waits on (a decode worker's requests awaiting
+    their KV) is never taken for a hung one. The core runs on a thread here, over a real pipe."""
+    from splitserve.services.engine.core_process import EngineCore
+    from splitserve.services.engine.step_loop import load_engine
+
+    ours, theirs = multiprocessing.Pipe()
+    core = EngineCore(load_engine(_config(tiny_llama_dir)), theirs)
+    serving = threading.Thread(target=core.serve, daemon=True)
+    serving.start()
+    kinds = []
+    while kinds.count("load") < 3:
+        assert ours.poll(BOUND_S), f"an idle core went silent after {kinds}"
+        kinds.append(pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event"))
+    ours.send_bytes(pb.CoreCommand(shutdown=True).SerializeToString())
+    serving.join(BOUND_S)
+    assert not serving.is_alive()
+
+
+SOAK_REQUESTS, SOAK_CONCURRENCY = 2000, 200  # a quarter refused by the core, a quarter left early

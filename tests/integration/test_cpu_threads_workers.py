@@ -10,27 +10,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
-from splitserve.services.disagg.transfer import chunks, torch_dist
-from splitserve.services.engine.cpu_threads import on_passing_thread, serial_torch_ops
 
 pytestmark = [
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc"),
     pytest.mark.skipif(torch.get_num_threads() < 2, reason="one core: torch starts no OpenMP pool"),
 ]
-
-
-
-
-
-
-
-
 
 
 # Counting a process's threads needs a process of its own: in pytest's, threads of earlier tests
@@ -87,12 +74,10 @@ def threads_left(case: str) -> int:
     return int(out.stdout.split()[-1])
 
 
-@pytest.mark.integration
 def test_a_thread_running_a_parallel_op_keeps_a_pool_but_a_serial_one_does_not():
     assert threads_left("plain") >= 1  # how a pool shows: what the other counts rely on
     assert threads_left("serial") == 0
 
 
-@pytest.mark.integration
 def test_a_worker_loads_its_model_on_a_thread_that_ends(tiny_llama_dir):
     assert threads_left(str(tiny_llama_dir)) == 0

@@ -23,9 +23,7 @@ from cryptography import x509
 from splitserve.services.launcher.certs import SecureBundle, make_bundle
 from splitserve.services.launcher.cli import build_parser
 
-pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yml"
 GPUS_8_FILE = DEPLOY / "docker-compose.gpus-8.yml"

@@ -30,8 +30,6 @@ from splitserve.services.engine.llm import LLM
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 from splitserve.services.worker.server import SEND_DELAY_ENV
 
-pytestmark = pytest.mark.integration
-
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(4 + 13 * i)] for i in range(6)]  # 4..69 tokens
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234)
 

@@ -5,7 +5,6 @@ dead core that fails every stream instead of hanging it. Real spawned processes 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -13,31 +12,16 @@ import time
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.core_client import EngineCoreClient
-from splitserve.services.engine.core_wire import (
-    finishes_from_proto,
-    load_from_proto,
-    load_to_proto,
-    logprobs_from_step_proto,
-    params_from_proto,
-    params_to_proto,
-    step_tokens_to_proto,
-)
-from splitserve.services.engine.handoff_port import engine_load
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.outputs import Finish, RequestOutput, StepTokens
+from splitserve.services.engine.outputs import RequestOutput
 from splitserve.services.engine.request import FinishReason
-from splitserve.services.engine.sampler import TokenLogprobs
 from splitserve.services.engine.step_loop import EngineDead
 from splitserve.services.engine.step_stats import StepKind
-from splitserve.services.worker.server import WorkerConfig
 
 
 def _config(model_dir) -> EngineConfig:
@@ -70,7 +54,6 @@ def _joined(outs: list[RequestOutput]) -> tuple:
     return ids, "".join(o.new_text for o in outs), last.finish_reason, last.num_output_tokens, logprobs
 
 
-@pytest.mark.integration
 def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
     config = _config(tiny_llama_dir)
     in_process = AsyncEngine.from_config(config)
@@ -146,7 +129,6 @@ async def _settled(client: EngineCoreClient, num_prefill_steps: int, timeout_s: 
         await asyncio.sleep(0.02)
 
 
-@pytest.mark.integration
 def test_the_load_is_current_when_a_stream_ends(tiny_llama_dir):
     """What a GetLoad or a metrics scrape reads right after a client's stream ended (or got its first
     token) is the state after that step, not one up to a load-clock tick old.
@@ -174,7 +156,6 @@ def test_the_load_is_current_when_a_stream_ends(tiny_llama_dir):
     asyncio.run(main())
 
 
-@pytest.mark.integration
 def test_a_dead_core_fails_every_stream_and_sets_died(tiny_llama_dir):
     client = EngineCoreClient.launch(_config(tiny_llama_dir))
 
@@ -198,13 +179,6 @@ def test_a_dead_core_fails_every_stream_and_sets_died(tiny_llama_dir):
     assert client.exitcode == -signal.SIGKILL
 
 
-
-
-
-
-
-
-@pytest.mark.integration
 def test_a_seed_of_2_to_the_63_or_more_samples_in_a_core_as_in_process(tiny_llama_dir):
     """Issue 43 item 5: the core's seed was int64, so every seed >= 2^63 (and so every negative HTTP
     seed, which the gateway wraps into uint64) was refused on the default path. The same tokens as
@@ -229,16 +203,6 @@ def test_a_seed_of_2_to_the_63_or_more_samples_in_a_core_as_in_process(tiny_llam
     assert asyncio.run(sample(EngineCoreClient.launch(config))) == expected
 
 
-
-
-
-
-
-
-
-
-
-
 def _stuck_transfer_thread(engine) -> None:
     """A prepare hook (run in the core): an executor thread stuck for a minute, as a gloo connect to a
     dead peer is until its timeout."""
@@ -247,7 +211,6 @@ def _stuck_transfer_thread(engine) -> None:
     ThreadPoolExecutor(1).submit(time.sleep, 60)
 
 
-@pytest.mark.integration
 def test_an_orphaned_core_exits_at_once_even_with_a_transfer_thread_stuck(tiny_llama_dir):
     """The fault suite saw a killed prefill worker's core outlive it by 25 s: the core stopped serving
     when its pipe closed, then its interpreter's exit waited for a transfer thread blocked on a dead

@@ -8,11 +8,9 @@ import json
 import pytest
 from cluster_helpers import engine_argv
 
-from splitserve.experiments.experiment import load_config, run_experiment
 from splitserve.__main__ import main
+from splitserve.experiments.experiment import load_config, run_experiment
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,9 @@ from __future__ import annotations
 import pytest
 from fault_harness import SoakConfig, run_soak
 from fault_report import (
-    Outcome,
     Report,
-    check_outcomes,
     format_details,
     format_table,
-    traceback_summary,
     write_json,
 )
 
@@ -35,7 +32,6 @@ def _coverage_gaps(report: Report) -> list[str]:
     return [name for name, seen in wanted.items() if not seen]
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     ("redis", "cores"),
     [(False, True), (True, True), (False, False)],
@@ -52,7 +48,3 @@ def test_2p2d_under_load_survives_kills_redis_loss_cancels_and_deadlines(tiny_ll
     print(format_details(report))
     assert not report.failures, f"{format_details(report)}\nevery process's output: {log}"
     assert not _coverage_gaps(report), f"the run did not inject {_coverage_gaps(report)}: {report.fault_counts()}"
-
-
-
-

@@ -15,15 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_helpers import engine_argv, greedy_request, stub, tokens
+from cluster_helpers import engine_argv, greedy_request, stub, tokens, write_chat_model
+from conftest import VOCAB_SIZE
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-from test_gateway_limits import VOCAB_SIZE, write_chat_model
 
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-
-pytestmark = pytest.mark.integration
 
 MODEL = "tiny-llama-chat"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

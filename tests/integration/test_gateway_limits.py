@@ -7,46 +7,20 @@ Real gateway + one unified worker on 127.0.0.1 (tiny Llama with a small chat tem
 
 from __future__ import annotations
 
-import json
 import math
-import random
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_helpers import collect, engine_argv, greedy_request, stub, tokens
+from cluster_helpers import big_text, collect, engine_argv, greedy_request, stub, tokens, write_chat_model
+from conftest import VOCAB_SIZE
 
-from splitserve.common.tokenizer import TooManyTokens, load_tokenizer
-from splitserve.gateway.validation import RequestLimits
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
-VOCAB_SIZE = 320  # conftest's tiny models
-# Roles the template knows; "tool" hits raise_exception, "ghost" an undefined attribute (UndefinedError).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'ghost' %}{{ m.nothing.deeper }}{% endif %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant', 'ghost'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
-    "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 FOUR_MB = 4_000_000  # under gRPC's 4 MiB default message limit
-
-
-def write_chat_model(src, dst):
-    """A copy of a tiny model folder with CHAT_TEMPLATE in its tokenizer_config.json."""
-    shutil.copytree(src, dst)
-    (dst / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return dst
-
-
-def big_text(num_bytes: int) -> str:
-    words, rng = "the quick brown fox jumps over the lazy dog paged attention".split(), random.Random(0)
-    return " ".join(rng.choices(words, k=num_bytes // 3))[:num_bytes]
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +52,10 @@ def _still_serving(stub_) -> None:
     assert len(tokens(stub_, greedy_request([1, 2], 3))) == 3
 
 
-
-
-
-
 def _stopping(**kw) -> pb.StoppingCriteria:
     return pb.StoppingCriteria(max_tokens=4, **kw)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "make_request, message",
     [  # built lazily: some are megabytes
@@ -110,7 +79,6 @@ def test_oversize_fields_are_invalid_argument(cluster, make_request, message):
     _still_serving(s)
 
 
-@pytest.mark.integration
 def test_oversize_messages_and_names_fail_cleanly(cluster):
     s = stub(cluster[0].address)
     err = _error(s, pb.GenerateRequest(model="m" * 100_000, text="hi"))
@@ -125,7 +93,6 @@ def test_oversize_messages_and_names_fail_cleanly(cluster):
     _still_serving(s)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "request_, message",
     [
@@ -155,7 +122,6 @@ def test_token_ids_are_checked_against_the_workers_vocabulary(cluster, request_,
     assert len(tokens(s, ok)) >= 1
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
 )
@@ -169,7 +135,6 @@ def test_non_finite_sampling_values_are_invalid_argument(cluster, field, value):
     _still_serving(s)
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("role", ["tool", "ghost"])
 def test_chat_template_errors_are_invalid_argument(cluster, role):
     s = stub(cluster[0].address)
@@ -224,7 +189,6 @@ def _max_gap_while(address: str, requests: list[pb.GenerateRequest]) -> tuple[fl
     return max(streams.gaps[:num_before]), max(streams.gaps[num_before:]), errors
 
 
-@pytest.mark.integration
 def test_big_prompts_do_not_stall_other_streams(cluster, chat_model_dir):
     """Over the limit (refused before tokenizing) and under a raised one (tokenized on a thread).
 

@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import grpc
-import pytest
 
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.prefix import PrefixIndex
@@ -21,8 +20,6 @@ from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import HandoffPort
 from splitserve.services.worker.kv_events import KVEventPublisher
-
-pytestmark = pytest.mark.integration
 
 TTL_S = 1.0
 STUCK_S = 3 * TTL_S  # one engine step this long (a big prefill on a busy CPU)

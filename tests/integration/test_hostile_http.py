@@ -17,12 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster_helpers import engine_argv
-from test_gateway_limits import write_chat_model
+from cluster_helpers import engine_argv, write_chat_model
 
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-
-pytestmark = pytest.mark.integration
 
 ORIGIN = "https://app.example"
 WAIT_S = 120.0  # an upper bound that only a broken run reaches

@@ -18,8 +18,6 @@ import pytest
 
 from splitserve.common.serving import free_port
 
-pytestmark = pytest.mark.integration
-
 WAIT_S = 60.0  # an upper bound that only a broken run reaches (the head timeout is 10 s)
 NUM_BIG, BIG_BYTES = 4, 16 << 20
 NUM_IDLE = 50

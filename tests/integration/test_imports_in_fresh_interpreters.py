@@ -4,11 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
-
-pytestmark = pytest.mark.unit
 
 
 def test_gateway_and_kv_bookkeeping_do_not_import_torch():
@@ -33,8 +28,6 @@ def test_the_planner_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
-
-
 def test_the_public_api_loads_lazily_and_without_torch_until_used():
     code = (
         "import sys, splitserve; assert 'torch' not in sys.modules; "
@@ -46,24 +39,8 @@ def test_the_public_api_loads_lazily_and_without_torch_until_used():
     assert out.stdout.strip() == "ok", out.stderr
 
 
-
-
 def test_generated_proto_code_is_current():
     out = subprocess.run(
         [sys.executable, "-m", "splitserve.protos.generate", "--check"], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stdout + out.stderr
-
-
-
-
-
-
-
-
-
-
-
-
-
-

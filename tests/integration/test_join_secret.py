@@ -24,12 +24,10 @@ from splitserve.services.launcher.access import InsecureSecrets, UpAccess, prepa
 from splitserve.services.launcher.launcher import wait_healthy
 from splitserve.services.launcher.supervisor import Supervisor, serve_launcher
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from squatter import Squatter  # noqa: E402
 
-pytestmark = pytest.mark.unit
-
-SQUATTER = Path(__file__).parent / "squatter.py"
+SQUATTER = Path(__file__).parents[1] / "squatter.py"
 
 
 @pytest.fixture
@@ -93,7 +91,7 @@ def test_squatter_as_another_user_gets_nothing(access, secret):
         pytest.skip("needs root and setpriv to run the squatter as user nobody")
     port = free_port("127.0.0.1")
     command = ["setpriv", f"--reuid={ids[0]}", f"--regid={ids[1]}", "--clear-groups", sys.executable, str(SQUATTER)]
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parent), HOME="/tmp")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]), HOME="/tmp")
     proc = subprocess.Popen([*command, str(port)], stdout=subprocess.PIPE, text=True, env=env, cwd="/tmp")
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"

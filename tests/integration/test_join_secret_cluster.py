@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from cluster_helpers import engine_argv
 
 from splitserve.protos.v1 import worker_pb2 as wpb
@@ -16,10 +15,8 @@ from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.launcher.access import prepare_access
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from squatter import Squatter  # noqa: E402
-
-pytestmark = pytest.mark.integration
 
 
 def test_dead_workers_address_taken_over_gets_no_secret_and_no_traffic(tmp_path, tiny_llama_dir):

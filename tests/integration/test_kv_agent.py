@@ -17,8 +17,6 @@ from splitserve.services.disagg.transfer.base import TransferError, TransferFail
 from splitserve.services.disagg.transfer.checksum import checksum
 from splitserve.services.disagg.transfer.isolated import AgentReceiver, AgentSender
 
-pytestmark = pytest.mark.integration  # each side starts its agent process
-
 SHAPE = (2, 2, 3, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 TIMEOUT_S = 20.0
 

@@ -3,8 +3,16 @@ does: outages, hangs, and a purge racing an update."""
 
 from __future__ import annotations
 
+import time
+import uuid
+
 import pytest
 from kv_index_cases import *  # noqa: F403  (the cases and their fixtures)
+from kv_index_cases import APPLIED, RESYNC, A, H, batch, snapshot, stored
+from redis_helpers import RedisServer
+
+from splitserve.gateway.kv_index import IndexUnavailable
+from splitserve.gateway.kv_index.redis_index import RedisIndex
 
 
 @pytest.fixture
@@ -12,7 +20,6 @@ def backend_name() -> str:
     return "redis"
 
 
-@pytest.mark.integration
 def test_redis_outage_raises_quickly_and_the_same_index_recovers(run):
     with RedisServer() as server:
         index = RedisIndex(uuid.uuid4().hex, server.url)
@@ -42,7 +49,6 @@ def test_redis_outage_raises_quickly_and_the_same_index_recovers(run):
             run(index.close())
 
 
-@pytest.mark.integration
 def test_hung_redis_times_out_instead_of_blocking(run):
     with RedisServer() as server:
         index = RedisIndex(uuid.uuid4().hex, server.url)
@@ -59,7 +65,6 @@ def test_hung_redis_times_out_instead_of_blocking(run):
             run(index.close())
 
 
-@pytest.mark.integration
 def test_redis_purge_between_apply_read_and_write_forces_a_resync(redis_server, run, monkeypatch):
     namespace = uuid.uuid4().hex
     index, other_gateway = RedisIndex(namespace, redis_server.url), RedisIndex(namespace, redis_server.url)

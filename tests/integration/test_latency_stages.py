@@ -12,8 +12,6 @@ from cluster_helpers import collect, engine_argv, greedy_request, stub
 from splitserve.gateway.metrics import STAGES
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
-pytestmark = pytest.mark.integration
-
 PROMPT = list(range(5, 45))  # five blocks of 8
 
 

@@ -21,8 +21,6 @@ from splitserve.common.serving import free_port
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 
-pytestmark = pytest.mark.integration
-
 KEYS = "sk-main name=main\nsk-slow name=slow rps=0.01 burst=1\n"
 
 

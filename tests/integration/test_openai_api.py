@@ -13,14 +13,11 @@ import grpc
 import httpx
 import openai
 import pytest
-from cluster_helpers import engine_argv, greedy_request, metric, stub, wait_all_free
-from test_gateway_limits import write_chat_model
+from cluster_helpers import engine_argv, greedy_request, metric, stub, wait_all_free, write_chat_model
 
 from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import generation_pb2_grpc as pb_grpc
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-
-pytestmark = pytest.mark.integration
 
 MAX_PENDING = 4
 PROMPT_IDS = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41], [2, 4, 6, 8], list(range(3, 40))]

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-import pytest
 from cluster_helpers import drained_empty, greedy_request, metric, stub
 
 from splitserve.common.roles import Role
@@ -31,8 +30,6 @@ from splitserve.services.planner.loop import LauncherScaler, PlannerLoop
 from splitserve.services.planner.metrics import PlannerMetrics
 from splitserve.services.planner.policy import Bounds, Mode, PlannerConfig, TierBounds, make_policy
 from splitserve.services.planner.reader import ClusterScraper
-
-pytestmark = pytest.mark.integration
 
 LONG, SHORT = 400, 16  # prompt tokens: the burst's and the light load's
 INTERVAL_S = 2.0

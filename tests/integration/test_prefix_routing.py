@@ -11,8 +11,6 @@ from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens
 
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
-pytestmark = pytest.mark.integration
-
 BASE = [(13 * j) % 290 + 5 for j in range(64)]  # 8 full blocks of 8
 
 

@@ -22,10 +22,8 @@ from cluster_helpers import engine_argv, greedy_request, stub, tokens
 from splitserve.common.serving import free_port
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
-pytestmark = pytest.mark.integration
-
 RESULTS_ENV = "SPLITSERVE_DASHBOARD_RESULTS"  # a file to write every query's result to
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "splitserve-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "splitserve-dashboard.json"
 SHARED = [(5 * j) % 300 + 1 for j in range(24)]  # three blocks of 8: later prompts hit them
 PROMPTS = [SHARED + [(11 * i + j) % 300 + 1 for j in range(3 + 5 * i)] for i in range(6)] + [
     [(13 * i + j) % 300 + 1 for j in range(9 + 7 * i)] for i in range(4)

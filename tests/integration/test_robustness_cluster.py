@@ -23,8 +23,6 @@ from splitserve.services.launcher.launcher import free_port, start_cluster, stop
 from splitserve.services.launcher.supervisor import Supervisor
 from splitserve.services.worker.server import SEND_DELAY_ENV
 
-pytestmark = pytest.mark.integration
-
 P = [(5 * j) % 290 + 3 for j in range(40)]  # 5 blocks of 8
 Q = [(11 * j) % 290 + 7 for j in range(40)]
 

@@ -10,7 +10,6 @@ import threading
 import time
 
 import grpc
-import pytest
 from cluster_helpers import drained_empty, engine_argv, greedy_request, metric, stub, tokens
 
 from splitserve.common.serving import free_port
@@ -18,8 +17,6 @@ from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster, wait_healthy
 from splitserve.services.launcher.supervisor import Supervisor
-
-pytestmark = pytest.mark.integration
 
 
 class SteadyLoad:

@@ -23,8 +23,6 @@ from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
-pytestmark = pytest.mark.integration
-
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41], [2, 4, 6, 8], list(range(3, 40))]
 KEYS = "sk-main name=main\nsk-limited name=limited rps=1 burst=2\nsk-single name=single concurrency=1\n"
 

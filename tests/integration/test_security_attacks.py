@@ -10,51 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 from as_user import spawn_as_nobody
+from kv_attacks import SHAPE, move_once
 
-from splitserve.common.dist_store import gloo_device
-from splitserve.services.disagg.transfer import torch_dist
-from splitserve.services.disagg.transfer.base import ChannelSpec
 from splitserve.services.disagg.transfer.isolated import AGENT_DATA_BYTES, AgentReceiver, AgentSender
 from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 
-SHAPE = (2, 2, 3, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 TIMEOUT_S = 5.0
 BOUND_S = 60.0  # an upper bound that only a broken run reaches
-
-
-async def _transfer(receiver: TorchDistReceiver, sender: TorchDistSender) -> None:
-    channel = receiver.channel_for("prefill-a")
-    buffer, data = torch.zeros(SHAPE), torch.randn(SHAPE)
-    tag = receiver.next_tag(channel)
-    await asyncio.gather(receiver.recv(channel, tag, buffer), sender.send(channel, tag, data))
-    assert torch.equal(buffer, data)
-
-
 
 
 # --- item 5: the store keeps no channel's keys --------------------------------------------------
 
 
-
-
-
-
 # --- item 6: gloo's address records carry none of the process's memory ---------------------------
-
-
-
-
 
 
 # --- the store, from another user --------------------------------------------------------------
@@ -65,11 +39,10 @@ def _run(attacker) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-@pytest.mark.integration
 def test_another_user_reading_the_store_after_a_transfer_finds_nothing():
     receiver, sender = TorchDistReceiver(timeout_s=TIMEOUT_S), TorchDistSender(timeout_s=TIMEOUT_S)
     try:
-        asyncio.run(_transfer(receiver, sender))
+        asyncio.run(move_once(receiver, sender))
         assert _run(spawn_as_nobody("kv_attacks.py", "read-store", receiver.address)) == {}
     finally:
         receiver.close(), sender.close()
@@ -96,7 +69,6 @@ async def _move_on_a_fresh_channel(receiver: AgentReceiver, sender: AgentSender,
     raise AssertionError(f"no transfer moved in {attempts} attempts: {ends}")
 
 
-@pytest.mark.integration
 def test_another_user_filling_the_store_costs_the_worker_no_memory_and_transfers_go_on():
     receiver, sender = AgentReceiver(timeout_s=TIMEOUT_S), AgentSender(timeout_s=TIMEOUT_S)
     try:
@@ -117,7 +89,7 @@ def test_another_user_filling_the_store_costs_the_worker_no_memory_and_transfers
 def _attack_the_victim(attack: str, count: int) -> tuple[int | None, str]:
     """A worker's transfer pair (tests/kv_attacks.py victim) moves KV once; user nobody attacks the gloo
     listeners its agents then have; the victim moves KV on a new channel. Its exit code and output."""
-    script = Path(__file__).parent / "kv_attacks.py"
+    script = Path(__file__).parents[1] / "kv_attacks.py"
     victim = subprocess.Popen(
         [sys.executable, str(script), "victim"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
@@ -145,14 +117,12 @@ def _attack_the_victim(attack: str, count: int) -> tuple[int | None, str]:
     return victim.returncode, out
 
 
-@pytest.mark.integration
 def test_idle_connections_to_the_gloo_listener_do_not_kill_the_worker():
     code, out = _attack_the_victim("flood", 1200)  # past the worker's 1024 open files: gloo aborts
     assert code == 0, f"the worker died: exit {code}"
     assert "moved True" in out, f"the worker lives but moved no KV: {out!r}"
 
 
-@pytest.mark.integration
 def test_connections_planted_on_a_gloo_listener_do_not_fail_later_channels():
     """Each planted connection names one of gloo's pair sequence numbers, as a peer would, so the pair
     that later waits for that number takes it instead of its peer's: on a listener that every channel

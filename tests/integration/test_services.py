@@ -32,8 +32,6 @@ from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.llm import LLM
 from splitserve.services.launcher.launcher import _spawn, start_cluster, stop_cluster, wait_healthy
 
-pytestmark = pytest.mark.integration
-
 KV_BYTES = 4 * 1024**2
 _engine_argv = engine_argv
 _stub, _greedy_request, _collect, _all_blocks_free = stub, greedy_request, collect, all_blocks_free

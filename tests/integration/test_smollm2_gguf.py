@@ -9,8 +9,6 @@ from splitserve.common.model_files import default_model_path
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.llm import LLM
 
-pytestmark = pytest.mark.integration
-
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a haiku about the sea."}],

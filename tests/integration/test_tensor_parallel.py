@@ -1,7 +1,7 @@
 """Tensor parallelism inside a worker (services/engine/ranks.py): follower rank processes over gloo, the KV cache
 sharded by KV head, KV handed off rank to rank between tiers of different sizes, and a lost rank
-ending its worker. The model's sharding itself is tests/test_tp_model.py; the handoff's plan for every
-pair of sizes, tests/test_handoff_plan.py."""
+ending its worker. The model's sharding itself is tests/unit/model/test_tp_model.py; the handoff's plan for every
+pair of sizes, tests/unit/disagg/test_handoff_plan.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import subprocess
 import sys
 
 import grpc
-import numpy as np
 import pytest
-import torch
 from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens, wait_all_free
 
 from splitserve.common.sampling_params import SamplingParams
@@ -22,8 +20,7 @@ from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.disagg.plan import handoff_plan
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.ranks import Op, RanksLost, decode, encode, step_arrays_from_wire, step_arrays_to_wire
-from splitserve.services.engine.step_inputs import StepArrays
+from splitserve.services.engine.ranks import RanksLost
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 from splitserve.services.worker.server import SEND_DELAY_ENV
 
@@ -40,9 +37,6 @@ def _generate(llm: LLM, params: SamplingParams) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(PROMPTS, params)]
 
 
-
-
-@pytest.mark.integration
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 def test_two_ranks_generate_what_one_does(fixture, request):
     """Greedy and seeded output with the model split over 2 ranks (fp32) equals 1 rank's, token for
@@ -60,9 +54,6 @@ def test_two_ranks_generate_what_one_does(fixture, request):
         two.engine.close()
 
 
-
-
-@pytest.mark.integration
 def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, 2)
     try:
@@ -75,7 +66,6 @@ def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
         llm.engine.close()
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize(
     "sizes",
     [(2, 1, True), (1, 2, True), (2, 2, True), (4, 2, True), (2, 2, False)],
@@ -84,7 +74,7 @@ def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
 def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
     """1P1D with a prefill tier of one size and a decode tier of another: output equals the unified
     in-process engine's (greedy and seeded), nothing recomputed or leaked, and each rank moved exactly
-    its own pieces' bytes (tests/test_handoff_plan.py covers the plan of all nine pairs; these cover
+    its own pieces' bytes (tests/unit/disagg/test_handoff_plan.py covers the plan of all nine pairs; these cover
     each direction, equal sizes, and replicated heads on the prefill side: 4 ranks over 2 KV heads).
     Both workers run engine cores (the default), which lead the follower ranks and order their sends
     and receives; in-process: the serving processes do (--no-engine-process)."""
@@ -117,7 +107,6 @@ def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
         stop_cluster(children)
 
 
-@pytest.mark.integration
 def test_a_failed_piece_fails_the_handoff_and_the_decode_tier_recomputes(tiny_llama_dir):
     """2P2D whose prefill worker waits 3 s before sending, with 1.5 s transfer timeouts: rank 0's
     receive times out (the follower's piece, streamed as its step computes it, may arrive), the
@@ -171,7 +160,6 @@ def _spawned(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
-@pytest.mark.integration
 def test_a_killed_rank_takes_its_worker_down_cleanly(tiny_llama_dir):
     """SIGKILL a follower rank of an idle worker: the worker leaves the gateway and exits 3 (what `up`
     restarts); the other worker of the cluster goes on serving."""
@@ -191,7 +179,6 @@ def test_a_killed_rank_takes_its_worker_down_cleanly(tiny_llama_dir):
         stop_cluster(children)
 
 
-@pytest.mark.integration
 def test_a_tensor_parallel_worker_steps_in_its_engine_core(tiny_llama_dir):
     """--engine-process with two ranks: the core process leads the follower rank; the output equals
     the single-rank engine's, and every block comes back."""
@@ -226,7 +213,6 @@ def _run_script(tmp_path, tiny_llama_dir, body: str) -> subprocess.CompletedProc
     return subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
-@pytest.mark.integration
 def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path, tiny_llama_dir):
     """Each rank's process imports the script again (multiprocessing's spawn): unguarded, its top level
     would start ranks of its own; the error says what to do instead of 'rank exited (1)'."""
@@ -235,7 +221,6 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path, tiny_llama_d
     assert "MainNotGuarded" in done.stderr and 'if __name__ == "__main__":' in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.integration
 def test_a_tensor_parallel_llm_left_open_ends_the_script_cleanly(tmp_path, tiny_llama_dir):
     """No close(): the ranks stop at exit, and no process of the script aborts on its way out."""
     done = _run_script(tmp_path, tiny_llama_dir, 'if __name__ == "__main__":\n    main()\n')

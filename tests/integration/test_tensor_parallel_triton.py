@@ -1,4 +1,4 @@
-"""The triton attention backend under tensor parallelism (tests/test_kernels_engine.py has it alone)."""
+"""The triton attention backend under tensor parallelism (tests/unit/model/test_kernels_engine.py has it alone)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from splitserve.services.engine.llm import LLM
 from splitserve.services.model.attention import triton_backend
 
 pytestmark = [
-    pytest.mark.integration,  # it spawns a rank process
     pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed"),
 ]
 

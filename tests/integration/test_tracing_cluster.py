@@ -19,8 +19,6 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from splitserve.common.security import ClusterSecurity
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
 
-pytestmark = pytest.mark.integration
-
 SECRET = "tracing-test-secret"
 # (service, span, parent span) of one disaggregated request: the tree docs/observability.md shows.
 TREE = {

@@ -1,7 +1,7 @@
 """The KV transfer plane against someone who can reach it: the store and gloo listen on the given
 host only, and a process that reads the store (list_keys), joins a channel first, or rewrites the
 published addresses to sit between the two ranks gets no KV in and none out. The attackers run
-in separate processes (this file run as a script: `python tests/test_transfer_security.py join-first
+in separate processes (this file run as a script: `python tests/integration/test_transfer_security.py join-first
 HOST:PORT`)."""
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ import torch.distributed as dist
 from splitserve.services.disagg.transfer import chunks, torch_dist
 from splitserve.services.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
 from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-
-pytestmark = pytest.mark.integration
 
 SHAPE = (2, 2, 3, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 TIMEOUT_S = 5.0

@@ -5,36 +5,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
-from collections import deque
 from pathlib import Path
 
-import pytest
 from cluster_helpers import engine_argv
 
 from splitserve.common.serving import free_port
-from splitserve.services.launcher import cli, launcher
-from splitserve.services.launcher.launcher import Child, ChildNotReady, wait_ready
-
-
 
 
 def _up_argv(tmp_path: Path, port: int, http_port: int, admin_port: int) -> list[str]:
     ports = ["--port", str(port), "--http-port", str(http_port), "--admin-port", str(admin_port)]
     return ["up", *ports, "--secrets-dir", str(tmp_path)]
-
-
-
-
-
-
-
-
-
-
 
 
 def _descendants(pid: int) -> list[int]:
@@ -63,7 +46,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.integration
 def test_children_of_up_exit_when_up_is_killed(tiny_llama_dir, tmp_path):
     """SIGKILL `up` (no handler runs): its gateway, its worker and the worker's engine core all exit."""
     argv = _up_argv(tmp_path, free_port(), 0, free_port())

@@ -6,50 +6,17 @@ interpreter (tests/conftest.py); on CUDA compiled (make gpu-check runs this file
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from splitserve.common.sampling_params import SamplingParams
-from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.model_runner import StepShape, warm_up_shapes
-from splitserve.services.model.attention import triton_backend
-
-pytestmark = pytest.mark.unit
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # -- the worker ----------------------------------------------------------------------------------------
@@ -109,7 +76,7 @@ def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch, e
 # -- make gpu-check ------------------------------------------------------------------------------------
 @pytest.mark.skipif(DEVICE == "cuda", reason="checks the message a CPU machine gets")
 def test_gpu_check_without_cuda_exits_with_a_message(tmp_path):
-    script = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
     out = tmp_path / "gpu_check.json"
     done = subprocess.run(
         [sys.executable, str(script), "--json", str(out)], capture_output=True, text=True, timeout=120

@@ -2,17 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
-
-pytestmark = pytest.mark.unit
-
-
-
-
 
 
 def test_folder_path_is_import_path():
@@ -43,8 +33,6 @@ def test_folder_path_is_import_path():
         assert (root / folder).is_dir(), folder
 
 
-
-
 def test_the_gateway_imports_only_the_common_layer_and_protos():
     """The torch-free layer is common/: the gateway reaches nothing else of the workers' code."""
     import re
@@ -55,8 +43,6 @@ def test_the_gateway_imports_only_the_common_layer_and_protos():
     for path in Path(splitserve.gateway.__file__).parent.rglob("*.py"):
         for module in re.findall(r"^\s*(?:from|import) (splitserve\.\w+)", path.read_text(), re.M):
             assert module in ("splitserve.gateway", "splitserve.common", "splitserve.protos"), (path.name, module)
-
-
 
 
 def test_protos_follow_the_house_rules():
@@ -107,7 +93,7 @@ def test_no_folder_on_sys_path_shadows_an_installed_package():
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     installed = importlib.metadata.packages_distributions()
     for folder in ("benchmarks", "scripts", "tests"):
         clashes = sorted(p.name for p in (root / folder).glob("*.py") if p.stem in installed)

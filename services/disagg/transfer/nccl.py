@@ -1,5 +1,5 @@
 """NCCL pair groups: KV moves device to device, with no host staging. UNTESTED ON A GPU: no GPU has
-run this file yet (tests/test_transfer_nccl.py runs it where two CUDA devices are present).
+run this file yet (tests/unit/disagg/test_transfer_gpu.py runs it where two CUDA devices are present).
 
 A channel whose receiver keeps its KV on CUDA (Backend.NCCL, backend_for) is a gloo pair group, as
 on CPU, which carries the HMAC handshake (torch_dist.py), plus a two-rank ProcessGroupNCCL built in

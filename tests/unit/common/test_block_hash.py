@@ -18,8 +18,6 @@ from splitserve.common.block_hash import (
     hash_block_tokens,
 )
 
-pytestmark = pytest.mark.unit
-
 # Pinned for HASH_VERSION 1. If these change, every stored prefix index and every peer process
 # disagrees: bump HASH_VERSION and update these values together, on purpose.
 PINNED_ROOT = "497a6cfb16084b5b87e4d2fec5347c5904aca9f75e2925731189349704c1fedf"

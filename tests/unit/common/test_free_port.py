@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import socket
 
-import pytest
-
 from splitserve.common.serving import ephemeral_port_range, free_port
-
-pytestmark = pytest.mark.unit
 
 
 def test_free_ports_are_outside_the_ephemeral_range_and_bindable():

@@ -23,8 +23,6 @@ from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.launcher.certs import SecureBundle, make_bundle
 from splitserve.services.launcher.supervisor import Supervisor, serve_launcher
 
-pytestmark = pytest.mark.unit
-
 WORKER_SERVICE = wpb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 

@@ -8,8 +8,6 @@ import pytest
 
 from splitserve.common.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),

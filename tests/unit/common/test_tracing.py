@@ -1,6 +1,6 @@
 """common/tracing.py in process: when tracing is on, W3C propagation over gRPC metadata and HTTP headers,
 request contexts that survive being stepped from several tasks, and log lines naming request and trace.
-The span tree across real processes is tests/test_tracing_cluster.py."""
+The span tree across real processes is tests/integration/test_tracing_cluster.py."""
 
 from __future__ import annotations
 
@@ -30,8 +30,6 @@ from splitserve.common.tracing import (
     trace_metadata,
     traces_endpoint,
 )
-
-pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize(

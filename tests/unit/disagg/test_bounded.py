@@ -15,8 +15,6 @@ from splitserve.gateway.workers import WorkerHandle
 from splitserve.services.disagg.transfer.base import ChannelSpec, TransferError, TransferFailure
 from splitserve.services.disagg.transfer.torch_dist import TorchDistSender
 
-pytestmark = pytest.mark.unit
-
 
 def test_recent_map_keeps_the_newest_entries():
     recent: RecentMap[str, int] = RecentMap(2)

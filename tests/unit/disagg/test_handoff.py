@@ -30,8 +30,6 @@ from splitserve.services.engine.request import Request
 from splitserve.services.worker.handoffs import HandoffsInProcess
 from splitserve.services.worker.server import _moving_kv
 
-pytestmark = pytest.mark.unit
-
 KV_BYTES = 2 * 1024**2
 
 

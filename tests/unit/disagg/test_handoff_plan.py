@@ -25,8 +25,6 @@ from splitserve.services.disagg.rank_transfers import (
 from splitserve.services.disagg.transfer.base import Backend, ChannelSpec, TransferError, TransferFailure
 from splitserve.services.engine.ranks import Message, Op, RanksLost, Status, bytes_array, decode, encode
 
-pytestmark = pytest.mark.unit
-
 SIZES = (1, 2, 4)
 CASES = [(h, a, b) for h in (1, 2, 4, 8) for a, b in itertools.product(SIZES, SIZES)]
 

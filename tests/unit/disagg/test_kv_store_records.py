@@ -1,46 +1,26 @@
-"""Issue 35 items 3, 5 and 6: the KV plane against another local user. Each test is the attack; the
-attackers run as user nobody where the machine allows it (tests/as_user.py, tests/kv_attacks.py).
-A test marked xfail(strict=True) is an attack that still succeeds (NOT HELD in `make security-check`);
-it fails loudly once someone fixes it, so the mark comes off with the fix. Workers run gloo and the
-store in a KV agent process (services/disagg/transfer/isolated.py): the attacks that kill gloo or fill the
-store end the agent, whose worker starts another, and fail the transfers on it (their requests
-recompute); the victims here are agents."""
+"""What the KV plane leaves in its TCPStore, in this process: no keys once a channel is built or
+dropped, and gloo's address records carry no uninitialised memory (the attacks themselves, as
+another user: tests/integration/test_security_attacks.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
-import pytest
-import torch
 import torch.distributed as dist
-from as_user import spawn_as_nobody
+from kv_attacks import move_once
 
 from splitserve.common.dist_store import gloo_device
 from splitserve.services.disagg.transfer import torch_dist
 from splitserve.services.disagg.transfer.base import ChannelSpec
-from splitserve.services.disagg.transfer.isolated import AGENT_DATA_BYTES, AgentReceiver, AgentSender
 from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 
-SHAPE = (2, 2, 3, 4, 2, 8)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 TIMEOUT_S = 5.0
 BOUND_S = 60.0  # an upper bound that only a broken run reaches
 SOCKADDR_STORAGE_BYTES = 128  # Linux's; gloo's address record is one, then a u64 sequence number
 GLOO_ADDRESS_BYTES = SOCKADDR_STORAGE_BYTES + 8
-
-
-async def _transfer(receiver: TorchDistReceiver, sender: TorchDistSender) -> None:
-    channel = receiver.channel_for("prefill-a")
-    buffer, data = torch.zeros(SHAPE), torch.randn(SHAPE)
-    tag = receiver.next_tag(channel)
-    await asyncio.gather(receiver.recv(channel, tag, buffer), sender.send(channel, tag, data))
-    assert torch.equal(buffer, data)
 
 
 def _wait_until(done, what: str) -> None:
@@ -51,19 +31,15 @@ def _wait_until(done, what: str) -> None:
 
 
 # --- item 5: the store keeps no channel's keys --------------------------------------------------
-
-
-@pytest.mark.unit
 def test_a_built_channel_leaves_no_keys_in_the_store():
     receiver, sender = TorchDistReceiver(timeout_s=TIMEOUT_S), TorchDistSender(timeout_s=TIMEOUT_S)
     try:
-        asyncio.run(_transfer(receiver, sender))
+        asyncio.run(move_once(receiver, sender))
         assert receiver.store.list_keys() == []
     finally:
         receiver.close(), sender.close()
 
 
-@pytest.mark.unit
 def test_a_dropped_channel_that_never_opened_leaves_no_keys_in_the_store():
     receiver = TorchDistReceiver(timeout_s=1.0)
     channel = receiver.channel_for("prefill-that-never-comes")
@@ -100,7 +76,6 @@ class _Recording(dist.Store):
         return self.store.check(keys)
 
 
-@pytest.mark.unit
 def test_gloo_address_records_in_the_store_hold_no_uninitialised_memory():
     recording = _Recording(dist.HashStore())
     channel = ChannelSpec("127.0.0.1:1", "k", bytes(32))
@@ -126,20 +101,4 @@ def test_gloo_address_records_in_the_store_hold_no_uninitialised_memory():
 # --- the store, from another user --------------------------------------------------------------
 
 
-
-
-
-
-
-
-
-
-
-
 # --- item 3: gloo's listener, from another user -------------------------------------------------
-
-
-
-
-
-

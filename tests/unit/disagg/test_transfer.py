@@ -17,8 +17,6 @@ from splitserve.services.disagg.transfer.checksum import RunningChecksum, checks
 from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.services.engine.kv_cache.block_io import gather_blocks, scatter_blocks
 
-pytestmark = pytest.mark.unit
-
 SHAPE = (2, 2, 5, 8, 2, 16)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 
 

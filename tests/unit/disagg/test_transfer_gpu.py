@@ -16,8 +16,6 @@ from splitserve.services.disagg.transfer.checksum import checksum, device_checks
 from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
 from splitserve.services.engine.kv_cache.block_io import gather_blocks
 
-pytestmark = pytest.mark.unit
-
 NUM_GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 SHAPE = (4, 2, 6, 16, 2, 64)  # [layers, K/V, blocks, block_size, kv_heads, head_dim]
 

@@ -7,13 +7,12 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from suites import examples
 
 from splitserve.common.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from splitserve.services.engine.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
 from splitserve.services.engine.kv_cache.manager import KVCacheManager
-
-pytestmark = pytest.mark.unit
 
 BS = 4
 
@@ -416,7 +415,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
 
 KVCacheMachine.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=examples(200),
     stateful_step_count=25,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -15,8 +15,6 @@ from splitserve.services.engine.kv_cache.manager import KVCacheManager
 from splitserve.services.engine.request import Request, RequestId
 from splitserve.services.engine.scheduler import Scheduler
 
-pytestmark = pytest.mark.unit
-
 BS = 4
 
 

@@ -1,15 +1,10 @@
-"""One OpenMP pool per worker process (services/engine/cpu_threads.py): transfer threads copy serially, and a
-worker's model is loaded on a thread that ends, so the step thread's pool is the only one.
-
-A pool shows as OS threads of the process (/proc/self/task) that stay while the thread that started
-it lives (counted in a fresh process); torch.get_num_threads() is the calling thread's OpenMP thread
-count."""
+"""OpenMP threads per thread (services/engine/cpu_threads.py), in this process: a serial thread
+computes on its own thread alone, transfer threads copy serially, a passing thread returns its result
+(tests/integration/test_cpu_threads_workers.py counts a worker's pools in fresh processes)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +20,6 @@ pytestmark = [
 ]
 
 
-@pytest.mark.unit
 def test_a_serial_thread_still_computes():
     out: list[torch.Tensor] = []
     thread = threading.Thread(target=lambda: (serial_torch_ops(), out.append(torch.arange(100_000).sum())))
@@ -34,7 +28,6 @@ def test_a_serial_thread_still_computes():
     assert int(out[0]) == sum(range(100_000))
 
 
-@pytest.mark.unit
 def test_the_serial_setting_is_the_calling_threads_alone():
     threads = torch.get_num_threads()
     with ThreadPoolExecutor(1, initializer=serial_torch_ops) as pool:
@@ -47,22 +40,12 @@ def test_the_serial_setting_is_the_calling_threads_alone():
     assert other == [threads]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("executor", [chunks._HELPERS, torch_dist._EXECUTOR], ids=["chunk helpers", "transfers"])
 def test_kv_transfer_threads_copy_serially(executor):
     assert executor.submit(torch.get_num_threads).result() == 1
 
 
-@pytest.mark.unit
 def test_a_passing_thread_returns_its_result_or_raises_its_error():
     assert on_passing_thread(lambda a, b: a + b, 2, 3) == 5
     with pytest.raises(KeyError, match="nope"):
         on_passing_thread({}.__getitem__, "nope")
-
-
-
-
-
-
-
-

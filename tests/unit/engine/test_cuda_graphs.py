@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.services.engine.arg_utils import engine_config_from_args
 from splitserve.services.engine.config import CacheConfig, CudaGraphConfig, EngineConfig, SchedulerConfig
 from splitserve.services.engine.cuda_graphs import EagerCapture, capture_sizes, graph_size
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.model_runner import ModelRunner
-from splitserve.services.engine.arg_utils import engine_config_from_args
 from splitserve.services.launcher.cli import build_parser
 from splitserve.services.model.attention import triton_backend
 from splitserve.services.model.attention.backend import AttentionMetadata
-
-pytestmark = pytest.mark.unit
 
 needs_triton = pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")
 MAX_NUM_SEQS = 8  # captured sizes 1, 2, 4, 8
@@ -103,6 +101,7 @@ def _record_logits(llm: LLM, monkeypatch) -> list[torch.Tensor]:
     return logits
 
 
+@pytest.mark.kernels  # the engine on the interpreted kernels: `make test`, not the unit run
 @needs_triton
 def test_graphed_decode_steps_match_eager_ones(tiny_llama_dir, monkeypatch):
     """3 and then 5 sequences decode (padded to 4 and 8): the same logits and greedy tokens as eager

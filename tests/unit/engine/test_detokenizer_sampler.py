@@ -14,8 +14,6 @@ from splitserve.services.engine.sampler import Sampler, _Plan
 from splitserve.services.engine.sampler import _penalised as penalised_batch
 from splitserve.services.engine.sampling_ops import apply_penalties_ref, filtered_probs_ref
 
-pytestmark = pytest.mark.unit
-
 MULTI_BYTE_TEXTS = [
     "Hello 👋 world 🌍! 👩‍👩‍👧 done",
     "你好，世界。中文测试",

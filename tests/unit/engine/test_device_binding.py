@@ -20,8 +20,6 @@ from splitserve.services.launcher import cli, launcher, supervisor
 from splitserve.services.launcher.launcher import Child, child_device, spawn_worker, start_cluster
 from splitserve.services.launcher.supervisor import Supervisor
 
-pytestmark = pytest.mark.unit
-
 
 class FakeProc:
     returncode = None

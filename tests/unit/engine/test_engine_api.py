@@ -13,8 +13,6 @@ from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.request import FinishReason
 
-pytestmark = pytest.mark.unit
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir) -> Engine:

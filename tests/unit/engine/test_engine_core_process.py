@@ -4,12 +4,7 @@ dead core that fails every stream instead of hanging it. Real spawned processes 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import logging
-import os
-import signal
-import time
 
 import pytest
 import torch
@@ -18,7 +13,6 @@ from hypothesis import strategies as st
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.protos.v1 import engine_core_pb2 as pb
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.core_wire import (
@@ -32,11 +26,9 @@ from splitserve.services.engine.core_wire import (
 )
 from splitserve.services.engine.handoff_port import engine_load
 from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.outputs import Finish, RequestOutput, StepTokens
+from splitserve.services.engine.outputs import Finish, StepTokens
 from splitserve.services.engine.request import FinishReason
 from splitserve.services.engine.sampler import TokenLogprobs
-from splitserve.services.engine.step_loop import EngineDead
-from splitserve.services.engine.step_stats import StepKind
 from splitserve.services.worker.server import WorkerConfig
 
 
@@ -46,23 +38,6 @@ def _config(model_dir) -> EngineConfig:
     )
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-@pytest.mark.unit
 @given(
     temperature=st.floats(0, 2),
     top_k=st.none() | st.integers(1, 50),
@@ -97,7 +72,6 @@ def test_sampling_params_cross_the_pipe_whole(temperature, top_k, seed, max_toke
         assert params_from_proto(params_to_proto(edged)) == edged
 
 
-@pytest.mark.unit
 @given(seed=st.integers(-(2**63), -1))
 def test_a_negative_seed_crosses_the_pipe_as_the_seed_torch_makes_of_it(seed):
     """torch seeds a generator with a negative seed as with seed mod 2^64 (the uint64 the HTTP API
@@ -107,16 +81,12 @@ def test_a_negative_seed_crosses_the_pipe_as_the_seed_torch_makes_of_it(seed):
     assert torch.Generator().manual_seed(seed).initial_seed() == torch.Generator().manual_seed(crossed).initial_seed()
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
 def test_a_seed_beyond_64_bits_is_refused_before_the_pipe(seed):
     with pytest.raises(ValueError, match="seed"):
         params_to_proto(SamplingParams(seed=seed))
 
 
-
-
-@pytest.mark.unit
 def test_a_steps_tokens_cross_the_pipe_whole(tiny_llama_dir):
     """Token ids, first-schedule facts, finishes, logprobs and failures of a real step."""
     engine = LLM(config=_config(tiny_llama_dir)).engine
@@ -146,7 +116,6 @@ def test_a_steps_tokens_cross_the_pipe_whole(tiny_llama_dir):
     )
 
 
-@pytest.mark.unit
 def test_the_load_crosses_the_pipe_whole(tiny_llama_dir):
     engine = LLM(config=_config(tiny_llama_dir)).engine
     engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
@@ -158,7 +127,6 @@ def test_the_load_crosses_the_pipe_whole(tiny_llama_dir):
     assert {f.name for f in dataclasses.fields(load)} >= {"steps", "num_running", "kv_usage"}
 
 
-@pytest.mark.unit
 def test_which_workers_take_an_engine_process():
     """Every mode, with any number of ranks (a core leads its follower ranks and orders their KV moves)."""
     for mode in ("unified", "prefill", "decode"):
@@ -166,7 +134,6 @@ def test_which_workers_take_an_engine_process():
             assert WorkerConfig(EngineConfig(tensor_parallel_size=tp), mode=mode, engine_process=True).engine_process
 
 
-@pytest.mark.unit
 def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_an_ack(tiny_llama_dir):
     """With a stop string in the batch the step loop waits for the serving process's acknowledgement
     of the step before last. If that process dies meanwhile (its pipe closes), the core must still
@@ -195,7 +162,6 @@ def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_a
     assert not serving.is_alive(), "the core still waits for an acknowledgement nobody will send"
 
 
-@pytest.mark.unit
 def test_a_handoffs_stages_when_its_landing_is_stamped_after_its_first_decode_step():
     """The core stamps a landing on its handoff thread, which may run after the step loop already
     scheduled and decoded the admitted request (a CI run saw first_decode_step_ms <= 0): the stages
@@ -211,7 +177,3 @@ def test_a_handoffs_stages_when_its_landing_is_stamped_after_its_first_decode_st
     stages = EngineCoreClient._handoff_stages(SimpleNamespace(_clocks={"r": clock}), record)  # type: ignore[arg-type]
     want = dict(prefill_queue_ms=1.0, prefill_compute_ms=20.0, kv_transfer_ms=50.0, decode_queue_ms=0.0)
     assert stages == pytest.approx(want | {"first_decode_step_ms": 5.0})
-
-
-
-

@@ -4,15 +4,12 @@ totals of a tiny engine's steps (chunked prefill, a mixed step, decodes)."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.step_stats import STEP_SECONDS_BUCKETS, StepKind, StepStats, StepTotals
 from splitserve.services.planner.profile import decode_features, prefill_features
-
-pytestmark = pytest.mark.unit
 
 
 def _sums(t: StepTotals) -> tuple[int, ...]:

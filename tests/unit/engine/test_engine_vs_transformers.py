@@ -13,8 +13,6 @@ from splitserve.services.engine.config import CacheConfig, EngineConfig, Schedul
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.llm import LLM
 
-pytestmark = pytest.mark.unit
-
 MAX_NEW = 24
 
 

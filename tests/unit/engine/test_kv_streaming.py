@@ -23,8 +23,6 @@ from splitserve.services.engine.layer_progress import LayerProgress, StepFailed
 from splitserve.services.engine.ranks import Message, Op, _Follower, decode, encode, step_arrays_to_wire
 from splitserve.services.engine.step_inputs import StepArrays
 
-pytestmark = pytest.mark.unit
-
 PROMPT = [(7 * j) % 290 + 3 for j in range(37)]  # 5 blocks of 8
 
 

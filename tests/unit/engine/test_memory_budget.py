@@ -14,8 +14,6 @@ from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.memory import MemorySnapshot, profile_memory
 from splitserve.services.engine.model_runner import _profile_seq_lens, kv_block_bytes
 
-pytestmark = pytest.mark.unit
-
 GIB = 1024**3
 DEVICE = torch.device("cuda", 0)
 

@@ -19,8 +19,6 @@ from splitserve.services.engine.output_processor import OutputProcessor
 from splitserve.services.engine.outputs import StepTokens
 from splitserve.services.engine.request import FinishReason, Request, RequestId, RequestStatus
 
-pytestmark = pytest.mark.unit
-
 PROMPTS = [[5, 17, 42, 7, 99, 3], [250, 11, 64, 8], [19, 23, 1, 77, 140, 31, 2], [9, 9, 8]]
 MAX_TOKENS = 24
 

@@ -1,32 +1,18 @@
 """Tensor parallelism inside a worker (services/engine/ranks.py): follower rank processes over gloo, the KV cache
 sharded by KV head, KV handed off rank to rank between tiers of different sizes, and a lost rank
-ending its worker. The model's sharding itself is tests/test_tp_model.py; the handoff's plan for every
-pair of sizes, tests/test_handoff_plan.py."""
+ending its worker. The model's sharding itself is tests/unit/model/test_tp_model.py; the handoff's plan for every
+pair of sizes, tests/unit/disagg/test_handoff_plan.py."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
-import grpc
 import numpy as np
 import pytest
 import torch
-from cluster_helpers import engine_argv, greedy_request, metric, stub, tokens, wait_all_free
 
-from splitserve.common.sampling_params import SamplingParams
-from splitserve.protos.v1 import worker_pb2 as wpb
-from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
-from splitserve.services.disagg.plan import handoff_plan
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.ranks import Op, RanksLost, decode, encode, step_arrays_from_wire, step_arrays_to_wire
+from splitserve.services.engine.ranks import Op, decode, encode, step_arrays_from_wire, step_arrays_to_wire
 from splitserve.services.engine.step_inputs import StepArrays
-from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-from splitserve.services.worker.server import SEND_DELAY_ENV
-
 
 
 def _llm(folder, tp: int, **overrides) -> LLM:
@@ -34,9 +20,6 @@ def _llm(folder, tp: int, **overrides) -> LLM:
     return LLM(EngineConfig(model=str(folder), max_model_len=256, cache=cache, tensor_parallel_size=tp, **overrides))
 
 
-
-
-@pytest.mark.unit
 def test_orders_round_trip_the_pipe_encoding():
     arrays = StepArrays(
         np.array([5, 6, 7], dtype=np.int64),
@@ -56,9 +39,6 @@ def test_orders_round_trip_the_pipe_encoding():
     assert (empty.kind, empty.number, empty.arrays[0].shape) == (Op.DISCARD_KV, 7, (0,))
 
 
-
-
-@pytest.mark.unit
 def test_a_rank_reads_and_writes_slices_of_its_kv_heads(tiny_llama_dir):
     """What each rank of a handoff does with its piece (global heads, here rank 0 of 1 holding both)."""
     llm = _llm(tiny_llama_dir, 1)
@@ -78,27 +58,3 @@ def test_a_rank_reads_and_writes_slices_of_its_kv_heads(tiny_llama_dir):
         write(rows)
     assert torch.equal(runner.read_heads([1, 4, 7], range(0, 1)), piece)
     assert not runner.read_heads([1, 4, 7], range(1, 2)).any()  # head 1 untouched
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -21,8 +21,6 @@ from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.request import Request
 
-pytestmark = pytest.mark.unit
-
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 19]
 
 

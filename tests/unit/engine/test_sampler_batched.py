@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from suites import examples
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.request import Request, RequestId
@@ -23,8 +24,6 @@ from splitserve.services.engine.sampling_ops import (
     filtered_probs_ref,
     sample_tokens_ref,
 )
-
-pytestmark = pytest.mark.unit
 
 EOS = 3
 SHARED_SEED = 99
@@ -68,7 +67,7 @@ def batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[Request], int]:
     return torch.randn(num_steps, len(requests), vocab, generator=gen) * scale, requests, vocab
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_batched_sampler_equals_the_per_row_reference(batch):
     steps, requests, _ = batch
@@ -82,7 +81,7 @@ def test_batched_sampler_equals_the_per_row_reference(batch):
             request.append_output_token(token)
 
 
-@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_processed_logits_and_probabilities_are_bit_identical(batch):
     # Stronger than equal tokens: a one-ulp difference rarely changes a token, but shows here.

@@ -10,8 +10,6 @@ from splitserve.services.engine.kv_cache.manager import KVCacheManager
 from splitserve.services.engine.request import FinishReason, Request, RequestId, RequestStatus
 from splitserve.services.engine.scheduler import Scheduler, SchedulerOutput
 
-pytestmark = pytest.mark.unit
-
 BS = 4
 EOS = 999
 NEXT_TOKEN = 7  # what the fake model always samples (never EOS)

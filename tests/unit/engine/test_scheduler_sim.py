@@ -17,6 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
+from suites import seeds
 from test_scheduler import check_output
 
 from splitserve.common.sampling_params import SamplingParams
@@ -24,8 +25,6 @@ from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
 from splitserve.services.engine.kv_cache.manager import KVCacheManager
 from splitserve.services.engine.request import Request, RequestId, RequestStatus
 from splitserve.services.engine.scheduler import Scheduler
-
-pytestmark = pytest.mark.unit
 
 EOS = 99
 VOCAB = range(1, 6)  # a small vocabulary, so prompts share prefixes and hit the prefix cache
@@ -234,7 +233,7 @@ def run_sim(seed: int, num_events: int = NUM_EVENTS) -> Sim:
     return sim
 
 
-@pytest.mark.parametrize("seed", range(NUM_SEEDS))
+@pytest.mark.parametrize("seed", seeds(NUM_SEEDS))
 def test_random_events_keep_blocks_exact_and_every_request_finishes(seed: int):
     run_sim(seed)
 

@@ -5,12 +5,8 @@ interpreter (tests/conftest.py); on CUDA compiled (make gpu-check runs this file
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import random
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,12 +14,9 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.model_runner import StepShape, warm_up_shapes
 from splitserve.services.model.attention import triton_backend
-
-pytestmark = pytest.mark.unit
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed")
@@ -88,7 +81,8 @@ def test_sm_count_is_asked_once_per_device(paged_decode, monkeypatch):
 
 
 @needs_triton
-# bf16 under the interpreter only on CUDA: tests/test_kernels.py already covers the bf16 decode path on CPU.
+# bf16 under the interpreter only on CUDA: test_kernels.py already covers the bf16 decode path on CPU.
+@pytest.mark.kernels  # the engine on the interpreted kernels: `make test`, not the unit run
 @pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if torch.cuda.is_available() else []))
 def test_power_of_two_split_counts_match_the_reference(paged_decode, dtype, monkeypatch):
     from splitserve import kernels as K
@@ -169,6 +163,7 @@ def test_warm_up_runs_one_small_step_and_changes_no_output(tiny_llama_dir):
         llm.engine.warm_up()
 
 
+@pytest.mark.kernels  # the engine on the interpreted kernels: `make test`, not the unit run
 @needs_triton
 def test_full_warm_up_on_the_triton_backend(tiny_llama_dir, monkeypatch):
     """The GPU plan (token budget + a decode per split count) on the Triton backend, then the same tokens
@@ -184,7 +179,3 @@ def test_full_warm_up_on_the_triton_backend(tiny_llama_dir, monkeypatch):
     report = runner.warm_up(full=True)
     assert report.num_steps == 3
     assert _greedy(llm, PROMPTS) == expected
-
-
-
-

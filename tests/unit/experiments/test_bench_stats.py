@@ -10,8 +10,6 @@ import pytest
 from splitserve.experiments.stats import SLO, RequestRecord, percentile, summarize
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, arrival_offsets, make_requests
 
-pytestmark = pytest.mark.unit
-
 
 def _record(ttft: float, gaps: list[float], code: str = "OK", queue_ms: float = 0.0) -> RequestRecord:
     times = [ttft]
@@ -127,7 +125,7 @@ def test_balanced_prefixes_get_equal_shares_in_random_order():
 def test_shipped_experiment_configs_load():
     from splitserve.experiments.experiment import load_config
 
-    folder = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+    folder = Path(__file__).resolve().parents[3] / "experiments" / "configs"
     configs = {p.name: p for p in folder.glob("*.toml")}
     assert {"cpu-smollm2.toml", "gpu-8x.toml", "gpu-vs-vllm.toml"} <= set(configs)
     for path in configs.values():

@@ -20,8 +20,6 @@ from splitserve.experiments.intervals import Interval, bootstrap_interval, overl
 from splitserve.experiments.stats import SLO, RequestRecord, Window, run_stats
 from splitserve.experiments.workload import LengthDist, WorkloadConfig, arrival_offsets
 
-pytestmark = pytest.mark.unit
-
 
 def _record(ttft: float, tpot: float, num_tokens: int = 3, start_s: float = 0.0, code: str = "OK") -> RequestRecord:
     times = [ttft + i * tpot for i in range(num_tokens)]

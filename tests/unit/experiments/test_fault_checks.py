@@ -1,26 +1,15 @@
-"""The fault suite on real processes: a 2P2D cluster (in-memory prefix index, then Redis) under
-concurrent load while workers are killed with SIGKILL and restarted, Redis stops and hangs, and
-clients cancel streams, let short deadlines expire and reuse each other's request ids. What is checked
-afterwards is listed at the top of fault_harness.py. A short run with a fixed seed; `make soak DURATION=600`
-runs it longer."""
+"""The fault suite's checks (tests/fault_report.py) on made-up outcomes: they flag a wrong token,
+a lost request or a leaked block, and nothing that a fault explains (the suite itself:
+tests/integration/test_fault_suite.py)."""
 
 from __future__ import annotations
 
-import pytest
-from fault_harness import SoakConfig, run_soak
 from fault_report import (
     Outcome,
     Report,
     check_outcomes,
-    format_details,
-    format_table,
     traceback_summary,
-    write_json,
 )
-
-
-
-
 
 
 def _outcome(kind: str, status: str, tokens: list[int], details: str = "", elapsed_s: float = 0.1) -> Outcome:
@@ -28,7 +17,6 @@ def _outcome(kind: str, status: str, tokens: list[int], details: str = "", elaps
     return Outcome("c0-1", "c0-1", 0, kind, deadline_s, 0.0, elapsed_s, status, details, tokens)
 
 
-@pytest.mark.unit
 def test_the_checks_flag_what_they_must_and_nothing_else():
     want = [[5, 6, 7, 8]]
     fine = [

@@ -19,8 +19,6 @@ from splitserve.experiments.traces import (
 )
 from splitserve.experiments.workload import WorkloadConfig, arrival_offsets, make_requests
 
-pytestmark = pytest.mark.unit
-
 AZURE = str(SAMPLES_DIR / "azure_conv_sample.csv")
 BURSTGPT = str(SAMPLES_DIR / "burstgpt_sample.csv")
 JSONL = str(SAMPLES_DIR / "jsonl_sample.jsonl")
@@ -191,7 +189,7 @@ def test_a_rewritten_trace_is_read_again(tmp_path):
 def test_cpu_azure_trace_config_replays_the_sample(monkeypatch):
     from splitserve.experiments.experiment import load_config
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     monkeypatch.chdir(root)  # the config names its trace from the repository root, as its comment says
     cfg = load_config(root / "experiments" / "configs" / "cpu-azure-trace.toml")
     (_, workload), rate = cfg.workloads[0], cfg.rates[0]

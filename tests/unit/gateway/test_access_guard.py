@@ -7,14 +7,11 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-import pytest
 
 from splitserve.common.security import AccessGuard, ClusterSecurity
 from splitserve.gateway.auth import ApiKeys, KeyLimiter, KeyPolicy, PublicAccess
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import generation_pb2_grpc as gen_grpc
-
-pytestmark = pytest.mark.unit
 
 _GENERATE = "/splitserve.v1.Generation/Generate"
 _KEY = (("authorization", "Bearer sk-one"),)

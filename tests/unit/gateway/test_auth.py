@@ -1,6 +1,6 @@
 """API keys, per-key limits and the access guard's decisions (gateway/auth.py, common/security.py).
 
-The end-to-end checks on real processes with real certificates are in tests/test_security.py.
+The end-to-end checks on real processes with real certificates are in tests/integration/test_security.py.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import pytest
 
 from splitserve.common.security import JOIN_SECRET_HEADER, ClusterSecurity, read_secret
 from splitserve.gateway.auth import API_KEYS_ENV, RETRY_AFTER_KEY, ApiKeys, KeyLimiter, KeyPolicy, PublicAccess
-
-pytestmark = pytest.mark.unit
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:

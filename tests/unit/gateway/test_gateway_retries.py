@@ -16,8 +16,6 @@ from splitserve.gateway.proxy import Abort, WorkerFailed
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 
-pytestmark = pytest.mark.unit
-
 
 class _Validator:
     async def worker_request(self, request, request_id):

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from test_gateway_limits import write_chat_model
+from cluster_helpers import write_chat_model
 
 from splitserve.common.tokenizer import load_tokenizer
 from splitserve.gateway import validation
@@ -26,8 +26,6 @@ from splitserve.gateway.http.app import AppSettings, build_app
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.validation import RequestLimits, RequestValidator
 from splitserve.protos.v1 import generation_pb2 as gen_pb
-
-pytestmark = pytest.mark.unit
 
 MODEL = "tiny"
 CONTEXT = 256

@@ -15,8 +15,6 @@ from splitserve.gateway.http.streams import cancel_on_disconnect, merge, started
 from splitserve.gateway.proxy import Abort
 from splitserve.protos.v1 import generation_pb2 as pb
 
-pytestmark = pytest.mark.unit
-
 MODEL = "m"
 BOUNDS = Bounds(MODEL, 16, 256)
 

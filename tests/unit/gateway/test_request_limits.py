@@ -1,50 +1,14 @@
-"""The gateway refuses bad requests itself, cheaply, before they cost the event loop or a worker:
-sizes before tokenizing, token ids against the workers' vocabulary, non-finite sampling values,
-chat-template errors; and a big prompt that is tokenized does not stall other streams.
-
-Real gateway + one unified worker on 127.0.0.1 (tiny Llama with a small chat template).
-"""
+"""RequestLimits and the tokenizer's batch path, in this process: the defaults and the message size,
+and a batch that equals encode and refuses prompts over the limit (the gateway's refusals on a
+real cluster: tests/integration/test_gateway_limits.py)."""
 
 from __future__ import annotations
 
-import json
-import math
-import random
-import shutil
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-
-import grpc
 import pytest
-from cluster_helpers import collect, engine_argv, greedy_request, stub, tokens
+from cluster_helpers import big_text, write_chat_model
 
 from splitserve.common.tokenizer import TooManyTokens, load_tokenizer
 from splitserve.gateway.validation import RequestLimits
-from splitserve.protos.v1 import generation_pb2 as pb
-from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-
-# Roles the template knows; "tool" hits raise_exception, "ghost" an undefined attribute (UndefinedError).
-CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'ghost' %}{{ m.nothing.deeper }}{% endif %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant', 'ghost'] %}"
-    "{{ raise_exception('roles must be system, user or assistant') }}{% endif %}"
-    "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def write_chat_model(src, dst):
-    """A copy of a tiny model folder with CHAT_TEMPLATE in its tokenizer_config.json."""
-    shutil.copytree(src, dst)
-    (dst / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return dst
-
-
-def big_text(num_bytes: int) -> str:
-    words, rng = "the quick brown fox jumps over the lazy dog paged attention".split(), random.Random(0)
-    return " ".join(rng.choices(words, k=num_bytes // 3))[:num_bytes]
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +16,6 @@ def chat_model_dir(tiny_llama_dir, tmp_path_factory):
     return write_chat_model(tiny_llama_dir, tmp_path_factory.mktemp("chat") / "tiny-llama-chat")
 
 
-
-
-
-
-
-
-
-
-@pytest.mark.unit
 def test_request_limits_defaults_and_message_size():
     limits = RequestLimits()
     assert (limits.max_prompt_bytes, limits.max_stop_bytes, limits.max_stop_total_bytes) == (1 << 20, 1 << 10, 16 << 10)
@@ -70,7 +25,6 @@ def test_request_limits_defaults_and_message_size():
         RequestLimits(max_stops=0)
 
 
-@pytest.mark.unit
 def test_tokenizer_batch_path_equals_encode_and_refuses_long_prompts(chat_model_dir):
     tokenizer = load_tokenizer(chat_model_dir)
     text = big_text(10_000) + " \x00 e\u0301 \U0001f308"
@@ -89,22 +43,4 @@ def test_tokenizer_batch_path_equals_encode_and_refuses_long_prompts(chat_model_
         tokenizer.encode_chat([{"role": "tool", "content": "hi"}])
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 # -- big prompts and the event loop ---------------------------------------------------------------------
-
-
-
-
-
-

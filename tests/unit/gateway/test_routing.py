@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-import pytest
-
 from splitserve.common.roles import Role
 from splitserve.gateway.router import SPREAD_MARGIN, RouteInput, make_router
 from splitserve.gateway.workers import WorkerHandle, WorkerSet
 from splitserve.protos.v1 import worker_pb2 as pb
-
-pytestmark = pytest.mark.unit
 
 
 def _worker(address: str, outstanding: int = 0, free: int = 100, total: int = 100) -> WorkerHandle:

@@ -8,12 +8,8 @@ from __future__ import annotations
 import asyncio
 import socket
 
-import pytest
-
 from splitserve.gateway.workers import WorkerSet
 from splitserve.protos.v1 import worker_pb2 as pb
-
-pytestmark = pytest.mark.unit
 
 
 class Clock:

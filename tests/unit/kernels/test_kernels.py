@@ -9,8 +9,6 @@ import random
 import pytest
 import torch
 
-pytestmark = pytest.mark.unit
-
 pytest.importorskip("triton")
 
 from splitserve import kernels as K  # noqa: E402  (after the skip)
@@ -33,13 +31,22 @@ TOL = {
 NUM_KV_HEADS = 2
 # (dtype, group, head_dim, block_size) of the attention tests. Compiled on CUDA: every combination. Under
 # the interpreter (about 0.5 s a case) every shape with one dtype in turn, so each dtype still meets each
-# group, head_dim and block size, and `pytest -m unit` stays under a minute on two cores.
+# group, head_dim and block size (the unit run takes the first; `make test` all: grid()).
 ATTENTION_SHAPES = list(itertools.product([1, 3, 8], [64, 128], [8, 16]))
 ATTENTION_CASES = (
     [(dtype, *shape) for dtype in DTYPES for shape in ATTENTION_SHAPES]
     if DEVICE == "cuda"
     else [(DTYPES[i % len(DTYPES)], *shape) for i, shape in enumerate(ATTENTION_SHAPES)]
 )
+
+
+def grid(cases) -> list:
+    """A kernel's cases: the first in the unit run, the rest in `make test` (marker kernels; the
+    interpreter takes about 0.5 s a case)."""
+    cases = list(cases)
+    return cases[:1] + [
+        pytest.param(*c if isinstance(c, tuple) else (c,), marks=pytest.mark.kernels) for c in cases[1:]
+    ]
 
 
 def _case_id(value) -> str | None:
@@ -67,8 +74,7 @@ def _paged_context(seq_lens: list[int], block_size: int, head_dim: int, dtype, s
     return kv_cache, block_tables
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(("dtype", "block_size"), grid(itertools.product(DTYPES, [8, 16])), ids=_case_id)
 def test_store_kv(dtype, block_size):
     torch.manual_seed(0)
     head_dim, num_blocks, num_tokens = 64, 6, 13
@@ -105,7 +111,7 @@ def test_store_kv_skips_padding_slots():
 DECODE_LENS = [1, 16, 37, 130, 9]
 
 
-@pytest.mark.parametrize(("dtype", "group", "head_dim", "block_size"), ATTENTION_CASES, ids=_case_id)
+@pytest.mark.parametrize(("dtype", "group", "head_dim", "block_size"), grid(ATTENTION_CASES), ids=_case_id)
 def test_paged_decode_attention(dtype, group, head_dim, block_size):
     torch.manual_seed(1)
     kv_cache, block_tables = _paged_context(DECODE_LENS, block_size, head_dim, dtype)
@@ -124,7 +130,7 @@ def test_paged_decode_attention(dtype, group, head_dim, block_size):
 PREFILL_SEQS = [(0, 1), (0, 37), (21, 5), (64, 70), (3, 1)]
 
 
-@pytest.mark.parametrize(("dtype", "group", "head_dim", "block_size"), ATTENTION_CASES, ids=_case_id)
+@pytest.mark.parametrize(("dtype", "group", "head_dim", "block_size"), grid(ATTENTION_CASES), ids=_case_id)
 def test_paged_prefill_attention(dtype, group, head_dim, block_size):
     torch.manual_seed(2)
     seq_lens_list = [p + n for p, n in PREFILL_SEQS]
@@ -168,8 +174,7 @@ def test_attention_wrappers_reject_bad_inputs():
         K.store_kv(torch.randn(3, 2, 32), torch.randn(3, 2, 64), kv_cache, torch.tensor([0, 1, 2]))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("fused_residual", [False, True])
+@pytest.mark.parametrize(("dtype", "fused_residual"), grid(itertools.product(DTYPES, [False, True])), ids=_case_id)
 def test_rms_norm(dtype, fused_residual):
     torch.manual_seed(3)
     x = torch.randn(7, 96).to(dtype)  # hidden not a power of two: a masked tail
@@ -203,9 +208,9 @@ def _llama3_cos_sin(head_dim: int, max_positions: int):
     return K.rope_cos_sin(rope_inv_freq(arch), max_positions)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize(
+    ("dtype", "interleaved", "head_dim"), grid(itertools.product(DTYPES, [False, True], [64, 128])), ids=_case_id
+)
 def test_rotary_embedding(dtype, interleaved, head_dim):
     torch.manual_seed(4)
     cos, sin = _llama3_cos_sin(head_dim, 300)
@@ -235,7 +240,7 @@ def test_rotary_neox_matches_the_model_table():
     torch.testing.assert_close(k, k_model, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", grid(DTYPES), ids=_case_id)
 def test_silu_and_mul(dtype):
     torch.manual_seed(5)
     x = (3 * torch.randn(5, 2 * 80)).to(dtype)

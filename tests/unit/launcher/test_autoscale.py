@@ -28,8 +28,6 @@ from splitserve.services.planner.cli import policy_args_from_table
 from splitserve.services.planner.loop import ScaleFailed
 from splitserve.services.planner.policy import Mode, TierBounds
 
-pytestmark = pytest.mark.unit
-
 
 def _up(*argv: str):
     args, extra = build_parser().parse_known_args(["up", *argv])

@@ -17,8 +17,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from splitserve.common.security import CLUSTER_TLS_NAME
 from splitserve.services.launcher.certs import FILE_NAMES, PRIVATE_NAMES, SecureBundle, main, make_bundle
 
-pytestmark = pytest.mark.unit
-
 SERVER_AUTH, CLIENT_AUTH = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
 
 

@@ -18,8 +18,6 @@ from splitserve.services.launcher.supervisor import EXIT_GRACE_S, Supervisor, dr
 from splitserve.services.worker import server
 from splitserve.services.worker.server import WorkerConfig
 
-pytestmark = pytest.mark.unit
-
 
 class FakeProc:
     returncode = None

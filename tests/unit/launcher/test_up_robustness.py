@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
-import threading
 from collections import deque
 from pathlib import Path
 
 import pytest
-from cluster_helpers import engine_argv
 
 from splitserve.common.serving import free_port
 from splitserve.services.launcher import cli, launcher
@@ -34,7 +28,6 @@ def _up_argv(tmp_path: Path, port: int, http_port: int, admin_port: int) -> list
     return ["up", *ports, "--secrets-dir", str(tmp_path)]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     ("taken", "flags"),
     [("http", ["--http-port", "--no-http"]), ("grpc", ["--port"]), ("admin", ["--admin-port"])],
@@ -64,7 +57,6 @@ class _Running:
         return self.returncode
 
 
-@pytest.mark.unit
 def test_a_child_not_ready_in_time_is_named_with_the_tail_of_its_log():
     log = deque([f"line {i}" for i in range(100)] + ["loading shard 3 of 4"])
     child = Child("decode-1", f"127.0.0.1:{free_port()}", "", _Running(), "decode", log)  # nothing listens there
@@ -75,7 +67,6 @@ def test_a_child_not_ready_in_time_is_named_with_the_tail_of_its_log():
     assert "line 0\n" not in message  # the tail only
 
 
-@pytest.mark.unit
 def test_a_child_that_exits_while_starting_is_named_with_the_tail_of_its_log():
     log = deque(["Traceback (most recent call last):", "OSError: [Errno 98] Address already in use"])
     child = Child("gateway", f"127.0.0.1:{free_port()}", "", _Running(1), "gateway", log)
@@ -85,7 +76,6 @@ def test_a_child_that_exits_while_starting_is_named_with_the_tail_of_its_log():
     assert "gateway" in message and "exited with code 1" in message and "Address already in use" in message
 
 
-@pytest.mark.unit
 def test_up_waits_as_long_as_ready_timeout_says(tmp_path, monkeypatch):
     waited = []
 
@@ -98,9 +88,3 @@ def test_up_waits_as_long_as_ready_timeout_says(tmp_path, monkeypatch):
     assert cli.main([*argv, "--ready-timeout", "400"]) == 2
     assert cli.main(argv) == 2
     assert waited == [400.0, launcher.READY_TIMEOUT_S]
-
-
-
-
-
-

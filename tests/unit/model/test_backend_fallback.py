@@ -17,8 +17,6 @@ import torch
 from splitserve.services.model.attention import default_backend_name, get_backend, triton_backend
 from splitserve.services.model.attention.torch_backend import TorchAttention
 
-pytestmark = pytest.mark.unit
-
 CUDA = torch.device("cuda", 0)
 
 

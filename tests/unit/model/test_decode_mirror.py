@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from splitserve.services.model.attention.backend import AttentionMetadata
 from splitserve.services.model.attention.decode_mirror import padded_tokens, slot_ranges
 from splitserve.services.model.attention.torch_backend import TorchAttention
-
-pytestmark = pytest.mark.unit
 
 H, KVH, D, BS, NUM_BLOCKS, LAYERS = 4, 2, 8, 4, 1024, 2
 

@@ -17,7 +17,7 @@ from splitserve.services.engine.llm import LLM
 from splitserve.services.model.attention import default_backend_name, get_backend, triton_backend
 
 pytestmark = [
-    pytest.mark.unit,
+    pytest.mark.kernels,  # whole engines on the interpreted kernels: `make test`, not the unit run
     pytest.mark.skipif(not triton_backend.triton_installed(), reason="triton is not installed"),
 ]
 

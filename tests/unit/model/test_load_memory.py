@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import weakref
 
-import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -18,8 +17,6 @@ from torch.utils._pytree import tree_leaves
 from splitserve.services.model.arch import ModelArchConfig
 from splitserve.services.model.attention.torch_backend import TorchAttention
 from splitserve.services.model.loader import ModelSource, build_model
-
-pytestmark = pytest.mark.unit
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS = 256, 1024, 8, 1024, 4, 2
 ARCH = ModelArchConfig.from_hf_config(

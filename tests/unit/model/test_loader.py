@@ -12,8 +12,6 @@ from splitserve.common.model_files import ModelLoadError
 from splitserve.services.model.gguf_loader import _unpermute
 from splitserve.services.model.loader import open_model
 
-pytestmark = pytest.mark.unit
-
 
 def _copy(src, tmp_path):
     dst = tmp_path / "model"

@@ -5,15 +5,12 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from splitserve.services.model.attention.backend import AttentionMetadata
 from splitserve.services.model.attention.torch_backend import TorchAttention, length_groups
-
-pytestmark = pytest.mark.unit
 
 H, KVH, D, BS, NUM_BLOCKS = 6, 2, 16, 4, 400
 

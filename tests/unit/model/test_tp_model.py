@@ -15,32 +15,23 @@ import json
 import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from tp_steps import (
+    BLOCK_SIZE,
+    assert_logits_match,
+    run_rank,
+    shard_model,
+)
 
 from splitserve.common.model_files import ModelLoadError
-from splitserve.services.engine.step_inputs import StepArrays, StepInputBuffer
 from splitserve.services.model.arch import ModelArchConfig
 from splitserve.services.model.attention.torch_backend import TorchAttention
 from splitserve.services.model.loader import build_model, open_model
 from splitserve.services.model.parallel import SINGLE, TensorParallel, possible_sizes
-
-BLOCK_SIZE = 4
-NUM_BLOCKS = 8
-TIMEOUT = timedelta(seconds=30)  # a rank that fails leaves the others waiting this long
-# Two steps over 2 sequences (block tables [1, 2] and [3, 4, 5]; block 0 stays unused). Step 1: prompts
-# of 5 and 7 tokens. Step 2: sequence 0 decodes one token, sequence 1 adds a 2-token chunk. Ids span
-# every rank's part of the 320-token vocab.
-STEPS = [
-    ([0, 5], [5, 7], [3, 90, 170, 250, 319, 7, 80, 81, 160, 240, 241, 318]),
-    ([5, 7], [1, 2], [42, 300, 123]),
-]
 
 
 def arch(num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 192) -> ModelArchConfig:
@@ -59,9 +50,6 @@ def arch(num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 192
 
 
 # --- sharding arithmetic ---------------------------------------------------------------------------
-
-
-@pytest.mark.unit
 @pytest.mark.parametrize(
     ("size", "ranges"),
     [
@@ -75,7 +63,6 @@ def test_kv_head_range(size, ranges):
     assert [TensorParallel(rank, size).kv_head_range(2) for rank in range(size)] == ranges
 
 
-@pytest.mark.unit
 def test_replicated_kv_head_is_the_one_its_query_heads_read():
     a = arch(num_heads=8, num_kv_heads=2)  # query heads 0-3 read KV head 0, 4-7 read KV head 1
     for rank in range(4):
@@ -85,7 +72,6 @@ def test_replicated_kv_head_is_the_one_its_query_heads_read():
         assert {q // 4 for q in query_heads} == set(tp.kv_head_range(2))
 
 
-@pytest.mark.unit
 def test_local_heads_and_vocab_shards():
     a = arch(num_heads=4, num_kv_heads=2)
     assert TensorParallel(0, 1).local_heads(a) == (4, 2)
@@ -100,7 +86,6 @@ def test_local_heads_and_vocab_shards():
     assert TensorParallel(3, 4).vocab_range(2) == range(2, 2)  # nothing real left for the last rank
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize(
     ("a", "size", "message"),
     [
@@ -115,7 +100,6 @@ def test_check_refuses_sizes_that_do_not_divide(a, size, message):
         TensorParallel(0, size).check(a)
 
 
-@pytest.mark.unit
 def test_possible_sizes_and_bad_ranks():
     assert possible_sizes(arch(num_heads=8, num_kv_heads=2)) == [1, 2, 4, 8]
     with pytest.raises(ValueError, match="rank 2 of size 2"):
@@ -124,7 +108,6 @@ def test_possible_sizes_and_bad_ranks():
         TensorParallel(0, 2).all_reduce(torch.ones(2))
 
 
-@pytest.mark.unit
 def test_build_model_refuses_a_size_that_does_not_divide(tiny_llama_dir):
     source = open_model(tiny_llama_dir)
     backend = TorchAttention(4, 2, 16, BLOCK_SIZE)
@@ -132,7 +115,6 @@ def test_build_model_refuses_a_size_that_does_not_divide(tiny_llama_dir):
         build_model(source, backend, 64, torch.float32, torch.device("cpu"), TensorParallel(0, 3))
 
 
-@pytest.mark.unit
 def test_backend_must_be_built_for_the_local_heads(tiny_llama_dir):
     source = open_model(tiny_llama_dir)
     with pytest.raises(ValueError, match="built for 4 query / 2 KV heads, this rank holds 2 / 1"):
@@ -142,13 +124,6 @@ def test_backend_must_be_built_for_the_local_heads(tiny_llama_dir):
 # --- each rank's shard, loaded in this process (no group: nothing runs) -------------------------------
 
 
-def shard_model(folder: Path, tp: TensorParallel):
-    source = open_model(folder)
-    backend = TorchAttention(*tp.local_heads(source.arch), source.arch.head_dim, BLOCK_SIZE)
-    return build_model(source, backend, 64, torch.float32, torch.device("cpu"), tp)
-
-
-@pytest.mark.unit
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_loads_its_shard(tiny_qwen2_dir, size):
     full = dict(shard_model(tiny_qwen2_dir, SINGLE).named_parameters(remove_duplicate=False))
@@ -178,7 +153,6 @@ def test_each_rank_loads_its_shard(tiny_qwen2_dir, size):
     assert torch.equal(shards[-1]["norm.weight"], full["norm.weight"])  # replicated
 
 
-@pytest.mark.unit
 def test_a_shard_of_a_wrong_sized_tensor_is_refused(tiny_llama_dir, tmp_path):
     """The whole checkpoint tensor is checked, not just the part this rank takes (which would fit)."""
     shutil.copytree(tiny_llama_dir, tmp_path / "m")
@@ -205,7 +179,6 @@ def odd_vocab_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.unit
 def test_vocab_padding_rows_are_zero(odd_vocab_dir):
     last = dict(shard_model(odd_vocab_dir, TensorParallel(1, 2)).named_parameters())  # ids 161-320, 1 pad row
     assert last["embed_tokens.weight"].shape == last["lm_head.weight"].shape == (161, 64)
@@ -214,59 +187,7 @@ def test_vocab_padding_rows_are_zero(odd_vocab_dir):
 
 # --- sharded forwards: ranks on real gloo groups, as threads of this process or as processes --------
 
-Logits = dict[tuple[str, int], list[torch.Tensor]]  # (model, group size) -> each step's [2, vocab] logits
 
-
-def run_steps(folder: Path, tp: TensorParallel) -> list[torch.Tensor]:
-    """The float32 logits [2, vocab] of both STEPS, on a fresh paged cache of this rank's KV heads."""
-    model = shard_model(folder, tp)
-    a = model.config
-    kv_heads = tp.local_heads(a)[1]
-    cache = torch.zeros(a.num_layers, 2, NUM_BLOCKS, BLOCK_SIZE, kv_heads, a.head_dim)
-    inputs = StepInputBuffer(torch.device("cpu"), BLOCK_SIZE)
-    table = np.array([[1, 2, 0], [3, 4, 5]], dtype=np.int64)
-    logits = []
-    with torch.inference_mode():
-        for starts, query_lens, ids in STEPS:
-            lens = np.array(query_lens, dtype=np.int64)
-            arrays = StepArrays(np.array(ids, dtype=np.int64), np.array(starts), lens, table, lens > 0)
-            batch = inputs.pack(arrays, [])
-            hidden = model(batch.input_ids, batch.positions, list(cache.unbind(0)), batch.meta)
-            logits.append(model.compute_logits(hidden[batch.sample_rows]))
-    return logits
-
-
-def run_rank(rank: int, store: dist.Store, sizes: tuple[int, ...], folders: dict[str, Path]) -> Logits:
-    """This rank's logits of every model, in a group of each size in sizes that has this rank."""
-    logits: Logits = {}
-    for size in (s for s in sizes if rank < s):
-        tp = TensorParallel(rank, size, _gloo_group(store, f"tp{size}", rank, size))
-        for name, folder in folders.items():
-            logits[name, size] = run_steps(folder, tp)
-    return logits
-
-
-def _gloo_group(store: dist.Store, prefix: str, rank: int, size: int) -> dist.ProcessGroupGloo:
-    options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1", lazy_init=False)]
-    options._timeout = TIMEOUT
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
-
-
-def assert_logits_match(per_rank: list[Logits], folders: dict[str, Path], sizes: tuple[int, ...]) -> None:
-    """Every rank got the unsharded model's logits (fp32: to ~1e-5, the same argmax)."""
-    expected = {name: run_steps(folder, SINGLE) for name, folder in folders.items()}
-    for rank, logits in enumerate(per_rank):
-        assert set(logits) == {(name, size) for name in folders for size in sizes if rank < size}
-        for (name, size), got in logits.items():
-            for step, (g, e) in enumerate(zip(got, expected[name], strict=True)):
-                where = f"{name}, size {size}, rank {rank}, step {step}"
-                assert g.dtype == torch.float32 and g.shape == e.shape == (2, e.shape[1]), where
-                torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=where)
-                assert torch.equal(g.argmax(-1), e.argmax(-1)), where
-
-
-@pytest.mark.unit
 def test_sharded_logits_match_the_whole_model(tiny_llama_dir, tiny_qwen2_dir, odd_vocab_dir):
     """4 ranks as threads (gloo over loopback, a HashStore): sizes 4 (KV heads replicated) and 2."""
     folders = {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "llama-321": odd_vocab_dir}
@@ -275,7 +196,3 @@ def test_sharded_logits_match_the_whole_model(tiny_llama_dir, tiny_qwen2_dir, od
         futures = [pool.submit(run_rank, rank, store, sizes, folders) for rank in range(4)]
         per_rank = [f.result() for f in futures]
     assert_logits_match(per_rank, folders, sizes)
-
-
-
-

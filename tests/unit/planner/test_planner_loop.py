@@ -10,7 +10,6 @@ import threading
 from concurrent import futures
 
 import grpc
-import pytest
 from prometheus_client import generate_latest
 
 from splitserve.common.roles import Role
@@ -25,8 +24,6 @@ from splitserve.services.planner.metrics import PlannerMetrics
 from splitserve.services.planner.policy import Bounds, Mode, PlannerConfig, TierBounds, make_policy
 from splitserve.services.planner.reader import Samples, Scrape, WorkerScrape
 from splitserve.services.worker.metrics import EngineSnapshot, WorkerMetrics
-
-pytestmark = pytest.mark.unit
 
 BOUNDS = Bounds({Role.PREFILL: TierBounds(1, 4), Role.DECODE: TierBounds(1, 4)}, budget=8)
 

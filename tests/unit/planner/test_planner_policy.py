@@ -29,8 +29,6 @@ from splitserve.services.planner.policy import (
 )
 from splitserve.services.planner.profile import LinearModel, Profile, WorkerLimits
 
-pytestmark = pytest.mark.unit
-
 PROFILE = Profile(LinearModel((0.01, 1e-4, 1e-8)), LinearModel((0.02, 5e-4, 2e-7)), WorkerLimits(4096, 64, 400_000))
 TARGETS = SloTargets(ttft_s=1.0, itl_s=0.06)
 SIZING = Sizing()

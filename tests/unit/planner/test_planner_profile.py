@@ -18,8 +18,6 @@ from splitserve.services.planner.profile import (
     prefill_features,
 )
 
-pytestmark = pytest.mark.unit
-
 PREFILL = LinearModel((0.01, 1e-4, 1e-8))
 DECODE = LinearModel((0.02, 5e-4, 2e-7))
 

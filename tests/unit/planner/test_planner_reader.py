@@ -20,8 +20,6 @@ from splitserve.services.planner.profile import LinearModel, OnlineFit, decode_f
 from splitserve.services.planner.reader import Samples, Scrape, WorkerScrape, histogram_quantile, observe
 from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
-pytestmark = pytest.mark.unit
-
 
 class Worker:
     """A worker's metrics with an engine state the test sets."""

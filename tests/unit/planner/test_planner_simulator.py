@@ -21,8 +21,6 @@ from splitserve.services.planner.simulator import (
     weighted_percentile,
 )
 
-pytestmark = pytest.mark.unit
-
 # A GPU-like worker: 10k prompt tokens/s, decode steps of 20 ms + 0.5 ms per sequence + KV read.
 PROFILE = Profile(LinearModel((0.01, 1e-4, 1e-8)), LinearModel((0.02, 5e-4, 2e-7)), WorkerLimits(4096, 64, 400_000))
 TARGETS = SloTargets(ttft_s=1.0, itl_s=0.06)

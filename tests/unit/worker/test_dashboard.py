@@ -1,5 +1,5 @@
 """Every series the Grafana dashboard queries is one a splitserve process exports, under the same
-name in both exposition formats (tests/test_prometheus.py runs the queries in a real Prometheus)."""
+name in both exposition formats (tests/integration/test_prometheus.py runs the queries in a real Prometheus)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import re
 from pathlib import Path
 
-import pytest
 from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
@@ -15,10 +14,8 @@ from splitserve.gateway.server import GatewayMetrics
 from splitserve.services.disagg.transfer.base import TransferFailure
 from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
-pytestmark = pytest.mark.unit
-
 NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "splitserve-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "splitserve-dashboard.json"
 
 
 def _names(text: str) -> set[str]:

@@ -3,13 +3,10 @@ rules written for vLLM read) beside its splitserve_ ones, with the same values."
 
 from __future__ import annotations
 
-import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.services.worker.metrics import VLLM_NAMES, EngineSnapshot, RequestTiming, WorkerMetrics
-
-pytestmark = pytest.mark.unit
 
 
 def _samples(metrics: WorkerMetrics) -> dict[tuple[str, tuple], float]:
