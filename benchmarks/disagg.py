@@ -19,8 +19,8 @@ transfer: KV transfer bandwidth for 1, 16 and 256 blocks of SmolLM2 (fp32, block
                      shared-memory segment), what isolating gloo from the worker costs.
     Target: handoff path >= 0.8x raw gloo at 16 and 256 blocks.
 latency: TTFT, time to the second token and inter-token latency at low load (one request at a time)
-    through the gateway: 1 unified worker vs 1P1D (engine cores, the default), and 1P1D whose workers
-    step in their serving processes (--no-engine-process), SmolLM2 (bundled), distinct random prompts.
+    through the gateway: 1 unified worker vs 1P1D (each worker's engine core runs its KV handoffs),
+    SmolLM2 (bundled), distinct random prompts.
     Every case gives each worker 2 torch threads. Target: 1P1D TTFT <= 1.1x unified.
 
 Usage: python benchmarks/disagg.py transfer [--repeats 9] [--json PATH]
@@ -343,8 +343,7 @@ def latency(num_requests: int, prompt_len: int, output_len: int, json_path: str 
     disagg = dict(num_workers=0, num_prefill=1, num_decode=1)
     shapes = (
         ("unified x1", dict(num_workers=1)),
-        ("1P1D", disagg),  # both workers' step loops and KV handoffs in engine cores (the default)
-        ("1P1D in proc", dict(disagg, mode_argv={mode: ["--no-engine-process"] for mode in ("prefill", "decode")})),
+        ("1P1D", disagg),  # both workers' step loops and KV handoffs in engine cores
     )
     for name, shape in shapes:
         children = start_cluster(engine_argv=[], worker_argv=["--num-threads", "2"], **shape)
@@ -361,7 +360,6 @@ def latency(num_requests: int, prompt_len: int, output_len: int, json_path: str 
     for name, samples in rows.items():
         med = [statistics.median(s[i] for s in samples) * 1e3 for i in range(4)]
         print(f"{name:<12}{med[0]:>8.1f}{med[1]:>11.1f}{med[2]:>8.1f}{med[3]:>9.1f}")
-    print("(1P1D in proc: both workers step and hand off in their serving processes, --no-engine-process)")
     ratio = statistics.median(s[0] for s in rows["1P1D"]) / statistics.median(s[0] for s in rows["unified x1"])
     print(f"TTFT 1P1D / unified: {ratio:.2f}x (target <= 1.1x)")
     if json_path:

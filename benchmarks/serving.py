@@ -12,7 +12,7 @@ throughput (default): the offline workload of benchmarks/offline.py as concurren
     1P1D with the KV streamed layer by layer (the default) and 1P1D sending it after the first token
     (--no-kv-streaming), one pinned core per worker. Target: 1P1D within 1.1x of unified at 4k tokens.
 
-Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--no-engine-process] [--json PATH]
+Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--json PATH]
        python benchmarks/serving.py --second-token [--lengths 256,1024,4096] [--repeats 3] [--json PATH]
        python benchmarks/serving.py --prefix-hit [--pairs 3] [--json PATH]
 """
@@ -52,7 +52,7 @@ WARMUP = WorkloadConfig(
 
 
 def engine_core_pid(worker_pid: int) -> int:
-    """The engine core process a worker started with --engine-process spawned."""
+    """The engine core process a worker spawned."""
     out = subprocess.run(["pgrep", "-P", str(worker_pid), "-f", "spawn_main"], capture_output=True, text=True)
     (pid,) = [int(p) for p in out.stdout.split()]
     return pid
@@ -129,14 +129,11 @@ def throughput(args: argparse.Namespace) -> dict:
     worker_argv = ["--kv-cache-bytes", str(KV_CACHE_BYTES)]
     if args.worker_threads:
         worker_argv += ["--num-threads", str(args.worker_threads)]  # the last --num-threads wins
-    if not args.engine_process:
-        worker_argv.append("--no-engine-process")
     children = start_cluster(1, worker_argv)
     try:
         through_gateway(children[0].address, WARMUP)
         pids = {"gateway": children[0].proc.pid, "worker": children[1].proc.pid, "client": os.getpid()}
-        if args.engine_process:
-            pids["engine_core"] = engine_core_pid(children[1].proc.pid)
+        pids["engine_core"] = engine_core_pid(children[1].proc.pid)
         before = worker_steps(children[1].metrics)
         (grpc_s, grpc_tokens), cpu = cpu_used(pids, through_gateway, children[0].address, workload)
         grpc_steps = step_summary(worker_steps(children[1].metrics), before)
@@ -287,13 +284,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: all cores)")
-    parser.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the worker runs its step loop in an engine core process (the default; --no-engine-process: in its "
-        "serving process)",
-    )
     parser.add_argument("--prefix-hit", action="store_true", help="cold vs prefix-hit TTFT on 1P1D instead")
     parser.add_argument("--pairs", type=int, default=3, help="--prefix-hit: prefixes, each sent cold then hit")
     parser.add_argument("--second-token", action="store_true", help="time to the 2nd token: 1P1D vs unified")

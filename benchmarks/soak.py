@@ -6,7 +6,7 @@ outcomes by status, wrong tokens, leaked blocks, ...) and every failure; writes 
 each run's full process log. Exits 1 if any check failed.
 
 Usage: python benchmarks/soak.py [--duration 300] [--index both|memory|redis] [--seed 0]
-       [--json runs/soak/soak.json] [--kill-interval 3] [--clients 4] [--no-engine-process]
+       [--json runs/soak/soak.json] [--kill-interval 3] [--clients 4]
 """
 
 from __future__ import annotations
@@ -31,13 +31,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=4, help="concurrent client threads")
     p.add_argument("--kill-interval", type=float, default=3.0, help="mean seconds between worker kills")
     p.add_argument("--json", default="runs/soak/soak.json", help="report path (the logs go beside it)")
-    p.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="every worker steps and moves its KV in an engine core process (the default; --no-engine-process: "
-        "in its serving process)",
-    )
     a = p.parse_args(argv)
     out = Path(a.json)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -59,7 +52,6 @@ def main(argv: list[str] | None = None) -> int:
                 num_clients=a.clients,
                 kill_interval_s=a.kill_interval,
                 log_path=str(log),
-                engine_process=a.engine_process,
             )
             reports.append(run_soak(cfg))
     print(format_table(reports))

@@ -15,7 +15,7 @@ much less disturbed than wall time by other processes on a shared machine):
 - `async`: the serving path, AsyncEngine with one consuming task per request (as the gRPC servicer
   has), wall time per step from the first add to the last output (prefill step included).
 - `core`: the same serving path with the engine core in a process of its own (EngineCoreClient, as
-  a worker with --engine-process runs it): the consuming tasks here, the step loop and the stub
+  a worker runs it): the consuming tasks here, the step loop and the stub
   there; wall time per step the core ran. --no-core skips it.
 - `pipelined` (when the engine has it): the step loop as AsyncEngine runs it, outputs processed on
   the engine's output thread. `loop` is the step loop's own time per step: what a GPU would wait
@@ -223,7 +223,7 @@ def per_step(wall_ms: float, steps: tuple[int, float], cpu_ms: dict[str, float])
 
 def time_core(model: str, batch: int, steps: int, forward_ms: float) -> dict[str, float]:
     """The serving path with the engine core in its own process (EngineCoreClient, as a worker with
-    --engine-process runs it): one consuming task per request here, the step loop there. ms per
+    runs it): one consuming task per request here, the step loop there. ms per
     step = wall time / steps the core ran (from its load reports)."""
     from splitserve.services.engine.core_client import EngineCoreClient
 

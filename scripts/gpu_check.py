@@ -14,9 +14,8 @@ with --json):
                  while serving after it (must be 0)
   holdout-fp32   the same prompts in fp32: greedy tokens equal transformers' generate(), token for token
   1p1d           `splitserve up --prefill 1 --decode 1 --devices cuda`: requests through the gateway, KV
-                 moved between the tiers
-  1p1d-cores     the same with --engine-process: each worker's step loop and KV handoffs in an engine
-                 core process that owns the device (the serving processes must stay off it)
+                 moved between the tiers; each worker's step loop and KV handoffs in its engine core
+                 process, which owns the device (the serving processes must stay off it)
   2-per-gpu      `splitserve up --workers 2 --devices cuda:0,cuda:0 --gpu-memory-fraction 0.4`
   cuda-graphs    the tiny Llama with decode steps replayed from CUDA graphs (--cuda-graphs) against eager
                  steps: fp32 greedy tokens and log-probs (sampled token and top 5) on 13 prompts (decode
@@ -64,7 +63,6 @@ CHECKS = (
     "warm-up",
     "holdout-fp32",
     "1p1d",
-    "1p1d-cores",
     "2-per-gpu",
     "cuda-graphs",
     "bench-kernels",
@@ -443,10 +441,10 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def cluster_1p1d(model_dir: Path, timeout_s: float, name: str = "1p1d", extra: tuple[str, ...] = ()) -> Result:
+def cluster_1p1d(model_dir: Path, timeout_s: float) -> Result:
     # One GPU: both workers share it, so each takes 0.4 of it; with more, they land on different GPUs.
-    args = ["--prefill", "1", "--decode", "1", "--devices", "cuda", "--gpu-memory-fraction", "0.4", *extra]
-    result = run_cluster(name, args, model_dir, timeout_s)
+    args = ["--prefill", "1", "--decode", "1", "--devices", "cuda", "--gpu-memory-fraction", "0.4"]
+    result = run_cluster("1p1d", args, model_dir, timeout_s)
     workers = result.numbers.get("workers", {})
     sent = sum(w["sent_blocks"] for w in workers.values())
     if result.status == "pass" and (result.numbers["requests_ok"] != "8/8" or sent == 0):
@@ -711,7 +709,6 @@ def main() -> int:
         ("kernel-tests", 60, 240, lambda t: [kernel_tests(t)]),
         ("holdout-bf16", 30, 150, lambda t: holdout(model_dir, t)),
         ("1p1d", 40, 150, lambda t: [cluster_1p1d(model_dir, t)]),
-        ("1p1d-cores", 40, 150, lambda t: [cluster_1p1d(model_dir, t, "1p1d-cores", ("--engine-process",))]),
         ("2-per-gpu", 40, 150, lambda t: [cluster_two_per_gpu(model_dir, t)]),
         ("cuda-graphs", 40, 240, lambda t: [cuda_graphs(model_dir, t)]),
         ("bench-kernels", 60, 240, lambda t: [bench_kernels(work, args.bench_full, t)]),

@@ -128,12 +128,10 @@ class Cluster:
         redis: bool = False,
         worker_argv: list[str] | None = None,
         env: dict[str, str] | None = None,
-        mode_argv: dict[str, list[str]] | None = None,
     ) -> None:
         from redis_helpers import RedisServer
 
         self.model, self.worker_argv, self.env = str(model), worker_argv or [], env or {}
-        self.mode_argv = mode_argv or {}  # arguments of one mode's workers (restarts get them too)
         self.redis = RedisServer().start() if redis else None
         try:
             children = start_cluster(
@@ -144,7 +142,6 @@ class Cluster:
                 worker_argv=self.worker_argv,
                 env=self.env,
                 gateway_argv=["--redis-url", self.redis.url] if self.redis else [],
-                mode_argv=self.mode_argv,
             )
         except BaseException:
             if self.redis:
@@ -192,7 +189,7 @@ class Cluster:
 
     def restart(self, old: Child, same_address: bool) -> Child:
         """The same role again; on old's ports when same_address. Returns once the gateway lists it."""
-        argv = engine_argv(self.model) + self.worker_argv + self.mode_argv.get(old.mode, [])
+        argv = engine_argv(self.model) + self.worker_argv
         if same_address:  # the worker's argparse keeps the last --port: the new process takes old's ports
             argv += ["--port", old.address.rsplit(":", 1)[1], "--metrics-port", old.metrics.rsplit(":", 1)[1]]
         new = spawn_worker(
@@ -275,7 +272,7 @@ def drained_empty(child) -> bool:
 
 
 def engine_core_pids(worker) -> list[int]:
-    """The engine core process of a worker run with --engine-process (its spawned children besides
+    """The engine core process of a worker (its spawned children besides
     multiprocessing's resource tracker: one, once it started its core)."""
     spawned = ["pgrep", "-P", str(worker.proc.pid), "-f", "spawn_main"]
     return [int(p) for p in subprocess.run(spawned, capture_output=True, text=True).stdout.split()]
@@ -287,7 +284,7 @@ def engine_core_pid(worker) -> int:
 
 
 def kill_engine_core(worker) -> None:
-    """SIGKILL the engine core process of a worker run with --engine-process."""
+    """SIGKILL the engine core process of a worker."""
     os.kill(engine_core_pid(worker), signal.SIGKILL)
 
 

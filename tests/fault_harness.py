@@ -78,7 +78,6 @@ class SoakConfig:
     kv_transfer_timeout_s: float = 5.0  # workers' --kv-transfer-timeout: failures surface within seconds
     settle_s: float = 40.0  # after the load, how long pools may take to empty (prefill leases: 30 s)
     log_path: str | None = None  # every process's output also goes here
-    engine_process: bool = True  # every worker steps and moves its KV in an engine core (the default)
 
     def __post_init__(self) -> None:
         if not 0 <= self.reused_id_share <= 1 or not 0 <= self.cancel_share + self.short_deadline_share <= 1:
@@ -88,7 +87,7 @@ class SoakConfig:
 
     @property
     def label(self) -> str:
-        return ("redis" if self.redis else "memory") + ("" if self.engine_process else " in-process")
+        return "redis" if self.redis else "memory"
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,7 +380,6 @@ def run_soak(cfg: SoakConfig) -> Report:
             cfg.redis,
             ["--kv-transfer-timeout", str(cfg.kv_transfer_timeout_s)],
             {SEND_DELAY_ENV: str(cfg.send_delay_s)},
-            None if cfg.engine_process else {mode: ["--no-engine-process"] for mode in ("prefill", "decode")},
         )
         phases.lap("startup")
         try:

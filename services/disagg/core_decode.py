@@ -1,4 +1,4 @@
-"""A decode worker's KV handoffs inside its engine core process (`--mode decode --engine-process`).
+"""A decode worker's KV handoffs inside its engine core process (`--mode decode`).
 
 The serving process keeps the per-stream work (the gRPC streams, detokenization, stop strings); the
 core steps and, on a thread of its own with an asyncio loop, runs each request's handoff exactly as

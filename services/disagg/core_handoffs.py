@@ -1,4 +1,4 @@
-"""What a worker's KV handoffs need inside its engine core process (`--engine-process`): a thread of
+"""What a worker's KV handoffs need inside its engine core process: a thread of
 their own with an asyncio loop, the core's step loop as HandoffPort drives it, the outputs of the
 prompts the core runs for itself, and their metrics relayed to the serving process.
 

@@ -1,4 +1,4 @@
-"""A prefill worker's Prefill calls inside its engine core process (`--mode prefill --engine-process`).
+"""A prefill worker's Prefill calls inside its engine core process (`--mode prefill`).
 
 The serving process keeps the gRPC call; the core computes the prompt and sends its KV from the
 process that owns the cache, running what a prefill worker in one process runs

@@ -127,7 +127,6 @@ def _worker(a: argparse.Namespace) -> int:
         advertise_host=a.advertise_host,
         kv_transfer_timeout_s=a.kv_transfer_timeout,
         kv_streaming=a.kv_streaming,
-        engine_process=a.engine_process,
         vllm_metric_names=a.vllm_metric_names,
         engine_stall_timeout_s=a.engine_stall_timeout,
         cluster=cluster_from_args(a),
@@ -195,9 +194,6 @@ def _event_loop_factory():
     return uvloop.new_event_loop
 
 
-_WORKER_MODES = ("unified", "prefill", "decode")
-
-
 def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
     from pathlib import Path
 
@@ -223,7 +219,6 @@ def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
         {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
         _up_planner(a) if a.autoscale else None,
         ready_timeout_s=a.ready_timeout,
-        mode_argv=None if a.engine_process else {mode: ["--no-engine-process"] for mode in _WORKER_MODES},
         internal_port=a.internal_port or a.port + 2,
     )
 
@@ -374,15 +369,6 @@ def add_commands(sub) -> None:
         "workers; --no-kv-streaming: send it after the first token)",
     )
     worker.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="run the engine's step loop in a process of its own, fed over a pipe, so that the serving "
-        "thread's per-stream work never delays a step (services/engine/core_process.py; a prefill or decode worker's "
-        "KV handoffs run there too, services/disagg/core_prefill.py and services/disagg/core_decode.py); the default; "
-        "--no-engine-process: step in the serving process",
-    )
-    worker.add_argument(
         "--engine-stall-timeout",
         type=float,
         default=60.0,
@@ -484,14 +470,6 @@ def add_commands(sub) -> None:
     )
     up.add_argument("--prefill", type=int, default=0, help="prefill workers (xPyD; needs --decode)")
     up.add_argument("--decode", type=int, default=0, help="decode workers (xPyD; needs --prefill)")
-    up.add_argument(
-        "--engine-process",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="workers run their engine (and a prefill or decode worker its KV handoffs) in a process of "
-        "their own (`splitserve worker --engine-process`, the default; --no-engine-process: in the "
-        "serving process)",
-    )
     up.add_argument(
         "--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill worker (default: --tp)"
     )

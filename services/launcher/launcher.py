@@ -222,13 +222,11 @@ def start_cluster(
     cluster: ClusterSecurity = OPEN_CLUSTER,
     http_port: int | None = 0,
     tp_sizes: dict[str, int] | None = None,
-    mode_argv: dict[str, list[str]] | None = None,
     internal_port: int = 0,
 ) -> list[Child]:
     """Start gateway + workers and wait until all are healthy; the gateway is children[0].
 
-    worker_argv goes to workers only (e.g. --kv-transfer-timeout), mode_argv to one mode's workers
-    (e.g. {"decode": ["--engine-process"]}), gateway_argv to the gateway only (e.g. --router,
+    worker_argv goes to workers only (e.g. --kv-transfer-timeout), gateway_argv to the gateway only (e.g. --router,
     --redis-url); env adds environment variables. worker_cpus pins worker i to the
     cores worker_cpus[i] ("0,1"), with as many torch threads. tp_sizes gives a mode's workers that many
     tensor-parallel ranks each (--tensor-parallel-size). devices spreads workers over accelerators:
@@ -269,7 +267,7 @@ def start_cluster(
             tp = tp_sizes.get(mode, 1)
             device = pick_devices(devices, tp, used) if devices else ""
             wait_for_gpu_peer(children[1:], device, timeout_s, cluster)
-            argv = engine_argv + pin + (worker_argv or []) + (mode_argv or {}).get(mode, [])
+            argv = engine_argv + pin + (worker_argv or [])
             children.append(spawn_worker(name, mode, gateway.registry, argv, host, n, env, device, tp))
         for child in children[1:]:
             wait_ready(child, timeout_s, cluster)
@@ -445,12 +443,10 @@ def run_up(
     tp_sizes: dict[str, int] | None = None,
     planner: UpPlanner | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
-    mode_argv: dict[str, list[str]] | None = None,
     internal_port: int = 0,
 ) -> int:
     """planner: run the SLO planner in this process too (`--autoscale`; services/launcher/autoscale.py);
     ready_timeout_s: how long each child may take to come up (at start, and when scaled or restarted);
-    mode_argv: arguments for one mode's workers (`--engine-process`: unified and decode);
     internal_port: the gateway's port for members (mTLS), when access gives the cluster certificates."""
     from splitserve.services.launcher.supervisor import Supervisor, serve_launcher
 
@@ -470,7 +466,6 @@ def run_up(
         cluster=access.cluster,
         http_port=http_port,
         tp_sizes=tp_sizes,
-        mode_argv=mode_argv,
         internal_port=internal_port,
     )
     supervisor = Supervisor(
@@ -481,7 +476,6 @@ def run_up(
         devices=devices,
         cluster=access.cluster,
         tp_sizes=tp_sizes,
-        mode_argv=mode_argv,
     )
     admin = serve_launcher(supervisor, host, admin_port or free_port(host), access.cluster)
     print(

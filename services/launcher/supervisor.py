@@ -83,13 +83,11 @@ class Supervisor:
         devices: list[str] | None = None,
         cluster: ClusterSecurity = OPEN_CLUSTER,
         tp_sizes: dict[str, int] | None = None,
-        mode_argv: dict[str, list[str]] | None = None,
     ) -> None:
         self.children = children
         self.cluster = cluster  # how to reach the workers it starts
         self.devices = devices or []  # new workers take the devices the fewest live workers use
         self.tp_sizes = tp_sizes or {}  # mode -> tensor-parallel ranks per worker (default 1)
-        self.mode_argv = mode_argv or {}  # mode -> arguments its workers get beside engine_argv
         self.engine_argv, self.host = engine_argv, host
         # How long a drained worker may take before it is killed; None: longer than its drain can last.
         if drain_timeout_s is None:
@@ -134,7 +132,7 @@ class Supervisor:
                     f"{mode}-{next(self._ids[mode])}",
                     mode,
                     self.children[0].registry,
-                    self.engine_argv + self.mode_argv.get(mode, []),
+                    self.engine_argv,
                     self.host,
                     threads,
                     device=device,
@@ -170,7 +168,7 @@ class Supervisor:
                 child.name,
                 child.mode,
                 self.children[0].registry,
-                self.engine_argv + self.mode_argv.get(child.mode, []),
+                self.engine_argv,
                 self.host,
                 threads_per_worker(self._num_ranks()),
                 device=child.device,

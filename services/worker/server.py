@@ -27,18 +27,12 @@ from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.services.disagg.core_decode import CoreDecodeSetup
 from splitserve.services.disagg.core_prefill import CorePrefillSetup
-from splitserve.services.disagg.decode import DecodeHandoff
-from splitserve.services.disagg.prefill_client import GrpcPrefillClient
-from splitserve.services.disagg.rank_transfers import Endpoint, RankAgent, open_rank_endpoints
+from splitserve.services.disagg.rank_transfers import RankAgent
 from splitserve.services.disagg.transfer.base import TransferFailure
-from splitserve.services.disagg.transfer.isolated import make_receiver, make_sender
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.core_client import STALL_TIMEOUT_S, EngineCoreClient
 from splitserve.services.engine.core_process import CoreTraces, HandoffsSetup
-from splitserve.services.engine.handoff_port import EngineReports, HandoffPort
-from splitserve.services.engine.step_loop import load_engine
-from splitserve.services.worker.handoffs import HandoffsInCore, HandoffsInProcess, WorkerHandoffs
+from splitserve.services.engine.handoff_port import EngineLoad, EngineReports
 from splitserve.services.worker.kv_events import KVEventPublisher
 from splitserve.services.worker.metrics import WorkerMetrics
 from splitserve.services.worker.servicer import WorkerServicer, engine_snapshot
@@ -63,9 +57,6 @@ class WorkerConfig:
     kv_transfer_timeout_s: float = 30.0  # bounds every KV transfer wait (group setup, send, receive)
     kv_reserve_timeout_s: float = 10.0  # decode: how long a request may wait for room for its prompt
     kv_streaming: bool = True  # prefill: send the KV layer by layer as the last prompt chunk computes
-    engine_process: bool = (
-        True  # the step loop (and KV handoffs) in a process of its own (services/engine/core_process.py)
-    )
     # An engine core silent this long while work is queued is hung or wedged: the worker stops serving
     # (health NOT_SERVING, out of the gateway) and exits non-zero, to be restarted.
     engine_stall_timeout_s: float = STALL_TIMEOUT_S
@@ -99,53 +90,8 @@ class WorkerConfig:
         return self.host
 
 
-def _make_servicer(
-    config: WorkerConfig, engine: AsyncEngine | EngineCoreClient, port: EngineReports, metrics: WorkerMetrics
-) -> WorkerServicer:
-    return WorkerServicer(engine, metrics, port, config.role, _make_handoffs(config, engine, metrics))
-
-
-def _make_handoffs(
-    config: WorkerConfig, engine: AsyncEngine | EngineCoreClient, metrics: WorkerMetrics
-) -> WorkerHandoffs | None:
-    """A prefill or decode worker's handoffs: its engine core's, or made here for the engine in process."""
-    role = config.role
-    if role is Role.UNIFIED:
-        return None
-    if isinstance(engine, EngineCoreClient):
-        return HandoffsInCore(engine)
-    device = HandoffPort(engine).device
-    if role is Role.PREFILL:
-        sender = make_sender(config.public_host, config.kv_transfer_timeout_s, device)
-        return HandoffsInProcess(
-            engine, metrics, sender=sender, send_delay_s=_send_delay_s(), kv_streaming=config.kv_streaming
-        )
-    receiver = make_receiver(config.public_host, config.kv_transfer_timeout_s, device)
-    log.info("KV channels meet at TCPStore %s", receiver.address)
-    handoff = DecodeHandoff(
-        engine,
-        receiver,
-        GrpcPrefillClient(config.cluster.worker_channel),
-        metrics,
-        config.kv_reserve_timeout_s,
-        config.kv_transfer_timeout_s,
-    )
-    return HandoffsInProcess(engine, metrics, handoff=handoff)
-
-
 def _send_delay_s() -> float:
     return float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
-
-
-async def _open_rank_endpoints(config: WorkerConfig, port: HandoffPort) -> None:
-    """A tensor-parallel prefill or decode worker: each follower rank gets its own KV endpoint, on
-    this worker's advertised host, and moves its own KV heads (services/disagg/rank_transfers.py)."""
-    endpoints = {Role.PREFILL: Endpoint.SENDER, Role.DECODE: Endpoint.RECEIVER}
-    endpoint = endpoints.get(config.role)
-    if endpoint is None or port.tensor_parallel_size == 1:
-        return
-    await open_rank_endpoints(port, endpoint, config.public_host, config.kv_transfer_timeout_s)
-    log.info("KV endpoints open on %d follower ranks (%s)", port.tensor_parallel_size - 1, endpoint.name.lower())
 
 
 class EngineDied(RuntimeError):
@@ -153,43 +99,35 @@ class EngineDied(RuntimeError):
     must exit non-zero (to be restarted)."""
 
 
-def _start_engine(config: WorkerConfig) -> tuple[AsyncEngine | EngineCoreClient, EngineReports]:
-    """The engine in this process (its step thread shares the GIL with the serving thread), or in a
-    core process of its own; and the worker's view of it."""
+def _start_engine(config: WorkerConfig) -> EngineCoreClient:
+    """The engine in a core process of its own, which also runs a prefill or decode worker's KV
+    handoffs: the KV leaves from and lands in the process that owns the cache."""
     engine_config = dataclasses.replace(config.engine, rank_agent=RankAgent)  # follower ranks move their KV heads
-    if config.engine_process:
-        # The core runs the KV handoffs: the KV leaves from and lands in the process that owns the cache.
-        handoffs: HandoffsSetup | None = None
-        timeout_s = config.kv_transfer_timeout_s
-        if config.role is Role.DECODE:
-            handoffs = CoreDecodeSetup(config.public_host, timeout_s, config.kv_reserve_timeout_s, config.cluster)
-        elif config.role is Role.PREFILL:
-            handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, _send_delay_s())
-        traces = CoreTraces(config.mode, config.otlp_traces_endpoint)  # the core's spans: its handoffs'
-        stall_s = config.engine_stall_timeout_s  # the watchdog: a hung or wedged core ends as a dead one
-        client = EngineCoreClient.launch(engine_config, handoffs=handoffs, traces=traces, stall_timeout_s=stall_s)
-        client.start()
-        return client, client
-    engine = AsyncEngine(load_engine(engine_config))
-    engine.start()
-    return engine, HandoffPort(engine)  # stateless: the worker's only view of the engine's insides
+    handoffs: HandoffsSetup | None = None
+    timeout_s = config.kv_transfer_timeout_s
+    if config.role is Role.DECODE:
+        handoffs = CoreDecodeSetup(config.public_host, timeout_s, config.kv_reserve_timeout_s, config.cluster)
+    elif config.role is Role.PREFILL:
+        handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, _send_delay_s())
+    traces = CoreTraces(config.mode, config.otlp_traces_endpoint)  # the core's spans: its handoffs'
+    stall_s = config.engine_stall_timeout_s  # the watchdog: a hung or wedged core ends as a dead one
+    client = EngineCoreClient.launch(engine_config, handoffs=handoffs, traces=traces, stall_timeout_s=stall_s)
+    client.start()
+    return client
 
 
 async def serve_worker(config: WorkerConfig) -> None:
-    engine, port = _start_engine(config)
+    engine = _start_engine(config)
     name = model_name(config.engine.model)
     metrics = WorkerMetrics(
         name,
         config.mode,
-        lambda: engine_snapshot(port),
+        lambda: engine_snapshot(engine),
         failure_reasons=tuple(TransferFailure),
         vllm_names=config.vllm_metric_names,
     )
-    servicer = _make_servicer(config, engine, port, metrics)
-    if isinstance(engine, EngineCoreClient):
-        engine.on_observed = metrics.observe_core  # a prefill or decode worker's handoffs run in its core
-    if isinstance(port, HandoffPort):
-        await _open_rank_endpoints(config, port)
+    servicer = WorkerServicer(engine, metrics, config.role)
+    engine.on_observed = metrics.observe_core  # a prefill or decode worker's handoffs run in its core
     worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name
     server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (worker_service,), members_only=True)])
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
@@ -210,10 +148,10 @@ async def serve_worker(config: WorkerConfig) -> None:
     if config.gateway:
 
         async def register() -> None:
-            await _register(config, address, f"{config.public_host}:{metrics_port}", name, port)
+            await _register(config, address, f"{config.public_host}:{metrics_port}", name, engine)
 
         await register()
-        events = KVEventPublisher(port, config.gateway, address, name, register, config.cluster.gateway_channel)
+        events = KVEventPublisher(engine, config.gateway, address, name, register, config.cluster.gateway_channel)
         publisher = asyncio.create_task(events.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,11 +166,7 @@ async def serve_worker(config: WorkerConfig) -> None:
     await _drain(config, servicer, health_servicer, address)
     await server.stop(grace=1.0)
     await engine.shutdown()
-    log.info("drained: %s", _pool_report(port))
-    if isinstance(engine, AsyncEngine):
-        engine.close()
-    if servicer.handoffs is not None:
-        servicer.handoffs.close()
+    log.info("drained: %s", _pool_report(engine.load()))  # the core closes its KV endpoints as it exits
 
 
 async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: EngineReports) -> None:
@@ -295,22 +229,21 @@ async def _drain(config: WorkerConfig, servicer: WorkerServicer, health_servicer
     def waiting() -> bool:
         now = loop.time()
         return (now < requests_until and bool(servicer.engine.num_requests())) or (
-            now < kv_until and _moving_kv(servicer)
+            now < kv_until and _moving_kv(servicer.engine.load())
         )
 
     while waiting():
         await asyncio.sleep(0.05)
-    if servicer.engine.num_requests() or _moving_kv(servicer):
+    if servicer.engine.num_requests() or _moving_kv(servicer.engine.load()):
         log.warning(
             "drain: out of time with %d requests streaming (KV in flight: %s); stopping",
             servicer.engine.num_requests(),
-            _moving_kv(servicer),
+            _moving_kv(servicer.engine.load()),
         )
 
 
-def _pool_report(port: EngineReports) -> str:
+def _pool_report(load: EngineLoad) -> str:
     """One line the launcher's tests read: the KV pool must be empty when a drained worker exits."""
-    load = port.load()
     return (
         f"free_blocks={load.num_free_blocks} total_blocks={load.num_total_blocks} running={load.num_running} "
         f"waiting={load.num_waiting} awaiting_kv={load.num_awaiting_kv} held={load.num_held_requests} "
@@ -318,9 +251,7 @@ def _pool_report(port: EngineReports) -> str:
     )
 
 
-def _moving_kv(servicer: WorkerServicer) -> bool:
-    """KV still to send (prefill: held blocks) or still landing (decode: asks and transfers in flight,
-    and reservations: a failed ask leaves the landings before the abort that frees its blocks runs)."""
-    landing = servicer.handoffs is not None and servicer.handoffs.landing()
-    load = servicer.port.load()
-    return landing or bool(load.num_held_requests or load.num_awaiting_kv)
+def _moving_kv(load: EngineLoad) -> bool:
+    """KV still to send (prefill: held blocks) or still landing (decode: asks, transfers in flight and
+    reservations, all counted as awaiting KV by the engine that holds them)."""
+    return bool(load.num_held_requests or load.num_awaiting_kv)

@@ -1,5 +1,6 @@
-"""The Worker gRPC service: streams an AsyncEngine's outputs, aborts on cancel, reports load, and
-(by role) serves the Prefill RPC or continues requests prefilled elsewhere."""
+"""The Worker gRPC service: streams its engine core's outputs, aborts on cancel, reports load, and
+(by role) serves the Prefill RPC or continues requests prefilled elsewhere (the KV handoffs run in the
+core)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,15 @@ from splitserve.common.tracing import (
     tracer,
 )
 from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
+from splitserve.protos.v1 import engine_core_pb2 as cpb
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.disagg.handoff import HandoffError
-from splitserve.services.disagg.transfer.base import TransferError
-from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from splitserve.services.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.services.engine.engine import RequestOutput
 from splitserve.services.engine.handoff_port import EngineReports
-from splitserve.services.worker.handoffs import WorkerHandoffs
+from splitserve.services.engine.step_loop import EngineDead
+from splitserve.services.engine.streams import RequestFailed
 from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 
@@ -95,18 +95,9 @@ async def _abort(context: grpc.aio.ServicerContext, span: Span, code: grpc.Statu
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(
-        self,
-        engine: AsyncEngine | EngineCoreClient,
-        metrics: WorkerMetrics,
-        port: EngineReports,
-        role: Role = Role.UNIFIED,
-        handoffs: WorkerHandoffs | None = None,
-    ) -> None:
-        """engine: in process (--no-engine-process) or an engine core process; port: the worker's view
-        of its load (HandoffPort, or the core's client); handoffs: a prefill or decode worker's."""
-        self.engine, self.metrics, self.port, self.role = engine, metrics, port, role
-        self.handoffs = handoffs
+    def __init__(self, engine: EngineCoreClient, metrics: WorkerMetrics, role: Role = Role.UNIFIED) -> None:
+        """engine: the client of this worker's engine core process, which also runs its KV handoffs."""
+        self.engine, self.metrics, self.role = engine, metrics, role
         self.draining = False
         self.request_drain: Callable[[], None] | None = None  # set by the server: starts the drain
 
@@ -121,11 +112,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     yield self._response(out, timing, span)
             except _ENGINE_ERRORS as e:
                 await _abort(context, span, _status_of(e), str(e))
-            except (HandoffError, CoreRefused) as e:  # CoreRefused: a HandoffError in an engine core
+            except CoreRefused as e:  # a handoff the core refused or failed (a HandoffError there)
                 if e.failed_peer:
                     context.set_trailing_metadata(((FAILED_PEER_KEY, e.failed_peer),))
-                code = e.code if isinstance(e, HandoffError) else grpc.StatusCode[e.code]
-                await _abort(context, span, code, e.message)
+                await _abort(context, span, grpc.StatusCode[e.code], e.message)
 
     async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
         params = sampling_params_from_proto(
@@ -142,8 +132,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     "send requests with a prefill_address to one started with --mode decode",
                 )
                 return  # abort raised; this keeps type checkers from assuming it returns
-            assert self.handoffs is not None, "a decode worker has handoffs"
-            stream = self.handoffs.decode(prompt, params, request)
+            # Its prompt's KV comes from request.prefill_address, then it decodes here.
+            handoff = cpb.CoreHandoff(prefill_address=request.prefill_address, wire=request.SerializeToString())
+            stream = self.engine.generate(prompt, params, priority=request.priority, label=label, handoff=handoff)
         elif self.role is Role.PREFILL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -185,7 +176,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return msg
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext):
-        if self.role is not Role.PREFILL or self.handoffs is None:
+        if self.role is not Role.PREFILL:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this worker was not started with --mode prefill")
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this prefill worker is shutting down")
@@ -196,17 +187,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     yield response
             except _ENGINE_ERRORS as e:
                 await _abort(context, span, _status_of(e), str(e))
-            except TransferError as e:
-                await _abort(context, span, grpc.StatusCode.UNAVAILABLE, f"KV transfer failed ({e.reason.value}): {e}")
-            except CoreRefused as e:  # the call ran in the engine core: the same codes and messages
+            except CoreRefused as e:  # the call failed in the engine core (e.g. its KV transfer: UNAVAILABLE)
                 await _abort(context, span, grpc.StatusCode[e.code], e.message)
 
     async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[pb.PrefillResponse]:
         r = request.request
         timing = RequestTiming(arrival=time.monotonic())
         params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-        assert self.handoffs is not None  # checked by Prefill
-        async for response in self.handoffs.prefill(request, params):
+        async for response in self.engine.prefill(list(r.prompt_token_ids), params, request):
             if response.HasField("first_token"):
                 timing.first_token = timing.finished = time.monotonic()
                 timing.queue_s = response.first_token.queue_ms / 1e3
@@ -225,7 +213,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(aborted=self.engine.abort_label(request.request_id) > 0)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.LoadReport:
-        load = self.port.load()
+        load = self.engine.load()
         return pb.LoadReport(
             num_running=load.num_running,
             num_waiting=load.num_waiting,

@@ -198,10 +198,9 @@ def test_killed_prefill_worker_during_transfer(faulty, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def core_tiers(tiny_llama_dir):
-    """1P1D whose workers step and run their KV handoffs in engine core processes: the prefill worker
-    computes prompts and sends their KV from its core, the decode worker receives it into its own."""
-    cores = {"prefill": ["--engine-process"], "decode": ["--engine-process"]}
-    children = start_cluster(0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1, mode_argv=cores)
+    """1P1D of its own (its test kills both workers' cores): the prefill worker computes prompts and
+    sends their KV from its engine core, the decode worker receives it into its own."""
+    children = start_cluster(0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1)
     try:
         yield children
     finally:

@@ -32,16 +32,12 @@ def _coverage_gaps(report: Report) -> list[str]:
     return [name for name, seen in wanted.items() if not seen]
 
 
-@pytest.mark.parametrize(
-    ("redis", "cores"),
-    [(False, True), (True, True), (False, False)],
-    ids=["memory-index", "redis-index", "memory-index-in-process"],
-)
-def test_2p2d_under_load_survives_kills_redis_loss_cancels_and_deadlines(tiny_llama_dir, tmp_path, redis, cores):
-    """cores: every worker runs its step loop and KV handoffs in an engine core (the default; a killed
-    worker's core must not outlive it); else in its serving process (--no-engine-process)."""
+@pytest.mark.parametrize("redis", [False, True], ids=["memory-index", "redis-index"])
+def test_2p2d_under_load_survives_kills_redis_loss_cancels_and_deadlines(tiny_llama_dir, tmp_path, redis):
+    """Every worker runs its step loop and KV handoffs in an engine core (a killed worker's core must
+    not outlive it)."""
     log = tmp_path / "cluster.log"
-    cfg = SoakConfig(model=str(tiny_llama_dir), seed=7, redis=redis, log_path=str(log), engine_process=cores)
+    cfg = SoakConfig(model=str(tiny_llama_dir), seed=7, redis=redis, log_path=str(log))
     report = run_soak(cfg)
     write_json([report], str(tmp_path / "report.json"))
     print(format_table([report]))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import urllib.request
 
-import pytest
 from cluster_helpers import collect, engine_argv, greedy_request, stub
 
 from splitserve.gateway.metrics import STAGES
@@ -20,12 +19,9 @@ def _metrics(address: str) -> dict[str, float]:
     return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))}
 
 
-@pytest.mark.parametrize("core_argv", [["--no-engine-process"], []], ids=["in-process", "engine-cores"])
-def test_stages_of_a_disaggregated_request_add_up(tiny_llama_dir, core_argv):
-    """Also with both workers' handoffs in their engine cores: the cores' times cross the pipes."""
-    argv = engine_argv(tiny_llama_dir)
-    cores = {"prefill": core_argv, "decode": core_argv}
-    children = start_cluster(0, argv, num_prefill=1, num_decode=1, mode_argv=cores)
+def test_stages_of_a_disaggregated_request_add_up(tiny_llama_dir):
+    """Both workers' handoffs run in their engine cores: the cores' times cross the pipes."""
+    children = start_cluster(0, engine_argv(tiny_llama_dir), num_prefill=1, num_decode=1)
     try:
         chunks = collect(stub(children[0].address), greedy_request(PROMPT, 6))
         metrics = _metrics(children[0].metrics)

@@ -4,14 +4,17 @@ a worker whose engine loop dies leaves the cluster, exits non-zero and is starte
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
 from cluster_helpers import engine_argv, greedy_request, load, stub, tokens, wait_all_free
+from poison import POISON_TOKEN
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.protos.v1 import generation_pb2 as pb
@@ -88,16 +91,13 @@ def test_out_of_vocab_stop_id_is_refused_and_the_worker_lives_on(slow_1p1d, tiny
     assert tokens(stub(slow_1p1d[0].address), greedy_request(P, 8)) == _reference(tiny_llama_dir, [P], 8)[0]
 
 
+# A worker whose engine core gets tests/poison.py's fault after its warm-up.
 _POISONED_WORKER = """
 import sys
-from splitserve.services.engine import scheduler
-real = scheduler.Scheduler.schedule
-def schedule(self):
-    out = real(self)
-    if any(s.request.all_token_ids[0] == 299 for s in out.scheduled):
-        raise AssertionError("injected scheduler fault")
-    return out
-scheduler.Scheduler.schedule = schedule
+from poison import poison_scheduler
+from splitserve.services.engine.core_client import EngineCoreClient
+real = EngineCoreClient.launch.__func__
+EngineCoreClient.launch = classmethod(lambda cls, *a, **kw: real(cls, *a, prepare=poison_scheduler, **kw))
 from splitserve.services.launcher.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -114,12 +114,12 @@ def test_worker_whose_engine_loop_dies_leaves_the_cluster_and_exits(tiny_llama_d
         str(free_port("127.0.0.1")),
         "--gateway",
         children[0].address,
-        "--no-engine-process",  # the fault is patched into this process (a core's: test_engine_core_process.py)
         *engine_argv(tiny_llama_dir),
     ]
     poisoned = subprocess.Popen(
         # Its log is not read: a pipe nobody drains would block the worker once full.
         [sys.executable, "-c", _POISONED_WORKER, *argv],
+        env=dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1])),  # poison.py, in the core too
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -132,7 +132,9 @@ def test_worker_whose_engine_loop_dies_leaves_the_cluster_and_exits(tiny_llama_d
             assert time.monotonic() < deadline, "the poisoned worker never registered"
             time.sleep(0.2)
         worker = wpb_grpc.WorkerStub(grpc.insecure_channel(address))
-        request = wpb.WorkerGenerateRequest(prompt_token_ids=[299, 1, 2], stopping=pb.StoppingCriteria(max_tokens=4))
+        request = wpb.WorkerGenerateRequest(
+            prompt_token_ids=[POISON_TOKEN, 1, 2], stopping=pb.StoppingCriteria(max_tokens=4)
+        )
         with pytest.raises(grpc.RpcError) as e:
             list(worker.Generate(request, timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "engine loop died" in e.value.details()

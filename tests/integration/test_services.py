@@ -41,12 +41,10 @@ def _num_tokens(stub_, request) -> int:
     return len(tokens(stub_, request))
 
 
-@pytest.fixture(scope="module", params=["in-process", "engine-process"])
-def cluster(tiny_llama_dir, request):
-    """Both ways a unified worker runs its engine: in its own process, or in a core process of its
-    own (--engine-process: every request crosses the pipe to the core and back)."""
-    worker_argv = None if request.param == "engine-process" else ["--no-engine-process"]
-    children = start_cluster(2, _engine_argv(tiny_llama_dir), worker_argv=worker_argv)
+@pytest.fixture(scope="module")
+def cluster(tiny_llama_dir):
+    """Two unified workers; every request crosses the pipe to a worker's engine core and back."""
+    children = start_cluster(2, _engine_argv(tiny_llama_dir))
     try:
         yield children
     finally:
@@ -237,9 +235,9 @@ def test_killed_worker_fails_in_flight_requests_and_traffic_moves(tiny_llama_dir
 
 
 def test_a_killed_engine_core_takes_its_worker_down_cleanly(tiny_llama_dir):
-    """SIGKILL the engine core of a worker run with --engine-process, mid-request: the request gets
+    """SIGKILL the engine core of a worker, mid-request: the request gets
     UNAVAILABLE, the worker leaves the gateway and exits 3 (what `up` restarts); traffic moves."""
-    children = start_cluster(2, _engine_argv(tiny_llama_dir), worker_argv=["--engine-process"])
+    children = start_cluster(2, _engine_argv(tiny_llama_dir))
     try:
         gateway, workers = children[0], children[1:]
         stub = _stub(gateway.address)

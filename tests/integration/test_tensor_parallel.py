@@ -68,24 +68,22 @@ def test_a_lost_rank_fails_the_engine_not_one_batch(tiny_llama_dir):
 
 @pytest.mark.parametrize(
     "sizes",
-    [(2, 1, True), (1, 2, True), (2, 2, True), (4, 2, True), (2, 2, False)],
-    ids=["prefill2-decode1", "prefill1-decode2", "2-2", "prefill4-decode2", "2-2-in-process"],
+    [(2, 1), (1, 2), (2, 2), (4, 2)],
+    ids=["prefill2-decode1", "prefill1-decode2", "2-2", "prefill4-decode2"],
 )
 def test_handoff_between_tiers_of_different_sizes(sizes, tiny_llama_dir):
     """1P1D with a prefill tier of one size and a decode tier of another: output equals the unified
     in-process engine's (greedy and seeded), nothing recomputed or leaked, and each rank moved exactly
     its own pieces' bytes (tests/unit/disagg/test_handoff_plan.py covers the plan of all nine pairs; these cover
     each direction, equal sizes, and replicated heads on the prefill side: 4 ranks over 2 KV heads).
-    Both workers run engine cores (the default), which lead the follower ranks and order their sends
-    and receives; in-process: the serving processes do (--no-engine-process)."""
-    prefill_tp, decode_tp, cores = sizes
+    Both workers' engine cores lead the follower ranks and order their sends and receives."""
+    prefill_tp, decode_tp = sizes
     children = start_cluster(
         0,
         engine_argv(tiny_llama_dir),
         num_prefill=1,
         num_decode=1,
         tp_sizes={"prefill": prefill_tp, "decode": decode_tp},
-        mode_argv=None if cores else {mode: ["--no-engine-process"] for mode in ("prefill", "decode")},
     )
     try:
         gateway, prefill, decode_worker = children
@@ -180,9 +178,9 @@ def test_a_killed_rank_takes_its_worker_down_cleanly(tiny_llama_dir):
 
 
 def test_a_tensor_parallel_worker_steps_in_its_engine_core(tiny_llama_dir):
-    """--engine-process with two ranks: the core process leads the follower rank; the output equals
+    """Two ranks: the core process leads the follower rank; the output equals
     the single-rank engine's, and every block comes back."""
-    children = start_cluster(1, engine_argv(tiny_llama_dir), tp_sizes={"unified": 2}, worker_argv=["--engine-process"])
+    children = start_cluster(1, engine_argv(tiny_llama_dir), tp_sizes={"unified": 2})
     try:
         gateway, worker = children
         s = stub(gateway.address)

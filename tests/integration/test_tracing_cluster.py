@@ -170,33 +170,3 @@ def test_an_http_client_s_traceparent_is_the_parent_of_the_gateway_span(collecto
     assert {(service, name) for service, name, _ in _tree(spans)} == {(s, n) for s, n, _ in TREE}
     (root,) = [s for s in spans if s.name == "gateway.generate"]
     assert root.parent_id == client_span
-
-
-def test_workers_without_engine_cores_make_the_same_tree(collector, tiny_llama_dir):
-    """The fixture's workers run engine cores (the default): the KV handoffs run there, and the cores
-    export their spans (decode.reserve, decode.prefill_rpc, decode.kv_transfer; prefill.queue,
-    prefill.compute, prefill.kv_send) as children of their serving process's span. Here both workers
-    step in their serving process (--no-engine-process): the same tree."""
-    sink, endpoint = collector
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_TRACES_EXPORTER": "otlp", "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    in_process = {"prefill": ["--no-engine-process"], "decode": ["--no-engine-process"]}
-    argv = engine_argv(tiny_llama_dir)
-    children = start_cluster(0, argv, num_prefill=1, num_decode=1, env=env, mode_argv=in_process)
-    try:
-        before = sink.trace_ids()
-        prompt = [(3 * j) % 300 + 1 for j in range(40)]
-        assert len(tokens(stub(children[0].address), greedy_request(prompt, 8))) == 8
-        deadline = time.monotonic() + 30
-        while not sink.trace_ids() - before and time.monotonic() < deadline:
-            time.sleep(0.1)
-        (trace_id,) = sink.trace_ids() - before
-        spans = sink.trace(trace_id, len(TREE))
-    finally:
-        stop_cluster(children)
-    assert _tree(spans) == TREE and len(spans) == len(TREE)
-    by_name = {s.name: s for s in spans}
-    for name in ("prefill.kv_send", "decode.kv_transfer"):
-        assert by_name[name].attributes["splitserve.num_blocks"] == 5
-    assert by_name["decode.decode"].attributes["splitserve.num_output_tokens"] == 8
-    decoding = by_name["decode.decode"]  # from the landing to the end of the stream
-    assert by_name["decode.kv_transfer"].start_ns <= decoding.start_ns <= decoding.end_ns

@@ -14,16 +14,14 @@ import pytest
 import torch
 
 from splitserve.services.engine.config import CacheConfig, EngineConfig
-from splitserve.services.engine.engine import Engine
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # -- the worker ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("engine_process", [False, True], ids=["in-process", "engine-core"])
-def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch, engine_process):
-    """In process, the engine's warm-up; with an engine core (the default), the core's launch, which
-    returns once the core has warmed up and said it is ready."""
+def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch):
+    """The engine core's launch returns once the core has warmed up and said it is ready; the worker
+    says SERVING only after it."""
     import grpc
     from grpc_health.v1 import health, health_pb2
 
@@ -33,12 +31,6 @@ def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch, e
     from splitserve.services.worker import server
 
     events: list[object] = []
-
-    real_warm_up = Engine.warm_up
-
-    def warm_up(engine):
-        events.append("warm_up")
-        return real_warm_up(engine)
 
     real_launch = EngineCoreClient.launch.__func__
 
@@ -55,10 +47,9 @@ def test_worker_is_serving_only_after_its_warm_up(tiny_llama_dir, monkeypatch, e
         events.append(("health", status))
         await real_set(self, service, status)
 
-    monkeypatch.setattr(Engine, "warm_up", warm_up)
     monkeypatch.setattr(health.aio.HealthServicer, "set", set_status)
     engine = EngineConfig(model=str(tiny_llama_dir), cache=CacheConfig(block_size=8, kv_cache_bytes=2 * 1024**2))
-    config = server.WorkerConfig(engine=engine, port=free_port(), engine_process=engine_process)
+    config = server.WorkerConfig(engine=engine, port=free_port())
 
     async def run() -> None:
         task = asyncio.create_task(server.serve_worker(config))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
-from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -27,7 +26,6 @@ from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import HandoffPort
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.request import Request
-from splitserve.services.worker.handoffs import HandoffsInProcess
 from splitserve.services.worker.server import _moving_kv
 
 KV_BYTES = 2 * 1024**2
@@ -289,7 +287,6 @@ def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
 
     async def main() -> None:
         prefill, decode, client, handoff = _setup(engines)
-        worker = SimpleNamespace(handoffs=HandoffsInProcess(decode, handoff=handoff), port=handoff.port, engine=decode)
         busy, release = threading.Event(), threading.Event()
 
         def long_step() -> None:  # the decode step thread, in a step as the ask fails
@@ -307,12 +304,12 @@ def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
             with pytest.raises(HandoffError):
                 await _run(handoff, PROMPTS[2], SamplingParams(max_tokens=4), "f")
             assert not handoff.landings and decode.num_requests() == 0
-            assert _moving_kv(worker), "a drain would stop with the failed ask's blocks still reserved"
+            assert _moving_kv(handoff.port.load()), "a drain would stop with the failed ask's blocks still reserved"
         finally:
             release.set()
         await stuck
         await _settle(prefill, decode)
-        assert _all_free(decode.engine) and not _moving_kv(worker)
+        assert _all_free(decode.engine) and not _moving_kv(handoff.port.load())
 
     asyncio.run(main())
 

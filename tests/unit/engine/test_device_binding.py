@@ -16,7 +16,7 @@ from splitserve.services.engine import model_runner, step_loop
 from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.engine import Engine
-from splitserve.services.launcher import cli, launcher, supervisor
+from splitserve.services.launcher import launcher, supervisor
 from splitserve.services.launcher.launcher import Child, child_device, spawn_worker, start_cluster
 from splitserve.services.launcher.supervisor import Supervisor
 
@@ -193,26 +193,6 @@ def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
     assert device == engine.runner.device and step_threads == {thread} and thread is not threading.main_thread()
     thread.join(timeout=5)  # shutdown ends it
     assert not thread.is_alive()
-
-
-def test_up_no_engine_process_reaches_every_tier(spawned, monkeypatch, tmp_path):
-    """Workers run engine cores by default; `up --no-engine-process`: the arguments of each mode's
-    workers, as the cluster starts and as the supervisor starts more (scaling, restarts)."""
-    got = []
-    monkeypatch.setattr(launcher, "run_up", lambda *args, **kwargs: got.append(kwargs) or 0)
-    up = ["up", "--secrets-dir", str(tmp_path), "--model", "m"]
-    assert cli.main(up) == 0 and got[0]["mode_argv"] is None
-    assert cli.main([*up, "--no-engine-process"]) == 0
-    mode_argv = got[1]["mode_argv"]
-    assert mode_argv == {mode: ["--no-engine-process"] for mode in ("unified", "prefill", "decode")}
-    monkeypatch.setattr(supervisor, "wait_ready", lambda *args, **kw: None)
-    monkeypatch.setattr(supervisor.time, "sleep", lambda s: None)
-    gateway = Child("gateway", "127.0.0.1:1", "127.0.0.1:2", FakeProc())
-    sup = Supervisor([gateway], ["--model", "m"], "127.0.0.1", mode_argv=mode_argv)
-    for mode in ("prefill", "decode", "unified"):
-        sup._start(mode, 1)
-    took = {name.split("-")[0]: "--no-engine-process" in argv for name, argv, _ in spawned}
-    assert took == {"prefill": True, "decode": True, "unified": True}
 
 
 def test_an_engine_core_s_handoff_thread_is_bound_to_the_engine_s_device(monkeypatch):

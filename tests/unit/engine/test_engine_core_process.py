@@ -29,7 +29,6 @@ from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.outputs import Finish, StepTokens
 from splitserve.services.engine.request import FinishReason
 from splitserve.services.engine.sampler import TokenLogprobs
-from splitserve.services.worker.server import WorkerConfig
 
 
 def _config(model_dir) -> EngineConfig:
@@ -125,13 +124,6 @@ def test_the_load_crosses_the_pipe_whole(tiny_llama_dir):
     assert load.steps and any(t.num_steps for t in load.steps.values())
     assert load_from_proto(load_to_proto(load)) == load
     assert {f.name for f in dataclasses.fields(load)} >= {"steps", "num_running", "kv_usage"}
-
-
-def test_which_workers_take_an_engine_process():
-    """Every mode, with any number of ranks (a core leads its follower ranks and orders their KV moves)."""
-    for mode in ("unified", "prefill", "decode"):
-        for tp in (1, 2):
-            assert WorkerConfig(EngineConfig(tensor_parallel_size=tp), mode=mode, engine_process=True).engine_process
 
 
 def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_an_ack(tiny_llama_dir):

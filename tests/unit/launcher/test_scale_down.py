@@ -73,16 +73,14 @@ def test_the_supervisor_waits_longer_than_a_worker_can_drain(argv, lease_s, tran
 
 
 class FakeServicer:
-    """What _drain reads of a WorkerServicer: open streams, landings and reservations (decode), held
-    prompts (prefill)."""
+    """What _drain reads of a WorkerServicer's engine core: open streams, KV landing (decode: asks,
+    transfers and reservations, counted as awaiting KV), held prompts (prefill)."""
 
     def __init__(self) -> None:
         self.draining = False
-        self.num_streams = self.num_held = 0
-        landings: set[str] = set()
-        self.handoffs = SimpleNamespace(landings=landings, landing=lambda: bool(landings))
-        self.engine = SimpleNamespace(num_requests=lambda: self.num_streams)
-        self.port = SimpleNamespace(load=lambda: SimpleNamespace(num_held_requests=self.num_held, num_awaiting_kv=0))
+        self.num_streams = self.num_held = self.num_landing = 0
+        load = lambda: SimpleNamespace(num_held_requests=self.num_held, num_awaiting_kv=self.num_landing)  # noqa: E731
+        self.engine = SimpleNamespace(num_requests=lambda: self.num_streams, load=load)
 
 
 class FakeHealth:
@@ -99,12 +97,12 @@ def _drain_config() -> WorkerConfig:
 def test_a_drain_waits_past_the_request_deadline_for_kv_in_flight():
     async def run() -> list[str]:
         servicer, events = FakeServicer(), []
-        servicer.handoffs.landings.add("landing")
+        servicer.num_landing = 1
         servicer.num_held = 1
         drain = asyncio.create_task(server._drain(_drain_config(), servicer, FakeHealth(), "w:1"))
         await asyncio.sleep(0.25)  # past drain_timeout_s
         events.append(f"landing: done={drain.done()}")
-        servicer.handoffs.landings.clear()
+        servicer.num_landing = 0
         await asyncio.sleep(0.1)
         events.append(f"held: done={drain.done()}")
         servicer.num_held = 0
@@ -124,5 +122,5 @@ def test_a_drain_stops_at_its_deadlines():
     streaming.num_streams = 1  # a request that never ends: cut at drain_timeout_s
     assert 0.1 <= asyncio.run(run(streaming)) < 1.0
     stuck = FakeServicer()
-    stuck.handoffs.landings.add("landing")  # a transfer that never ends: cut at the drain bound
+    stuck.num_landing = 1  # a transfer that never ends: cut at the drain bound
     assert 1.7 <= asyncio.run(run(stuck)) < 3.0
