@@ -2,8 +2,8 @@
 their own with an asyncio loop, the core's step loop as HandoffPort drives it, the outputs of the
 prompts the core runs for itself, and their metrics relayed to the serving process.
 
-A decode worker's core (services/disagg/core_decode.py) receives KV; a prefill worker's
-(services/disagg/core_prefill.py) computes prompts and sends theirs. Either way the KV moves in the process
+A decode worker's core (services/disagg/decode.py CoreDecode) receives KV; a prefill worker's
+(services/disagg/prefill.py CorePrefill) computes prompts and sends theirs. Either way the KV moves in the process
 that owns the cache, and the serving process keeps the gRPC streams. Each request's handoff runs as a
 task in the trace context its add carried (the serving process's span of the call), so the spans it
 makes in the core (decode.reserve, decode.prefill_rpc, decode.kv_transfer; prefill.queue,

@@ -66,12 +66,16 @@ docs/disaggregation.md has the failure table and the transfer layer.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 
+from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.services.disagg.plan import Piece
 from splitserve.services.disagg.transfer.base import ChannelSpec
+from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampler import TokenLogprobs
 
 
@@ -142,3 +146,19 @@ class HandoffError(Exception):
 
 class HandoffProtocolError(Exception):
     """The prefill worker's events came in an order the handoff does not allow."""
+
+
+class PrefillClient(ABC):
+    """How a decode worker reaches prefill workers (gRPC in production, direct calls in tests)."""
+
+    @abstractmethod
+    def prefill(
+        self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None, job: HandoffJob
+    ) -> AsyncIterator[HandoffEvent]:
+        """Stream FirstToken then TransferDone from the prefill worker at peer. wire is the request
+        as this worker received it (forwarded as is), when it came over gRPC."""
+
+    async def tensor_parallel_size(self, peer: str) -> int:
+        """The ranks of the prefill worker at peer (what the plan of a handoff needs); a client that
+        cannot ask (in-process tests) reaches single-rank workers only."""
+        return 1

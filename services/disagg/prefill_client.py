@@ -14,8 +14,15 @@ from splitserve.common.tracing import SpanKind, ended, trace_metadata, tracer
 from splitserve.common.wire import PEER_CHANNEL_OPTIONS, logprobs_to_proto
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.disagg.decode import PrefillClient
-from splitserve.services.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, PieceJob, SendStarted, TransferDone
+from splitserve.services.disagg.handoff import (
+    FirstToken,
+    HandoffEvent,
+    HandoffJob,
+    PieceJob,
+    PrefillClient,
+    SendStarted,
+    TransferDone,
+)
 from splitserve.services.disagg.plan import Piece
 from splitserve.services.disagg.transfer.base import Backend, ChannelSpec
 from splitserve.services.engine.core_wire import logprobs_from_proto

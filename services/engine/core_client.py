@@ -128,7 +128,7 @@ class EngineCoreClient:
     ) -> EngineCoreClient:
         """Spawn the core, and wait while it loads and warms up (blocking: before serving starts).
         prepare(engine) runs in the core after warm-up (a module-level function: it is pickled);
-        handoffs makes a prefill or decode worker's KV handoffs there (services/disagg/core_prefill.py, core_decode.py);
+        handoffs makes a prefill or decode worker's KV handoffs there (services/disagg/prefill.py, decode.py);
         traces: where the core exports its spans (its handoffs'), as the worker does; stall_timeout_s:
         the watchdog's bound on a core's silence while work is queued."""
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA state
@@ -211,7 +211,7 @@ class EngineCoreClient:
     async def prefill(
         self, prompt: Sequence[int], params: SamplingParams, call: wpb.PrefillRequest
     ) -> AsyncIterator[wpb.PrefillResponse]:
-        """A prefill worker's Prefill call, run in the core (services/disagg/core_prefill.py): its events as the
+        """A prefill worker's Prefill call, run in the core (services/disagg/prefill.py CorePrefill): its events as the
         call streams them, through its TransferDone. ValueError: refused for its input; CoreRefused:
         failed (the status code's name says how); leaving early aborts it."""
         request_id = f"req-{next(self._ids)}"

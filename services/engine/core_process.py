@@ -29,8 +29,8 @@ most) -> exit 0 at once, whatever its threads still wait for. A step loop that d
 exits 1.
 
 A decode or prefill worker's core also runs its KV handoffs (the `handoffs` the spawn is given):
-an add that carries a CoreHandoff (services/disagg/core_decode.py: receive the prompt's KV) or a CorePrefill
-(services/disagg/core_prefill.py: compute the prompt, send its KV) goes to them instead of the queue, and a
+an add that carries a CoreHandoff (services/disagg/decode.py CoreDecode: receive the prompt's KV) or a CorePrefill
+(services/disagg/prefill.py CorePrefill: compute the prompt, send its KV) goes to them instead of the queue, and a
 handoff that cannot start or fails refuses its request with a status code and the worker to blame.
 
 Every message is protobuf (protos/v1/engine_core.proto). The only pickles are what the spawn hands
@@ -77,8 +77,8 @@ Send = Callable[[pb.CoreEvent], None]
 
 class CoreHandoffs(Protocol):
     """Requests whose KV moves between workers: a decode worker's, whose prompt's KV comes from a
-    prefill worker (services/disagg/core_decode.py), or a prefill worker's Prefill calls, whose KV goes to
-    a decode worker (services/disagg/core_prefill.py)."""
+    prefill worker (services/disagg/decode.py CoreDecode), or a prefill worker's Prefill calls, whose KV goes to
+    a decode worker (services/disagg/prefill.py CorePrefill)."""
 
     def start(self, request: Request, add: pb.CoreAddRequest) -> None:
         """From the command reader: an add carrying a handoff or a prefill (a wrong one is refused)."""

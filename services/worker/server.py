@@ -25,8 +25,8 @@ from splitserve.common.security import AccessGuard, ClusterSecurity
 from splitserve.common.serving import DRAIN_TIMEOUT_S, drain_bound_s, start_metrics_server
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.disagg.core_decode import CoreDecodeSetup
-from splitserve.services.disagg.core_prefill import CorePrefillSetup
+from splitserve.services.disagg.decode import CoreDecodeSetup
+from splitserve.services.disagg.prefill import CorePrefillSetup
 from splitserve.services.disagg.rank_transfers import RankAgent
 from splitserve.services.disagg.transfer.base import TransferFailure
 from splitserve.services.engine.config import EngineConfig

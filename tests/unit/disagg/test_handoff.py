@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.services.disagg.decode import DecodeHandoff, PrefillClient
-from splitserve.services.disagg.handoff import FirstToken, HandoffError, HandoffEvent, HandoffJob, SendStarted
+from splitserve.services.disagg.decode import DecodeHandoff
+from splitserve.services.disagg.handoff import (
+    FirstToken,
+    HandoffError,
+    HandoffEvent,
+    HandoffJob,
+    PrefillClient,
+    SendStarted,
+)
 from splitserve.services.disagg.prefill import prefill_and_send
 from splitserve.services.disagg.rank_transfers import RankReceivers
 from splitserve.services.disagg.transfer.base import ChannelSpec, KVSender, Moved
