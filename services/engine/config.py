@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from splitserve.services.engine.model_runner import ModelRunner
+    from splitserve.services.engine.ranks import TransferAgent
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _POLICIES = ("fcfs", "priority")
@@ -84,10 +88,10 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
-    # A follower rank's KV transfer agent, (its ModelRunner, send to rank 0) -> ranks.TransferAgent: a
-    # worker names disagg's (services/disagg/rank_transfers.py RankAgent, pickled by name into each rank);
-    # None (the offline engine): the ranks take no transfer orders.
-    rank_agent: Callable[[Any, Callable[[bytes], None]], Any] | None = None
+    # A follower rank's KV transfer agent, made from its runner and its send to rank 0: a worker names
+    # disagg's (services/disagg/rank_transfers.py RankAgent, pickled by name into each rank); None (the
+    # offline engine): the ranks take no transfer orders.
+    rank_agent: Callable[[ModelRunner, Callable[[bytes], None]], TransferAgent] | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -234,12 +234,9 @@ async def _drain(config: WorkerConfig, servicer: WorkerServicer, health_servicer
 
     while waiting():
         await asyncio.sleep(0.05)
-    if servicer.engine.num_requests() or _moving_kv(servicer.engine.load()):
-        log.warning(
-            "drain: out of time with %d requests streaming (KV in flight: %s); stopping",
-            servicer.engine.num_requests(),
-            _moving_kv(servicer.engine.load()),
-        )
+    streaming, moving_kv = servicer.engine.num_requests(), _moving_kv(servicer.engine.load())
+    if streaming or moving_kv:
+        log.warning("drain: out of time with %d requests streaming (KV in flight: %s); stopping", streaming, moving_kv)
 
 
 def _pool_report(load: EngineLoad) -> str:
