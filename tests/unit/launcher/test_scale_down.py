@@ -1,11 +1,12 @@
 """Scale-down without cutting a transfer: which workers the supervisor drains first, its kill timeout
 above the longest drain a worker can take, and the worker's drain waiting for KV in flight past its
-requests' deadline (in process: fake children, a fake servicer)."""
+requests' deadline (in process: fake children, a fake servicer, an event loop on a virtual clock)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import selectors
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
@@ -72,15 +73,57 @@ def test_the_supervisor_waits_longer_than_a_worker_can_drain(argv, lease_s, tran
     assert supervisor_module.worker_drain_bound_s(argv) == worker.drain_bound_s
 
 
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock stands still while anything is ready to run, and jumps to the next timer
+    once everything waits: a drain's deadlines come in a few steps of the loop, however slow or busy the
+    machine, and each read of the clock gives the same answer on every run."""
+
+    def __init__(self) -> None:
+        self._clock = _JumpingSelector()
+        super().__init__(self._clock)
+
+    def time(self) -> float:
+        return self._clock.now
+
+
+class _JumpingSelector(selectors.DefaultSelector):
+    """Sleeps for no one: where the loop would wait for its next timer, the clock moves to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def select(self, timeout: float | None = None) -> list:
+        ready = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if timeout is None:  # no timer: only another thread can wake the loop, as on a real clock
+            return super().select(None)
+        self.now += timeout
+        return []
+
+
 class FakeServicer:
     """What _drain reads of a WorkerServicer's engine core: open streams, KV landing (decode: asks,
-    transfers and reservations, counted as awaiting KV), held prompts (prefill)."""
+    transfers and reservations, counted as awaiting KV), held prompts (prefill); and the loop times it
+    read them at."""
 
     def __init__(self) -> None:
         self.draining = False
         self.num_streams = self.num_held = self.num_landing = 0
-        load = lambda: SimpleNamespace(num_held_requests=self.num_held, num_awaiting_kv=self.num_landing)  # noqa: E731
-        self.engine = SimpleNamespace(num_requests=lambda: self.num_streams, load=load)
+        self.looks: list[float] = []
+        self.engine = SimpleNamespace(num_requests=self._num_requests, load=self._load)
+
+    def _num_requests(self) -> int:
+        self.looks.append(asyncio.get_running_loop().time())
+        return self.num_streams
+
+    def _load(self) -> SimpleNamespace:
+        self.looks.append(asyncio.get_running_loop().time())
+        return SimpleNamespace(num_held_requests=self.num_held, num_awaiting_kv=self.num_landing)
+
+    def first_look_from(self, t: float) -> float | None:
+        return min((look for look in self.looks if look >= t), default=None)
 
 
 class FakeHealth:
@@ -94,33 +137,43 @@ def _drain_config() -> WorkerConfig:
     return WorkerConfig(engine=EngineConfig(cache=cache), drain_timeout_s=0.1, kv_transfer_timeout_s=0.1)
 
 
-def test_a_drain_waits_past_the_request_deadline_for_kv_in_flight():
-    async def run() -> list[str]:
-        servicer, events = FakeServicer(), []
-        servicer.num_landing = 1
-        servicer.num_held = 1
-        drain = asyncio.create_task(server._drain(_drain_config(), servicer, FakeHealth(), "w:1"))
-        await asyncio.sleep(0.25)  # past drain_timeout_s
-        events.append(f"landing: done={drain.done()}")
-        servicer.num_landing = 0
-        await asyncio.sleep(0.1)
-        events.append(f"held: done={drain.done()}")
-        servicer.num_held = 0
-        await asyncio.wait_for(drain, 0.3)
-        return events
+def _drain_on_virtual_clock(servicer: FakeServicer, moves: dict[float, Callable[[], None]]) -> float:
+    """Drains from loop time 0, doing each of `moves` at its loop time; returns the loop time it ended
+    at. A drain that ignores its deadlines fails here (a second past its bound) instead of hanging."""
+    config = _drain_config()
 
-    assert asyncio.run(run()) == ["landing: done=False", "held: done=False"]
+    async def run() -> float:
+        loop = asyncio.get_running_loop()
+        for at, move in moves.items():
+            loop.call_at(at, move)
+        async with asyncio.timeout(config.drain_bound_s + 1.0):
+            await server._drain(config, servicer, FakeHealth(), "w:1")
+        return loop.time()
+
+    with asyncio.Runner(loop_factory=VirtualClockLoop) as runner:
+        return runner.run(run())
 
 
-def test_a_drain_stops_at_its_deadlines():
-    async def run(servicer: FakeServicer) -> float:
-        start = time.monotonic()
-        await server._drain(_drain_config(), servicer, FakeHealth(), "w:1")
-        return time.monotonic() - start
+@pytest.mark.parametrize("moving", ["num_landing", "num_held"])
+def test_a_drain_waits_past_the_request_deadline_for_kv_in_flight(moving):
+    servicer = FakeServicer()
+    setattr(servicer, moving, 1)
+    lands_at = 0.27  # past drain_timeout_s, before the drain bound; off the drain's 50 ms looks (no tie)
+    assert _drain_config().drain_timeout_s < lands_at < _drain_config().drain_bound_s
+    ended = _drain_on_virtual_clock(servicer, {lands_at: lambda: setattr(servicer, moving, 0)})
+    assert ended == servicer.first_look_from(lands_at)  # it stops once it sees the KV land
 
-    streaming = FakeServicer()
-    streaming.num_streams = 1  # a request that never ends: cut at drain_timeout_s
-    assert 0.1 <= asyncio.run(run(streaming)) < 1.0
-    stuck = FakeServicer()
-    stuck.num_landing = 1  # a transfer that never ends: cut at the drain bound
-    assert 1.7 <= asyncio.run(run(stuck)) < 3.0
+
+@pytest.mark.parametrize(
+    "stuck, deadline",
+    [
+        pytest.param("num_streams", _drain_config().drain_timeout_s, id="request-never-ends"),
+        pytest.param("num_landing", _drain_config().drain_bound_s, id="transfer-never-ends"),
+        pytest.param("num_held", _drain_config().drain_bound_s, id="blocks-never-pulled"),
+    ],
+)
+def test_a_drain_stops_at_its_deadlines(stuck, deadline):
+    servicer = FakeServicer()
+    setattr(servicer, stuck, 1)
+    ended = _drain_on_virtual_clock(servicer, {})
+    assert ended == servicer.first_look_from(deadline)  # waited until then, and no longer
