@@ -96,6 +96,7 @@ class EngineCoreClient:
         # Output processing, on the reader thread; the event loop adds and aborts requests: one lock.
         self._processor = OutputProcessor(tokenizer)
         self._processing = threading.Lock()
+        self._reaping = threading.Lock()  # _reap
         self._records: dict[str, _Record] = {}
         self.block_size, self.max_model_len, self.vocab_size = ready.block_size, ready.max_model_len, ready.vocab_size
         self.tensor_parallel_size, self.num_kv_heads = ready.tensor_parallel_size, ready.num_kv_heads
@@ -295,11 +296,11 @@ class EngineCoreClient:
         self._shutting_down = True
         self._unwatched.set()
         self._send(pb.CoreCommand(shutdown=True))
-        await asyncio.to_thread(self._process.join, SHUTDOWN_TIMEOUT_S)
+        await asyncio.to_thread(self._reap, SHUTDOWN_TIMEOUT_S)
         if self._process.is_alive():
             log.error("the engine core did not exit within %.0f s of shutdown; killing it", SHUTDOWN_TIMEOUT_S)
             self._process.kill()
-            await asyncio.to_thread(self._process.join)
+            await asyncio.to_thread(self._reap, None)
         if self._reader is not None:  # it has read the core's last events (its final load) at EOF
             await asyncio.to_thread(self._reader.join, 5.0)
         await asyncio.to_thread(self._commands.close, 5.0)  # its pipe is closed next
@@ -308,6 +309,14 @@ class EngineCoreClient:
     @property
     def exitcode(self) -> int | None:
         return self._process.exitcode
+
+    def _reap(self, timeout: float | None) -> None:
+        """Join the core, one thread at a time: multiprocessing's join is not thread-safe. Of two
+        threads joining at once, one reaps the core and the other's waitpid fails, so that thread reads
+        no status, and may go on before the first has stored it (CI read a killed core's exitcode as
+        None). The reader at EOF, the watchdog and shutdown all join."""
+        with self._reaping:
+            self._process.join(timeout)
 
     @property
     def pid(self) -> int | None:
@@ -423,7 +432,7 @@ class EngineCoreClient:
             try:
                 event = pb.CoreEvent.FromString(self._conn.recv_bytes())
             except (EOFError, OSError):  # the core exited (or we closed the pipe at shutdown)
-                self._process.join(timeout=1.0)  # it is exiting: its status says how (not on the loop)
+                self._reap(1.0)  # it is exiting: its status says how (not on the loop)
                 post_to_loop(loop, self._lost)
                 return
             self._last_event_at = time.monotonic()
@@ -485,7 +494,7 @@ class EngineCoreClient:
         )
         log.error("%s", self._stalled)
         self._process.kill()
-        self._process.join(timeout=5.0)
+        self._reap(5.0)
         post_to_loop(loop, self._lost)  # also when the reader is what is stuck (it would see no EOF)
 
     def _lost(self) -> None:

@@ -155,7 +155,6 @@ def test_a_core_that_makes_no_progress_with_work_queued_is_given_up_on(tiny_llam
         asyncio.run(main())
     finally:
         client._process.kill()
-        client._process.join(BOUND_S)  # killed is not yet reaped: on a busy host that can take seconds
     assert client.exitcode == -signal.SIGKILL
 
 

@@ -176,7 +176,6 @@ def test_a_dead_core_fails_every_stream_and_sets_died(tiny_llama_dir):
             await client.drain_kv_events()
 
     asyncio.run(main())
-    client._process.join(60.0)  # the reader waited 1 s for its status; on a busy host death takes longer
     assert client.exitcode == -signal.SIGKILL
 
 
