@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from splitserve.common.block_hash import BlockHash
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
@@ -27,10 +29,11 @@ FINISH_REASONS = {
 }
 
 
-def sampling_params_from_proto(
+def sampling_params_from_public(
     sampling: gen_pb.SamplingParameters, stopping: gen_pb.StoppingCriteria, logprobs: int | None
 ) -> SamplingParams:
-    """Build (and so validate) SamplingParams; raises ValueError with a readable message."""
+    """The public API's fields (generation.proto) as SamplingParams, built (and so validated) once, at
+    the gateway; raises ValueError with a readable message. Every hop after carries params_to_proto's."""
     return SamplingParams(
         temperature=sampling.temperature if sampling.HasField("temperature") else 1.0,
         top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
@@ -47,6 +50,43 @@ def sampling_params_from_proto(
         ignore_eos=stopping.ignore_eos,
         logprobs=logprobs,
     )
+
+
+# EngineSamplingParams' optional fields whose unset means None (max_tokens: up to the context length);
+# its other optional fields, unset, take SamplingParams' defaults.
+_NONE_WHEN_UNSET = ("top_k", "seed", "max_tokens", "logprobs")
+_SEED_SPAN = 2**64  # the seed is uint64 on every hop (the public API's type)
+_OPTIONAL_FIELDS = frozenset(f.name for f in wpb.EngineSamplingParams.DESCRIPTOR.fields if f.has_presence)
+
+
+def params_to_proto(params: SamplingParams) -> wpb.EngineSamplingParams:
+    """Every field, so that each hop rebuilds the same SamplingParams (ValueError: a value the wire
+    cannot carry, such as a seed beyond 64 bits)."""
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
+    if params.seed is not None:
+        fields["seed"] = _wire_seed(params.seed)
+    return wpb.EngineSamplingParams(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _wire_seed(seed: int) -> int:
+    """The uint64 the wire carries. A negative seed (the Python API takes what torch takes) is the
+    one torch makes of it, seed mod 2^64, so every hop samples as the engine in process would."""
+    if not -(2**63) <= seed < _SEED_SPAN:
+        raise ValueError(f"seed must be in [-2^63, 2^64), as torch takes it; got {seed}")
+    return seed % _SEED_SPAN
+
+
+def params_from_proto(msg: wpb.EngineSamplingParams) -> SamplingParams:
+    """SamplingParams as params_to_proto carried them (ValueError: out of range, from a peer that
+    skipped the gateway's validation)."""
+    fields = {}
+    for f in dataclasses.fields(SamplingParams):
+        if f.name not in _OPTIONAL_FIELDS or msg.HasField(f.name):
+            fields[f.name] = getattr(msg, f.name)
+        elif f.name in _NONE_WHEN_UNSET:
+            fields[f.name] = None
+    fields["stop"], fields["stop_token_ids"] = tuple(msg.stop), tuple(msg.stop_token_ids)
+    return SamplingParams(**fields)
 
 
 def logprobs_to_proto(entries) -> list[gen_pb.TokenLogprob]:

@@ -77,7 +77,7 @@ class SharedPrompt:
         request = validated if self._num_left == 0 else _copy(validated)
         request.request_id = request_id
         if seed is not None:
-            request.sampling.seed = seed
+            request.params.seed = seed
         return request
 
     def num_prompt_tokens(self) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from splitserve.common.sampling_params import OutOfRange, SamplingParams
 from splitserve.common.tokenizer import Tokenizer, TooManyTokens
-from splitserve.common.wire import sampling_params_from_proto
+from splitserve.common.wire import params_to_proto, sampling_params_from_public
 from splitserve.gateway.workers import WorkerSet
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -205,7 +205,7 @@ def clip(text: str, num_chars: int = 64) -> str:
 
 def _sampling_params(request: gen_pb.GenerateRequest, logprobs: int | None) -> SamplingParams:
     try:
-        return sampling_params_from_proto(request.sampling, request.stopping, logprobs)
+        return sampling_params_from_public(request.sampling, request.stopping, logprobs)
     except OutOfRange as e:
         raise ValueOutOfRange(e) from None
 
@@ -229,12 +229,7 @@ class RequestValidator:
         check_token_ids(token_ids, self._vocab_size(), "prompt token ids")
         check_fits_context(len(token_ids), params.max_tokens, max_model_len)
         return pb.WorkerGenerateRequest(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling=request.sampling,
-            stopping=request.stopping,
-            priority=request.priority,
-            logprobs=logprobs,
+            request_id=request_id, prompt_token_ids=token_ids, params=params_to_proto(params), priority=request.priority
         )
 
     async def tokenize(self, request: gen_pb.TokenizeRequest, add_special_tokens: bool = True) -> list[int]:

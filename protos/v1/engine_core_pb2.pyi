@@ -15,6 +15,13 @@ class CoreQueryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORE_QUERY_KIND_KV_SNAPSHOT: _ClassVar[CoreQueryKind]
     CORE_QUERY_KIND_DRAIN_KV_EVENTS: _ClassVar[CoreQueryKind]
 
+class CorePrefillEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CORE_PREFILL_EVENT_KIND_UNSPECIFIED: _ClassVar[CorePrefillEventKind]
+    CORE_PREFILL_EVENT_KIND_SEND_STARTED: _ClassVar[CorePrefillEventKind]
+    CORE_PREFILL_EVENT_KIND_FIRST_TOKEN: _ClassVar[CorePrefillEventKind]
+    CORE_PREFILL_EVENT_KIND_TRANSFER_DONE: _ClassVar[CorePrefillEventKind]
+
 class CoreObservationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     CORE_OBSERVATION_KIND_UNSPECIFIED: _ClassVar[CoreObservationKind]
@@ -27,6 +34,10 @@ class CoreObservationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 CORE_QUERY_KIND_UNSPECIFIED: CoreQueryKind
 CORE_QUERY_KIND_KV_SNAPSHOT: CoreQueryKind
 CORE_QUERY_KIND_DRAIN_KV_EVENTS: CoreQueryKind
+CORE_PREFILL_EVENT_KIND_UNSPECIFIED: CorePrefillEventKind
+CORE_PREFILL_EVENT_KIND_SEND_STARTED: CorePrefillEventKind
+CORE_PREFILL_EVENT_KIND_FIRST_TOKEN: CorePrefillEventKind
+CORE_PREFILL_EVENT_KIND_TRANSFER_DONE: CorePrefillEventKind
 CORE_OBSERVATION_KIND_UNSPECIFIED: CoreObservationKind
 CORE_OBSERVATION_KIND_BLOCKS_SKIPPED: CoreObservationKind
 CORE_OBSERVATION_KIND_TRANSFER: CoreObservationKind
@@ -35,44 +46,8 @@ CORE_OBSERVATION_KIND_RANK_BYTES: CoreObservationKind
 CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK: CoreObservationKind
 CORE_OBSERVATION_KIND_STREAMED_SEND: CoreObservationKind
 
-class EngineSamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "include_stop_str_in_output")
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STOP_FIELD_NUMBER: _ClassVar[int]
-    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    max_tokens: int
-    min_tokens: int
-    stop: _containers.RepeatedScalarFieldContainer[str]
-    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    ignore_eos: bool
-    logprobs: int
-    skip_special_tokens: bool
-    include_stop_str_in_output: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
-
 class CoreAddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "priority", "label", "handoff", "prefill", "trace_context")
+    __slots__ = ("request_id", "generate", "prefill", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,36 +56,14 @@ class CoreAddRequest(_message.Message):
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    LABEL_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    params: EngineSamplingParams
-    priority: int
-    label: str
-    handoff: CoreHandoff
-    prefill: CorePrefill
+    generate: _worker_pb2.WorkerGenerateRequest
+    prefill: _worker_pb2.PrefillRequest
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., label: _Optional[str] = ..., handoff: _Optional[_Union[CoreHandoff, _Mapping]] = ..., prefill: _Optional[_Union[CorePrefill, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
-
-class CorePrefill(_message.Message):
-    __slots__ = ("wire",)
-    WIRE_FIELD_NUMBER: _ClassVar[int]
-    wire: bytes
-    def __init__(self, wire: _Optional[bytes] = ...) -> None: ...
-
-class CoreHandoff(_message.Message):
-    __slots__ = ("prefill_address", "wire")
-    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    WIRE_FIELD_NUMBER: _ClassVar[int]
-    prefill_address: str
-    wire: bytes
-    def __init__(self, prefill_address: _Optional[str] = ..., wire: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., generate: _Optional[_Union[_worker_pb2.WorkerGenerateRequest, _Mapping]] = ..., prefill: _Optional[_Union[_worker_pb2.PrefillRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class CoreQuery(_message.Message):
     __slots__ = ("call_id", "kind")
@@ -241,12 +194,16 @@ class CoreEvent(_message.Message):
     def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., observed: _Optional[_Union[CoreHandoffObservation, _Mapping]] = ..., handoff_stages: _Optional[_Union[CoreHandoffStages, _Mapping]] = ..., prefill_event: _Optional[_Union[CorePrefillEvent, _Mapping]] = ...) -> None: ...
 
 class CorePrefillEvent(_message.Message):
-    __slots__ = ("request_id", "response")
+    __slots__ = ("request_id", "response", "kind", "queue_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     response: bytes
-    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[bytes] = ...) -> None: ...
+    kind: CorePrefillEventKind
+    queue_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., response: _Optional[bytes] = ..., kind: _Optional[_Union[CorePrefillEventKind, str]] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
 class CoreHandoffStages(_message.Message):
     __slots__ = ("request_id", "prefill_queue_ms", "prefill_compute_ms", "first_token_time", "landed_time")

@@ -10,8 +10,8 @@ Prefill RPC, the KV receives into the reserved blocks, the first token, the land
 leaves the process that owns the cache. The first token goes to the serving process like a step's
 tokens; the request joins the batch once its KV landed and streams from then on like any other.
 
-What crosses the pipe (services/engine/core_process.py): an add carrying a CoreHandoff (the prefill worker's
-address and the request as received, forwarded as it is); an abort, which cancels a handoff still
+What crosses the pipe (services/engine/core_process.py): the Generate call as the worker received it,
+its prefill_address naming the prefill worker (the call goes on to it as it is); an abort, which cancels a handoff still
 in flight (whatever the prefill worker announced is still received and dropped) and aborts the
 request in the engine; a refusal with a status code and the prefill worker to blame when the
 handoff cannot start (RESOURCE_EXHAUSTED: no room for the prompt's KV; UNAVAILABLE: the prefill
@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from splitserve.common.security import ClusterSecurity
 from splitserve.common.tracing import Span, ended, fail, stage, tracer
@@ -462,16 +461,11 @@ class CoreDecode:
 
     def start(self, request: Request, add: cpb.CoreAddRequest) -> None:
         rid = request.request_id
-        if not add.HasField("handoff"):
+        if not add.HasField("generate"):
             self._send(refusal(rid, "a decode worker's engine core runs no Prefill calls", "FAILED_PRECONDITION"))
             return
-        try:
-            wire = pb.WorkerGenerateRequest.FromString(add.handoff.wire)
-        except DecodeError as e:  # never from our own serving process; refused, never a dead reader
-            self._send(refusal(rid, f"the forwarded request does not parse ({e})", "INVALID_ARGUMENT"))
-            return
-        peer = add.handoff.prefill_address
-        self._loop.start_task(rid, lambda: self._hand_off(request, peer, wire), add.trace_context)
+        call = add.generate
+        self._loop.start_task(rid, lambda: self._hand_off(request, call.prefill_address, call), add.trace_context)
 
     def abort(self, request_id: str) -> None:
         self._loop.cancel(request_id)

@@ -12,8 +12,8 @@ once sent) on a thread of its own with an asyncio loop. The prompt's first token
 the core (services/disagg/core_handoffs.py CorePrompts, fed each step's tokens before they leave): a prompt
 ends at its first token, and what the call streams is that token, not text.
 
-What crosses the pipe (services/engine/core_process.py): an add carrying a CorePrefill (the call as
-received); each event of the call as it streams it (CorePrefillEvent: SendStarted, FirstToken,
+What crosses the pipe (services/engine/core_process.py): the Prefill call as the worker received it;
+each event of the call as it streams it (CorePrefillEvent: SendStarted, FirstToken,
 TransferDone, serialized PrefillResponses); a failure as a refusal with its status code
 (INVALID_ARGUMENT: a job this worker cannot serve; UNAVAILABLE: the send failed; INTERNAL: the step
 failed for it), which the serving process ends the call with, as it would in one process; an abort
@@ -38,11 +38,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from google.protobuf.message import DecodeError
 
 from splitserve.common.tracing import stage, tracer
 from splitserve.protos.v1 import engine_core_pb2 as cpb
-from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.services.disagg.core_handoffs import CoreFront, CoreLoop, CorePrompts, ObservationRelay, open_endpoints
 from splitserve.services.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, SendStarted, TransferDone
 from splitserve.services.disagg.plan import check_fits
@@ -343,9 +341,9 @@ class CorePrefill:
             self._send(refusal(rid, "a prefill worker's engine core hands off no requests", "FAILED_PRECONDITION"))
             return
         try:
-            job = job_from_proto(pb.PrefillRequest.FromString(add.prefill.wire), self._num_kv_heads)
-        except (DecodeError, ValueError) as e:  # never from our own serving process; refused, never a dead reader
-            self._send(refusal(rid, f"the Prefill call does not parse ({e})", "INVALID_ARGUMENT"))
+            job = job_from_proto(add.prefill, self._num_kv_heads)
+        except ValueError as e:  # a plan this worker cannot serve; refused, never a dead reader
+            self._send(refusal(rid, f"the Prefill call's KV plan is invalid ({e})", "INVALID_ARGUMENT"))
             return
         self._loop.start_task(rid, lambda: self._prefill(request, job), add.trace_context)
 
@@ -369,8 +367,7 @@ class CorePrefill:
         )
         try:
             async for event in events:
-                wire = event_to_proto(event).SerializeToString()
-                self._send(cpb.CoreEvent(prefill_event=cpb.CorePrefillEvent(request_id=rid, response=wire)))
+                self._send(cpb.CoreEvent(prefill_event=_prefill_event(rid, event)))
         except asyncio.CancelledError:  # the call is gone: prefill_and_send aborted a prompt still computing
             pass
         except ValueError as e:  # a job this worker cannot serve (layout, heads)
@@ -382,3 +379,15 @@ class CorePrefill:
         except Exception as e:  # a bug: this call ends, the core serves on
             log.exception("request %s: the Prefill call failed", rid)
             self._send(refusal(rid, f"the Prefill call failed ({type(e).__name__}: {e})", "INTERNAL"))
+
+
+def _prefill_event(request_id: str, event: HandoffEvent) -> cpb.CorePrefillEvent:
+    """The event in its wire form, which the serving process streams as it is, and its kind."""
+    response = event_to_proto(event).SerializeToString()
+    if isinstance(event, FirstToken):
+        kind, queue_ms = cpb.CORE_PREFILL_EVENT_KIND_FIRST_TOKEN, event.queue_ms
+    else:
+        started = isinstance(event, SendStarted)
+        kind = cpb.CORE_PREFILL_EVENT_KIND_SEND_STARTED if started else cpb.CORE_PREFILL_EVENT_KIND_TRANSFER_DONE
+        queue_ms = 0.0
+    return cpb.CorePrefillEvent(request_id=request_id, response=response, kind=kind, queue_ms=queue_ms)

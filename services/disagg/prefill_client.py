@@ -49,6 +49,7 @@ def channel_from_proto(msg: pb.KVChannel) -> ChannelSpec:
 
 def job_to_proto(job: HandoffJob, wire: pb.WorkerGenerateRequest) -> pb.PrefillRequest:
     msg = pb.PrefillRequest(request=wire, num_skip_blocks=job.num_skip_blocks, kv_layout=job.kv_layout)
+    msg.request.ClearField("prefill_address")  # the prefill worker runs the prompt itself
     if job.is_whole_blocks:
         (only,) = job.pieces
         msg.channel.CopyFrom(channel_to_proto(only.channel))

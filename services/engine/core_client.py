@@ -47,7 +47,7 @@ from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import Span, trace_carrier, tracer
-from splitserve.common.wire import kv_events_from_proto
+from splitserve.common.wire import kv_events_from_proto, params_to_proto
 from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.services.engine.config import EngineConfig
@@ -57,7 +57,6 @@ from splitserve.services.engine.core_wire import (
     finishes_from_proto,
     load_from_proto,
     logprobs_from_step_proto,
-    params_to_proto,
 )
 from splitserve.services.engine.engine import Engine, RequestOutput
 from splitserve.services.engine.handoff_port import EngineLoad
@@ -103,8 +102,8 @@ class EngineCoreClient:
         self.num_threads = ready.num_threads  # torch's CPU threads in the core
         self._load = load_from_proto(ready.load)  # replaced whole by the reader (a racy read is a whole one)
         self._clocks: dict[str, StageClock] = {}  # handed-off requests' times, from the core's reader
-        # A prefill worker's calls run in the core: each one's events (PrefillResponse) or its error
-        self._prefills: dict[str, asyncio.Queue[wpb.PrefillResponse | BaseException]] = {}
+        # A prefill worker's calls run in the core: each one's events or its error
+        self._prefills: dict[str, asyncio.Queue[pb.CorePrefillEvent | BaseException]] = {}
         self._prefill_labels: dict[str, str] = {}  # a Prefill call's request id -> the client's id (Abort by it)
         # What the core's handoffs observe (a decode worker's metrics count it), on the reader thread
         self.on_observed: Callable[[pb.CoreHandoffObservation], None] | None = None
@@ -165,31 +164,34 @@ class EngineCoreClient:
         request_id: str | None = None,
         priority: int = 0,
         label: str = "",
-        handoff: pb.CoreHandoff | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Token ids in, outputs out (ValueError: refused, here or by the core). handoff: a decode
-        worker's request, whose prompt's KV the core gets from that prefill worker (CoreRefused:
-        the handoff could not start)."""
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        add = pb.CoreAddRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            params=params_to_proto(params),
-            priority=priority,
-            label=label,
-            handoff=handoff,
-            trace_context=trace_carrier(),  # the parent of the spans its handoff makes in the core
+        """Token ids in, outputs out (ValueError: refused, here or by the core)."""
+        call = wpb.WorkerGenerateRequest(
+            request_id=label, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
         )
+        async for out in self.generate_call(call, params, request_id):
+            yield out
+
+    async def generate_call(
+        self, call: wpb.WorkerGenerateRequest, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """A Generate call, forwarded to the core as it was received (params: its parameters, read
+        here for output processing). With a prefill_address (a decode worker's), the core gets the
+        prompt's KV from that prefill worker (CoreRefused: the handoff could not start)."""
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        handoff = bool(call.prefill_address)
+        # trace_context: the parent of the spans its handoff makes in the core
+        add = pb.CoreAddRequest(request_id=request_id, generate=call, trace_context=trace_carrier())
         self.start()
         await self._admit()
-        self._streams.open(request_id, label)
-        record = _Record(request_id, params, list(prompt), len(prompt))
+        self._streams.open(request_id, call.request_id)
+        record = _Record(request_id, params, list(call.prompt_token_ids), len(call.prompt_token_ids))
         self._track(record)
         self._send(pb.CoreCommand(add=add))
         decoding: Span | None = None  # a handed-off request's decode.decode span, from its landing to its end
         try:
             async for out in self._streams.read(request_id):
-                if handoff is not None:
+                if handoff:
                     if decoding is None and out.num_output_tokens > 1:  # decoded in the batch, so it landed
                         decoding = tracer.start_span("decode.decode", start_time=self._landed_ns(request_id))
                     if out.finished:
@@ -209,22 +211,14 @@ class EngineCoreClient:
             return None
         return time.time_ns() - int((time.monotonic() - clock.landed_at) * 1e9)
 
-    async def prefill(
-        self, prompt: Sequence[int], params: SamplingParams, call: wpb.PrefillRequest
-    ) -> AsyncIterator[wpb.PrefillResponse]:
-        """A prefill worker's Prefill call, run in the core (services/disagg/prefill.py CorePrefill): its events as the
-        call streams them, through its TransferDone. ValueError: refused for its input; CoreRefused:
-        failed (the status code's name says how); leaving early aborts it."""
+    async def prefill(self, call: wpb.PrefillRequest) -> AsyncIterator[pb.CorePrefillEvent]:
+        """A prefill worker's Prefill call, forwarded to the core as it was received and run there
+        (services/disagg/prefill.py CorePrefill): its events, each with its response as the call
+        streams it (already encoded, by the core), through its TransferDone. ValueError: refused
+        for its input; CoreRefused: failed (the status code's name says how); leaving early aborts it."""
         request_id = f"req-{next(self._ids)}"
-        add = pb.CoreAddRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            params=params_to_proto(params),
-            priority=call.request.priority,
-            label=call.request.request_id,
-            prefill=pb.CorePrefill(wire=call.SerializeToString()),
-            trace_context=trace_carrier(),  # the parent of the spans the core makes for the call
-        )
+        # trace_context: the parent of the spans the core makes for the call
+        add = pb.CoreAddRequest(request_id=request_id, prefill=call, trace_context=trace_carrier())
         self.start()
         await self._admit()
         if self._streams.error is not None:
@@ -239,7 +233,7 @@ class EngineCoreClient:
                 if isinstance(event, BaseException):
                     finished = True
                     raise event
-                finished = event.HasField("transfer_done")
+                finished = event.kind == pb.CORE_PREFILL_EVENT_KIND_TRANSFER_DONE
                 yield event
         finally:
             self._prefills.pop(request_id, None)
@@ -250,7 +244,7 @@ class EngineCoreClient:
     def _prefilled(self, event: pb.CorePrefillEvent) -> None:
         events = self._prefills.get(event.request_id)
         if events is not None:
-            events.put_nowait(wpb.PrefillResponse.FromString(event.response))
+            events.put_nowait(event)
 
     def _handoff_stages(self, record: _Record) -> dict[str, float] | None:
         """A handed-off request's stage timings (as a decode worker in process gives them): the core's

@@ -29,9 +29,10 @@ most) -> exit 0 at once, whatever its threads still wait for. A step loop that d
 exits 1.
 
 A decode or prefill worker's core also runs its KV handoffs (the `handoffs` the spawn is given):
-an add that carries a CoreHandoff (services/disagg/decode.py CoreDecode: receive the prompt's KV) or a CorePrefill
-(services/disagg/prefill.py CorePrefill: compute the prompt, send its KV) goes to them instead of the queue, and a
-handoff that cannot start or fails refuses its request with a status code and the worker to blame.
+a Generate call with a prefill_address (services/disagg/decode.py CoreDecode: receive the prompt's KV)
+or a Prefill call (services/disagg/prefill.py CorePrefill: compute the prompt, send its KV) goes to them
+instead of the queue, and a handoff that cannot start or fails refuses its request with a status
+code and the worker to blame.
 
 Every message is protobuf (protos/v1/engine_core.proto). The only pickles are what the spawn hands
 over at start, from the parent that made them: the EngineConfig, and the handoffs' setup.
@@ -53,11 +54,11 @@ from typing import Protocol
 import torch
 
 from splitserve.common.tracing import LOG_FORMAT, setup_tracing
-from splitserve.common.wire import kv_events_to_proto
+from splitserve.common.wire import kv_events_to_proto, params_from_proto
 from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.core_pipe import PipeWriter
-from splitserve.services.engine.core_wire import load_to_proto, params_from_proto, step_tokens_to_proto
+from splitserve.services.engine.core_wire import load_to_proto, step_tokens_to_proto
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import engine_load
 from splitserve.services.engine.output_processor import OutputRequest, OutputSink
@@ -81,7 +82,8 @@ class CoreHandoffs(Protocol):
     a decode worker (services/disagg/prefill.py CorePrefill)."""
 
     def start(self, request: Request, add: pb.CoreAddRequest) -> None:
-        """From the command reader: an add carrying a handoff or a prefill (a wrong one is refused)."""
+        """From the command reader: a decode worker's Generate call with a prefill_address, or a
+        prefill worker's Prefill call (the wrong kind for this worker is refused)."""
 
     def abort(self, request_id: str) -> None:
         """From the command reader: the serving process aborted it (the engine is told too)."""
@@ -220,7 +222,7 @@ class EngineCore:
             request = self._request(command.add)
             if request is None:
                 pass
-            elif not (command.add.HasField("handoff") or command.add.HasField("prefill")):
+            elif command.add.HasField("generate") and not command.add.generate.prefill_address:
                 self.steps.post(self._add, request)
             elif self.handoffs is None:
                 self._refuse(request.request_id, "this engine core moves no KV (not a prefill or decode worker's)")
@@ -242,15 +244,16 @@ class EngineCore:
     # -- the reader's side --------------------------------------------------------------------------
     def _request(self, add: pb.CoreAddRequest) -> Request | None:
         """A validated request, or None after refusing it (its stream ends with the reason)."""
+        prefill = add.HasField("prefill")
+        call = add.prefill.request if prefill else add.generate
         try:
-            params = params_from_proto(add.params)
             return self.engine.make_request(
-                list(add.prompt_token_ids),
-                params,
+                list(call.prompt_token_ids),
+                params_from_proto(call.params),
                 add.request_id,
-                add.priority,
-                stop_after_prefill=add.HasField("prefill"),  # it keeps its blocks for the decode worker
-                label=add.label,
+                call.priority,
+                stop_after_prefill=prefill,  # it keeps its blocks for the decode worker
+                label=call.request_id,
             )
         except ValueError as e:
             self._refuse(add.request_id, str(e))

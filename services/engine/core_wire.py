@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.wire import logprobs_to_proto
 from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.services.engine.handoff_port import EngineLoad
@@ -15,40 +14,10 @@ from splitserve.services.engine.request import FinishReason
 from splitserve.services.engine.sampler import TokenLogprobs
 from splitserve.services.engine.step_stats import StepKind, StepTotals
 
-# SamplingParams fields whose None the proto carries as "unset" (every other field is always set)
-_OPTIONAL_PARAMS = ("top_k", "seed", "max_tokens", "logprobs")
-_SEED_SPAN = 2**64  # the seed is uint64 on every hop (the public API's type)
-
 
 def logprobs_from_proto(entries) -> list[TokenLogprobs]:
     """TokenLogprob protos back to the engine's TokenLogprobs."""
     return [TokenLogprobs(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in entries]
-
-
-def params_to_proto(params: SamplingParams) -> pb.EngineSamplingParams:
-    """Every field, so that the core rebuilds the same SamplingParams (ValueError: a value the wire
-    cannot carry, such as a seed beyond 64 bits)."""
-    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params)}
-    if params.seed is not None:
-        fields["seed"] = _wire_seed(params.seed)
-    return pb.EngineSamplingParams(**{k: v for k, v in fields.items() if v is not None})
-
-
-def _wire_seed(seed: int) -> int:
-    """The uint64 the pipe carries. A negative seed (the Python API takes what torch takes) is the
-    one torch makes of it, seed mod 2^64, so the core samples as the engine in process would."""
-    if not -(2**63) <= seed < _SEED_SPAN:
-        raise ValueError(f"seed must be in [-2^63, 2^64), as torch takes it; got {seed}")
-    return seed % _SEED_SPAN
-
-
-def params_from_proto(msg: pb.EngineSamplingParams) -> SamplingParams:
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(SamplingParams)}
-    for name in _OPTIONAL_PARAMS:
-        if not msg.HasField(name):
-            fields[name] = None
-    fields["stop"], fields["stop_token_ids"] = tuple(msg.stop), tuple(msg.stop_token_ids)
-    return SamplingParams(**fields)
 
 
 def step_tokens_to_proto(step: StepTokens, ticket: int) -> pb.CoreStepTokens:

@@ -35,7 +35,7 @@ from splitserve.services.engine.core_process import CoreTraces, HandoffsSetup
 from splitserve.services.engine.handoff_port import EngineLoad, EngineReports
 from splitserve.services.worker.kv_events import KVEventPublisher
 from splitserve.services.worker.metrics import WorkerMetrics
-from splitserve.services.worker.servicer import WorkerServicer, engine_snapshot
+from splitserve.services.worker.servicer import WORKER_SERVICE, WorkerServicer, add_worker_service, engine_snapshot
 
 log = logging.getLogger("splitserve.services.worker")
 
@@ -128,12 +128,11 @@ async def serve_worker(config: WorkerConfig) -> None:
     )
     servicer = WorkerServicer(engine, metrics, config.role)
     engine.on_observed = metrics.observe_core  # a prefill or decode worker's handoffs run in its core
-    worker_service = pb.DESCRIPTOR.services_by_name["Worker"].full_name
-    server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (worker_service,), members_only=True)])
-    pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (WORKER_SERVICE,), members_only=True)])
+    add_worker_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((worker_service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    reflection.enable_server_reflection((WORKER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     credentials = config.cluster.server_credentials()
     bind = f"{config.host}:{config.port}"
     grpc_port = server.add_secure_port(bind, credentials) if credentials else server.add_insecure_port(bind)

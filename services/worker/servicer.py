@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import grpc
 
@@ -21,7 +22,7 @@ from splitserve.common.tracing import (
     steps_in,
     tracer,
 )
-from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
+from splitserve.common.wire import FAILED_PEER_KEY, FINISH_REASONS, logprobs_to_proto, params_from_proto
 from splitserve.protos.v1 import engine_core_pb2 as cpb
 from splitserve.protos.v1 import generation_pb2 as gen_pb
 from splitserve.protos.v1 import worker_pb2 as pb
@@ -51,6 +52,8 @@ def engine_snapshot(port: EngineReports) -> EngineSnapshot:
         steps=load.steps,
     )
 
+
+WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
 
 # What the caller gets for the engine's errors: its own bad parameters; a failure of the engine on
 # this request only (the worker goes on); or a dead engine loop (retry on another worker).
@@ -118,32 +121,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 await _abort(context, span, grpc.StatusCode[e.code], e.message)
 
     async def _outputs(self, request: pb.WorkerGenerateRequest, context) -> AsyncIterator[RequestOutput]:
-        params = sampling_params_from_proto(
-            request.sampling, request.stopping, request.logprobs if request.HasField("logprobs") else None
-        )
-        # The client's id is a label only: the engine names the request itself, so a reused id can
-        # never reach another request's blocks.
-        prompt, label = list(request.prompt_token_ids), request.request_id
-        if request.prefill_address:
-            if self.role is not Role.DECODE:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "this worker is not a decode worker; "
-                    "send requests with a prefill_address to one started with --mode decode",
-                )
-                return  # abort raised; this keeps type checkers from assuming it returns
-            # Its prompt's KV comes from request.prefill_address, then it decodes here.
-            handoff = cpb.CoreHandoff(prefill_address=request.prefill_address, wire=request.SerializeToString())
-            stream = self.engine.generate(prompt, params, priority=request.priority, label=label, handoff=handoff)
-        elif self.role is Role.PREFILL:
+        # Read here for output processing (detokenization, stop strings); the core gets the call as it came.
+        params = params_from_proto(request.params)
+        if request.prefill_address and self.role is not Role.DECODE:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this worker is not a decode worker; "
+                "send requests with a prefill_address to one started with --mode decode",
+            )
+        if not request.prefill_address and self.role is Role.PREFILL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "a prefill worker runs prompts only (the "
                 "Prefill RPC); send whole requests to a unified or decode worker",
             )
-        else:
-            stream = self.engine.generate(prompt, params, priority=request.priority, label=label)
-        async for out in stream:
+        # The client's id is a label only: the engine names the request itself, so a reused id can
+        # never reach another request's blocks. With a prefill_address, its prompt's KV comes from
+        # that prefill worker, then it decodes here.
+        async for out in self.engine.generate_call(request, params):
             yield out
 
     def _response(self, out: RequestOutput, timing: RequestTiming, span: Span) -> pb.WorkerGenerateResponse:
@@ -190,16 +185,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             except CoreRefused as e:  # the call failed in the engine core (e.g. its KV transfer: UNAVAILABLE)
                 await _abort(context, span, grpc.StatusCode[e.code], e.message)
 
-    async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[pb.PrefillResponse]:
-        r = request.request
+    async def _prefill(self, request: pb.PrefillRequest) -> AsyncIterator[bytes]:
+        """The call's responses as the core encoded them (add_worker_service sends bytes as they are)."""
         timing = RequestTiming(arrival=time.monotonic())
-        params = sampling_params_from_proto(r.sampling, r.stopping, r.logprobs if r.HasField("logprobs") else None)
-        async for response in self.engine.prefill(list(r.prompt_token_ids), params, request):
-            if response.HasField("first_token"):
+        async for event in self.engine.prefill(request):  # the core validates it
+            if event.kind == cpb.CORE_PREFILL_EVENT_KIND_FIRST_TOKEN:
                 timing.first_token = timing.finished = time.monotonic()
-                timing.queue_s = response.first_token.queue_ms / 1e3
-                self.metrics.observe_finished(timing, len(r.prompt_token_ids), 1, "length")
-            yield response
+                timing.queue_s = event.queue_ms / 1e3
+                self.metrics.observe_finished(timing, len(request.request.prompt_token_ids), 1, "length")
+            yield event.response
 
     async def Drain(self, request: pb.DrainRequest, context) -> pb.DrainResponse:
         if self.request_drain is None:
@@ -226,3 +220,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_held_requests=load.num_held_requests,
             tensor_parallel_size=load.tensor_parallel_size,
         )
+
+
+def add_worker_service(servicer: WorkerServicer, server: grpc.aio.Server) -> None:
+    """The Worker service as protoc's add_WorkerServicer_to_server registers it, except that Prefill
+    streams bytes: each response as the engine core encoded it, never parsed or re-encoded here."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    made = SimpleNamespace(
+        add_generic_rpc_handlers=lambda _: None, add_registered_method_handlers=lambda _, h: handlers.update(h)
+    )
+    pb_grpc.add_WorkerServicer_to_server(servicer, made)
+    handlers["Prefill"] = handlers["Prefill"]._replace(response_serializer=None)  # type: ignore[attr-defined]
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(WORKER_SERVICE, handlers),))
+    server.add_registered_method_handlers(WORKER_SERVICE, handlers)

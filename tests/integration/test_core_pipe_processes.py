@@ -165,7 +165,6 @@ def test_a_worker_whose_core_makes_no_progress_stops_serving_and_exits(tiny_llam
     from grpc_health.v1 import health, health_pb2
 
     from splitserve.common.serving import free_port
-    from splitserve.protos.v1 import generation_pb2 as gpb
     from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
     from splitserve.services.worker import server
 
@@ -186,7 +185,7 @@ def test_a_worker_whose_core_makes_no_progress_stops_serving_and_exits(tiny_llam
             await asyncio.sleep(0.05)
         (core,) = [p for p in multiprocessing.active_children() if p.name == "splitserve-engine-core"]
         request = worker_pb2.WorkerGenerateRequest(
-            prompt_token_ids=[1, 2, 3], stopping=gpb.StoppingCriteria(max_tokens=240, ignore_eos=True)
+            prompt_token_ids=[1, 2, 3], params=worker_pb2.EngineSamplingParams(max_tokens=240, ignore_eos=True)
         )
         async with grpc.aio.insecure_channel(f"127.0.0.1:{config.port}") as channel:
             call = worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=BOUND_S)
@@ -234,7 +233,6 @@ def test_soak_a_worker_whose_serving_side_reads_slowly(tiny_llama_dir, monkeypat
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from splitserve.common.serving import free_port
-    from splitserve.protos.v1 import generation_pb2 as gpb
     from splitserve.protos.v1 import worker_pb2, worker_pb2_grpc
     from splitserve.services.worker import server
 
@@ -254,8 +252,8 @@ def test_soak_a_worker_whose_serving_side_reads_slowly(tiny_llama_dir, monkeypat
 
     def request(i: int, kind: str) -> worker_pb2.WorkerGenerateRequest:
         prompt = [1 + i % 200, 2, 3] if kind != "refused" else rng.choice([[1, 99999], [1] * 300])
-        stopping = gpb.StoppingCriteria(max_tokens=rng.randint(1, 100), ignore_eos=True)
-        return worker_pb2.WorkerGenerateRequest(prompt_token_ids=prompt, stopping=stopping)
+        params = worker_pb2.EngineSamplingParams(max_tokens=rng.randint(1, 100), ignore_eos=True)
+        return worker_pb2.WorkerGenerateRequest(prompt_token_ids=prompt, params=params)
 
     async def one(stub, i: int, kind: str) -> str:
         call = stub.Generate(request(i, kind), timeout=BOUND_S * 3)

@@ -23,6 +23,7 @@ from cluster_helpers import (
 )
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.wire import params_to_proto
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.engine.config import CacheConfig, EngineConfig
@@ -68,13 +69,12 @@ def test_1p1d_equals_unified_worker_and_in_process_engine(one_p_one_d, tiny_llam
     assert got_greedy == _in_process(tiny_llama_dir, PROMPTS, SamplingParams(temperature=0.0, max_tokens=16))
     assert got_seeded == _in_process(tiny_llama_dir, PROMPTS, SamplingParams(max_tokens=16, **SEEDED))
     worker = wpb_grpc.WorkerStub(grpc.insecure_channel(unified.address))  # the unified worker, directly
+    seeded_params = params_to_proto(SamplingParams(max_tokens=16, **SEEDED))  # as the gateway makes them
     direct = [
         [
             t
             for c in worker.Generate(
-                wpb.WorkerGenerateRequest(
-                    request_id=f"u{i}", prompt_token_ids=r.token_ids.ids, sampling=r.sampling, stopping=r.stopping
-                ),
+                wpb.WorkerGenerateRequest(request_id=f"u{i}", prompt_token_ids=r.token_ids.ids, params=seeded_params),
                 timeout=60,
             )
             for t in c.token_ids

@@ -17,7 +17,6 @@ from cluster_helpers import engine_argv, greedy_request, load, stub, tokens, wai
 from poison import POISON_TOKEN
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.protos.v1 import generation_pb2 as pb
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.engine.config import CacheConfig, EngineConfig
@@ -82,8 +81,7 @@ def test_out_of_vocab_stop_id_is_refused_and_the_worker_lives_on(slow_1p1d, tiny
     bad = wpb.WorkerGenerateRequest(
         request_id="x",
         prompt_token_ids=P,
-        sampling=pb.SamplingParameters(temperature=0),
-        stopping=pb.StoppingCriteria(max_tokens=4, min_tokens=2, stop_token_ids=[4294967295]),
+        params=wpb.EngineSamplingParams(temperature=0, max_tokens=4, min_tokens=2, stop_token_ids=[4294967295]),
     )
     with pytest.raises(grpc.RpcError) as e:
         list(worker.Generate(bad, timeout=30))
@@ -133,7 +131,7 @@ def test_worker_whose_engine_loop_dies_leaves_the_cluster_and_exits(tiny_llama_d
             time.sleep(0.2)
         worker = wpb_grpc.WorkerStub(grpc.insecure_channel(address))
         request = wpb.WorkerGenerateRequest(
-            prompt_token_ids=[POISON_TOKEN, 1, 2], stopping=pb.StoppingCriteria(max_tokens=4)
+            prompt_token_ids=[POISON_TOKEN, 1, 2], params=wpb.EngineSamplingParams(max_tokens=4)
         )
         with pytest.raises(grpc.RpcError) as e:
             list(worker.Generate(request, timeout=30))

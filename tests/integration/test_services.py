@@ -205,7 +205,7 @@ def test_abort_by_the_clients_id_ends_the_workers_stream(cluster):
     request = wpb.WorkerGenerateRequest(
         request_id="abort-me",
         prompt_token_ids=[5, 6, 7],
-        stopping=pb.StoppingCriteria(max_tokens=240, ignore_eos=True),
+        params=wpb.EngineSamplingParams(max_tokens=240, ignore_eos=True),
     )
     stream = w.Generate(request, timeout=60)
     next(stream)

@@ -12,7 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.wire import params_from_proto, params_to_proto
 from splitserve.protos.v1 import engine_core_pb2 as pb
+from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.core_wire import (
@@ -20,8 +22,6 @@ from splitserve.services.engine.core_wire import (
     load_from_proto,
     load_to_proto,
     logprobs_from_step_proto,
-    params_from_proto,
-    params_to_proto,
     step_tokens_to_proto,
 )
 from splitserve.services.engine.handoff_port import engine_load
@@ -142,7 +142,8 @@ def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_a
     serving.start()
     assert pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event") == "ready"
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=["never in this output"])
-    add = pb.CoreAddRequest(request_id="r", prompt_token_ids=[1, 2, 3], params=params_to_proto(params))
+    call = wpb.WorkerGenerateRequest(prompt_token_ids=[1, 2, 3], params=params_to_proto(params))
+    add = pb.CoreAddRequest(request_id="r", generate=call)
     ours.send_bytes(pb.CoreCommand(add=add).SerializeToString())
     steps = 0
     while steps < 2:  # never acknowledged: the loop now waits for the first step's acknowledgement

@@ -157,7 +157,7 @@ def test_each_prompt_is_validated_and_tokenized_once_for_its_n_choices(gateway, 
     assert response.status_code == 200, response.text
     assert sorted(encoded) == ["paged attention", "the quick brown fox"]
     requests = sorted(gateway.proxy.requests, key=lambda r: r.request_id)
-    assert [r.sampling.seed for r in requests] == [7, 8, 9] * 2
+    assert [r.params.seed for r in requests] == [7, 8, 9] * 2
     assert len({r.request_id for r in requests}) == 6
     assert [list(r.prompt_token_ids) for r in requests[:3]] == [real("the quick brown fox")] * 3
     assert [c["index"] for c in response.json()["choices"]] == list(range(6))
