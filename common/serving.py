@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, make_asgi_app
 
 from splitserve.common.http_server import HttpLimits, bind_tcp, limited_config
 
+# Every metric's name starts with it (services/worker/metrics.py says why not `splitserve:`)
+METRIC_PREFIX = "splitserve_"
 # Seconds: every latency histogram of the gateway and the workers (TTFT, TPOT, stages, transfers).
 LATENCY_BUCKETS = (
     0.001,

@@ -14,6 +14,7 @@ class CoreQueryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORE_QUERY_KIND_UNSPECIFIED: _ClassVar[CoreQueryKind]
     CORE_QUERY_KIND_KV_SNAPSHOT: _ClassVar[CoreQueryKind]
     CORE_QUERY_KIND_DRAIN_KV_EVENTS: _ClassVar[CoreQueryKind]
+    CORE_QUERY_KIND_METRICS: _ClassVar[CoreQueryKind]
 
 class CorePrefillEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -21,30 +22,14 @@ class CorePrefillEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CORE_PREFILL_EVENT_KIND_SEND_STARTED: _ClassVar[CorePrefillEventKind]
     CORE_PREFILL_EVENT_KIND_FIRST_TOKEN: _ClassVar[CorePrefillEventKind]
     CORE_PREFILL_EVENT_KIND_TRANSFER_DONE: _ClassVar[CorePrefillEventKind]
-
-class CoreObservationKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    CORE_OBSERVATION_KIND_UNSPECIFIED: _ClassVar[CoreObservationKind]
-    CORE_OBSERVATION_KIND_BLOCKS_SKIPPED: _ClassVar[CoreObservationKind]
-    CORE_OBSERVATION_KIND_TRANSFER: _ClassVar[CoreObservationKind]
-    CORE_OBSERVATION_KIND_TRANSFER_FAILURE: _ClassVar[CoreObservationKind]
-    CORE_OBSERVATION_KIND_RANK_BYTES: _ClassVar[CoreObservationKind]
-    CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK: _ClassVar[CoreObservationKind]
-    CORE_OBSERVATION_KIND_STREAMED_SEND: _ClassVar[CoreObservationKind]
 CORE_QUERY_KIND_UNSPECIFIED: CoreQueryKind
 CORE_QUERY_KIND_KV_SNAPSHOT: CoreQueryKind
 CORE_QUERY_KIND_DRAIN_KV_EVENTS: CoreQueryKind
+CORE_QUERY_KIND_METRICS: CoreQueryKind
 CORE_PREFILL_EVENT_KIND_UNSPECIFIED: CorePrefillEventKind
 CORE_PREFILL_EVENT_KIND_SEND_STARTED: CorePrefillEventKind
 CORE_PREFILL_EVENT_KIND_FIRST_TOKEN: CorePrefillEventKind
 CORE_PREFILL_EVENT_KIND_TRANSFER_DONE: CorePrefillEventKind
-CORE_OBSERVATION_KIND_UNSPECIFIED: CoreObservationKind
-CORE_OBSERVATION_KIND_BLOCKS_SKIPPED: CoreObservationKind
-CORE_OBSERVATION_KIND_TRANSFER: CoreObservationKind
-CORE_OBSERVATION_KIND_TRANSFER_FAILURE: CoreObservationKind
-CORE_OBSERVATION_KIND_RANK_BYTES: CoreObservationKind
-CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK: CoreObservationKind
-CORE_OBSERVATION_KIND_STREAMED_SEND: CoreObservationKind
 
 class CoreAddRequest(_message.Message):
     __slots__ = ("request_id", "generate", "prefill", "trace_context")
@@ -162,24 +147,25 @@ class CoreReady(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., num_threads: _Optional[int] = ...) -> None: ...
 
 class CoreReply(_message.Message):
-    __slots__ = ("call_id", "block_hashes", "events")
+    __slots__ = ("call_id", "block_hashes", "events", "metrics")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     events: _containers.RepeatedCompositeFieldContainer[_worker_pb2.KVCacheEvent]
-    def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ...) -> None: ...
+    metrics: bytes
+    def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ..., metrics: _Optional[bytes] = ...) -> None: ...
 
 class CoreEvent(_message.Message):
-    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "observed", "handoff_stages", "prefill_event")
+    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "handoff_stages", "prefill_event")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     DIED_FIELD_NUMBER: _ClassVar[int]
-    OBSERVED_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_STAGES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_EVENT_FIELD_NUMBER: _ClassVar[int]
     ready: CoreReady
@@ -188,10 +174,9 @@ class CoreEvent(_message.Message):
     reply: CoreReply
     refused: CoreRefusal
     died: str
-    observed: CoreHandoffObservation
     handoff_stages: CoreHandoffStages
     prefill_event: CorePrefillEvent
-    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., observed: _Optional[_Union[CoreHandoffObservation, _Mapping]] = ..., handoff_stages: _Optional[_Union[CoreHandoffStages, _Mapping]] = ..., prefill_event: _Optional[_Union[CorePrefillEvent, _Mapping]] = ...) -> None: ...
+    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., handoff_stages: _Optional[_Union[CoreHandoffStages, _Mapping]] = ..., prefill_event: _Optional[_Union[CorePrefillEvent, _Mapping]] = ...) -> None: ...
 
 class CorePrefillEvent(_message.Message):
     __slots__ = ("request_id", "response", "kind", "queue_ms")
@@ -218,24 +203,6 @@ class CoreHandoffStages(_message.Message):
     first_token_time: float
     landed_time: float
     def __init__(self, request_id: _Optional[str] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., first_token_time: _Optional[float] = ..., landed_time: _Optional[float] = ...) -> None: ...
-
-class CoreHandoffObservation(_message.Message):
-    __slots__ = ("kind", "direction", "num_blocks", "num_bytes", "seconds", "rank", "reason")
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    DIRECTION_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    RANK_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    kind: CoreObservationKind
-    direction: str
-    num_blocks: int
-    num_bytes: int
-    seconds: float
-    rank: int
-    reason: str
-    def __init__(self, kind: _Optional[_Union[CoreObservationKind, str]] = ..., direction: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CoreStepTokens(_message.Message):
     __slots__ = ("ticket", "time", "request_ids", "token_ids", "num_cached_tokens", "first_scheduled_times", "finished", "logprobs", "failed", "load")

@@ -1,6 +1,6 @@
 """What a worker's KV handoffs need inside its engine core process: a thread of
 their own with an asyncio loop, the core's step loop as HandoffPort drives it, the outputs of the
-prompts the core runs for itself, and their metrics relayed to the serving process.
+prompts the core runs for itself.
 
 A decode worker's core (services/disagg/decode.py CoreDecode) receives KV; a prefill worker's
 (services/disagg/prefill.py CorePrefill) computes prompts and sends theirs. Either way the KV moves in the process
@@ -22,10 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from splitserve.common.tracing import remote_task_context
-from splitserve.protos.v1 import engine_core_pb2 as cpb
 from splitserve.services.disagg.rank_transfers import Endpoint, open_rank_endpoints
-from splitserve.services.disagg.transfer.base import TransferFailure
-from splitserve.services.engine.core_process import Send
 from splitserve.services.engine.cpu_threads import serial_torch_ops
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import HandoffPort
@@ -186,33 +183,3 @@ async def open_endpoints(port: HandoffPort, endpoint: Endpoint, host: str, timeo
             port.tensor_parallel_size - 1,
             endpoint.name.lower(),
         )
-
-
-class ObservationRelay:
-    """A handoff's metrics (services/disagg/decode.py HandoffMetrics, services/disagg/prefill.py SendMetrics), sent to
-    the serving process, whose WorkerMetrics counts them (services/worker/metrics.py observe_core)."""
-
-    def __init__(self, send: Send) -> None:
-        self._send = send
-
-    def _observed(self, kind: cpb.CoreObservationKind, **fields: Any) -> None:
-        self._send(cpb.CoreEvent(observed=cpb.CoreHandoffObservation(kind=kind, **fields)))
-
-    def observe_blocks_skipped(self, num_blocks: int) -> None:
-        self._observed(cpb.CORE_OBSERVATION_KIND_BLOCKS_SKIPPED, num_blocks=num_blocks)
-
-    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
-        fields = dict(direction=direction, num_blocks=num_blocks, num_bytes=num_bytes, seconds=seconds)
-        self._observed(cpb.CORE_OBSERVATION_KIND_TRANSFER, **fields)
-
-    def observe_transfer_failure(self, reason: TransferFailure) -> None:
-        self._observed(cpb.CORE_OBSERVATION_KIND_TRANSFER_FAILURE, reason=reason.value)
-
-    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None:
-        self._observed(cpb.CORE_OBSERVATION_KIND_RANK_BYTES, direction=direction, rank=rank, num_bytes=num_bytes)
-
-    def observe_recompute_fallback(self) -> None:
-        self._observed(cpb.CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK)
-
-    def observe_streamed_send(self) -> None:
-        self._observed(cpb.CORE_OBSERVATION_KIND_STREAMED_SEND)

@@ -18,10 +18,10 @@ handoff cannot start (RESOURCE_EXHAUSTED: no room for the prompt's KV; UNAVAILAB
 worker failed before the first token), which the serving process returns to the gateway as it
 would its own HandoffError.
 
-The handoff's metrics and times cross the pipe too (CoreHandoffObservation, counted by the serving
-process's WorkerMetrics; CoreHandoffStages, for the request's stage timings), and its spans join the
-request's trace (services/disagg/core_handoffs.py, which also holds the thread, the step loop's front and the
-metrics relay). A tensor-parallel decode worker's follower ranks are the core's children: the core
+The handoff's metrics are counted here, in the core's registry (services/disagg/metrics.py), which the
+worker's scrapes read; its times cross the pipe (CoreHandoffStages, for the request's stage timings),
+and its spans join the request's trace (services/disagg/core_handoffs.py, which also holds the thread
+and the step loop's front). A tensor-parallel decode worker's follower ranks are the core's children: the core
 opens their KV endpoints and orders their receives, as a serving process does in one process.
 """
 
@@ -30,17 +30,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+from prometheus_client import CollectorRegistry
 
 from splitserve.common.security import ClusterSecurity
 from splitserve.common.tracing import Span, ended, fail, stage, tracer
 from splitserve.protos.v1 import engine_core_pb2 as cpb
 from splitserve.protos.v1 import worker_pb2 as pb
-from splitserve.services.disagg.core_handoffs import CoreFront, CoreLoop, ObservationRelay, open_endpoints
+from splitserve.services.disagg.core_handoffs import CoreFront, CoreLoop, open_endpoints
 from splitserve.services.disagg.handoff import (
     FirstToken,
     HandoffError,
@@ -50,6 +51,7 @@ from splitserve.services.disagg.handoff import (
     SendStarted,
     TransferDone,
 )
+from splitserve.services.disagg.metrics import KVTransferMetrics
 from splitserve.services.disagg.prefill_client import GrpcPrefillClient
 from splitserve.services.disagg.rank_transfers import Endpoint, RankReceivers, Received
 from splitserve.services.disagg.transfer.base import Backend, KVReceiver, TransferError, TransferFailure
@@ -77,7 +79,7 @@ PREFILL_FAILURES = (
 
 
 class HandoffMetrics(Protocol):
-    """What a handoff counts (services/worker/metrics.py WorkerMetrics; an engine core relays them over its pipe)."""
+    """What a handoff counts (services/disagg/metrics.py KVTransferMetrics, in the engine core)."""
 
     def observe_blocks_skipped(self, num_blocks: int) -> None: ...
 
@@ -436,28 +438,33 @@ class CoreDecodeSetup:
     transfer_timeout_s: float
     reserve_timeout_s: float
     cluster: ClusterSecurity  # the Prefill RPC's credentials
+    metric_labels: Mapping[str, str] = field(default_factory=dict)  # the worker's, on every series
 
-    def __call__(self, engine: Engine, steps: StepLoop, send: Send) -> CoreDecode:
-        return CoreDecode(self, engine, steps, send)
+    def __call__(self, engine: Engine, steps: StepLoop, send: Send, registry: CollectorRegistry) -> CoreDecode:
+        return CoreDecode(self, engine, steps, send, KVTransferMetrics(self.metric_labels, "decode", registry))
 
 
 class CoreDecode:
     """The core's handoffs (services/engine/core_process.py CoreHandoffs), one task each on the handoff loop."""
 
-    def __init__(self, setup: CoreDecodeSetup, engine: Engine, steps: StepLoop, send: Send) -> None:
+    def __init__(
+        self, setup: CoreDecodeSetup, engine: Engine, steps: StepLoop, send: Send, metrics: KVTransferMetrics
+    ) -> None:
         self._front = CoreFront(engine, steps)
         self._send = send
         self._loop = CoreLoop("core-handoffs", HandoffPort(self._front).device)
-        self._handoff, self._client = self._loop.run(self._make_handoff(setup))
+        self._handoff, self._client = self._loop.run(self._make_handoff(setup, metrics))
 
-    async def _make_handoff(self, setup: CoreDecodeSetup) -> tuple[DecodeHandoff, GrpcPrefillClient]:
+    async def _make_handoff(
+        self, setup: CoreDecodeSetup, metrics: KVTransferMetrics
+    ) -> tuple[DecodeHandoff, GrpcPrefillClient]:
         receiver = make_receiver(setup.host, setup.transfer_timeout_s, HandoffPort(self._front).device)
         log.info("KV channels meet at TCPStore %s (in the engine core)", receiver.address)
         # follower ranks (children of this core) receive their own KV heads on endpoints of their own
         await open_endpoints(HandoffPort(self._front), Endpoint.RECEIVER, setup.host, setup.transfer_timeout_s)
         client = GrpcPrefillClient(setup.cluster.worker_channel)
         timeouts = (setup.reserve_timeout_s, setup.transfer_timeout_s)
-        return DecodeHandoff(self._front, receiver, client, ObservationRelay(self._send), *timeouts), client
+        return DecodeHandoff(self._front, receiver, client, metrics, *timeouts), client
 
     def start(self, request: Request, add: cpb.CoreAddRequest) -> None:
         rid = request.request_id

@@ -19,7 +19,7 @@ TransferDone, serialized PrefillResponses); a failure as a refusal with its stat
 failed for it), which the serving process ends the call with, as it would in one process; an abort
 (the call is gone), which aborts a prompt still computing and ends its send (one still waiting to
 join its channel ends at once; bytes already moving finish first), releasing its blocks, as in one
-process. The send's metrics are relayed (ObservationRelay).
+process. The send's metrics are counted here, in the core's registry (services/disagg/metrics.py).
 
 Its spans join the request's trace (services/disagg/core_handoffs.py). A tensor-parallel prefill worker's
 follower ranks are the core's children: the core opens their KV endpoints and orders their sends
@@ -32,17 +32,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from splitserve.common.tracing import stage, tracer
 from splitserve.protos.v1 import engine_core_pb2 as cpb
-from splitserve.services.disagg.core_handoffs import CoreFront, CoreLoop, CorePrompts, ObservationRelay, open_endpoints
+from splitserve.services.disagg.core_handoffs import CoreFront, CoreLoop, CorePrompts, open_endpoints
 from splitserve.services.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, SendStarted, TransferDone
+from splitserve.services.disagg.metrics import KVTransferMetrics
 from splitserve.services.disagg.plan import check_fits
 from splitserve.services.disagg.prefill_client import event_to_proto, job_from_proto
 from splitserve.services.disagg.rank_transfers import Endpoint, PieceReport, connect_piece, send_order, send_piece
@@ -71,7 +73,7 @@ class PromptFront(EngineFront, Protocol):
 
 
 class SendMetrics(Protocol):
-    """What a send counts (services/worker/metrics.py WorkerMetrics; an engine core relays them over its pipe)."""
+    """What a send counts (services/disagg/metrics.py KVTransferMetrics, in the engine core)."""
 
     def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None: ...
 
@@ -315,22 +317,25 @@ class CorePrefillSetup:
     transfer_timeout_s: float
     kv_streaming: bool  # send the KV layer by layer as the last prompt chunk computes
     send_delay_s: float = 0.0  # fault injection for tests: a slow or stuck sender
+    metric_labels: Mapping[str, str] = field(default_factory=dict)  # the worker's, on every series
 
-    def __call__(self, engine: Engine, steps: StepLoop, send: Send) -> CorePrefill:
-        return CorePrefill(self, engine, steps, send)
+    def __call__(self, engine: Engine, steps: StepLoop, send: Send, registry: CollectorRegistry) -> CorePrefill:
+        return CorePrefill(self, engine, steps, send, KVTransferMetrics(self.metric_labels, "prefill", registry))
 
 
 class CorePrefill:
     """The core's Prefill calls (services/engine/core_process.py CoreHandoffs), one task each on their loop."""
 
-    def __init__(self, setup: CorePrefillSetup, engine: Engine, steps: StepLoop, send: Send) -> None:
+    def __init__(
+        self, setup: CorePrefillSetup, engine: Engine, steps: StepLoop, send: Send, metrics: KVTransferMetrics
+    ) -> None:
         self._prompts = CorePrompts(engine)
         self._front = CoreFront(engine, steps, self._prompts)
         port = HandoffPort(self._front)
         self._num_kv_heads = port.num_kv_heads
         self._setup, self._send = setup, send
         self._sender = make_sender(setup.host, setup.transfer_timeout_s, port.device)
-        self._relay = ObservationRelay(send)
+        self._metrics = metrics
         self._loop = CoreLoop("core-prefills", port.device)
         # follower ranks (children of this core) send their own KV heads from endpoints of their own
         self._loop.run(open_endpoints(port, Endpoint.SENDER, setup.host, setup.transfer_timeout_s))
@@ -363,7 +368,7 @@ class CorePrefill:
     async def _prefill(self, request: Request, job: HandoffJob) -> None:
         rid, setup = request.request_id, self._setup
         events = prefill_and_send(
-            self._front, request, self._sender, job, self._relay, setup.send_delay_s, setup.kv_streaming
+            self._front, request, self._sender, job, self._metrics, setup.send_delay_s, setup.kv_streaming
         )
         try:
             async for event in events:

@@ -105,8 +105,6 @@ class EngineCoreClient:
         # A prefill worker's calls run in the core: each one's events or its error
         self._prefills: dict[str, asyncio.Queue[pb.CorePrefillEvent | BaseException]] = {}
         self._prefill_labels: dict[str, str] = {}  # a Prefill call's request id -> the client's id (Abort by it)
-        # What the core's handoffs observe (a decode worker's metrics count it), on the reader thread
-        self.on_observed: Callable[[pb.CoreHandoffObservation], None] | None = None
         self._streams = Streams(self.abort)
         self._ids = itertools.count()
         self._call_ids = itertools.count(1)
@@ -332,6 +330,10 @@ class EngineCoreClient:
         reply = await self._query(pb.CORE_QUERY_KIND_DRAIN_KV_EVENTS)
         return list(kv_events_from_proto(reply.events))
 
+    async def metrics_exposition(self) -> bytes:
+        """What the core counts itself (its KV handoffs' metrics), in Prometheus' text format."""
+        return (await self._query(pb.CORE_QUERY_KIND_METRICS)).metrics
+
     async def _query(self, kind: pb.CoreQueryKind) -> pb.CoreReply:
         if self._streams.error is not None:
             raise self._streams.error
@@ -444,8 +446,6 @@ class EngineCoreClient:
                 post_to_loop(loop, self._answer, event.reply)
             elif kind == "died":
                 self._death = event.died
-            elif kind == "observed" and self.on_observed is not None:
-                self.on_observed(event.observed)
             elif kind == "handoff_stages":
                 self._clocked(event.handoff_stages)
             elif kind == "prefill_event":

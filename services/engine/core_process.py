@@ -52,6 +52,7 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.common.tracing import LOG_FORMAT, setup_tracing
 from splitserve.common.wire import kv_events_to_proto, params_from_proto
@@ -95,8 +96,9 @@ class CoreHandoffs(Protocol):
         """The core is stopping."""
 
 
-# What the spawn is given to make the core's handoffs once the engine is up (pickled: a dataclass)
-HandoffsSetup = Callable[[Engine, StepLoop, Send], CoreHandoffs]
+# What the spawn is given to make the core's handoffs once the engine is up (pickled: a dataclass);
+# they count their metrics into the core's registry, which the serving process's scrapes read
+HandoffsSetup = Callable[[Engine, StepLoop, Send, CollectorRegistry], CoreHandoffs]
 
 
 def refusal(request_id: str, message: str, code: str = "", failed_peer: str = "") -> pb.CoreEvent:
@@ -154,7 +156,8 @@ class EngineCore:
         self.steps = StepLoop(engine)
         self.closing = threading.Event()
         self._events = PipeWriter(conn, "core-events", self._pipe_lost)  # the step loop, the reader, handoffs
-        self.handoffs = handoffs(engine, self.steps, self._send) if handoffs is not None else None
+        self.metrics = CollectorRegistry()  # what is counted here (its handoffs'), read by CORE_QUERY_KIND_METRICS
+        self.handoffs = handoffs(engine, self.steps, self._send, self.metrics) if handoffs is not None else None
         self._last_load: pb.CoreLoad | None = None
         self._last_load_at = 0.0  # when the load last went out (the keepalive's clock)
         self._last_counts: pb.CoreLoad | None = None  # the load without its step totals, as last sent
@@ -233,6 +236,8 @@ class EngineCore:
                 self.handoffs.abort(command.abort_request_id)
             self.steps.post(self.engine.abort_request, command.abort_request_id)
             self.steps.post(self._report_load)  # its blocks are free now, even if no step follows
+        elif kind == "query" and command.query.kind == pb.CORE_QUERY_KIND_METRICS:
+            self._send(pb.CoreEvent(reply=pb.CoreReply(call_id=command.query.call_id, metrics=self._exposition())))
         elif kind == "query":
             self.steps.post(self._answer, command.query)
         elif kind == "processed":
@@ -270,6 +275,10 @@ class EngineCore:
             log.exception("request %s: its handoff did not start", request.request_id)
             message = f"the KV handoff did not start ({type(e).__name__}: {e})"
             self._send(refusal(request.request_id, message, "INTERNAL"))
+
+    def _exposition(self) -> bytes:
+        """The registry in Prometheus' text format (its metrics are thread-safe: read here, at once)."""
+        return generate_latest(self.metrics)
 
     def _load_clock(self) -> None:
         while not self.closing.wait(LOAD_INTERVAL_S):

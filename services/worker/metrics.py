@@ -6,23 +6,22 @@ scrape time by a collector."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.utils import floatToGoString
 
-from splitserve.common.serving import LATENCY_BUCKETS
-from splitserve.protos.v1 import engine_core_pb2 as cpb
+from splitserve.common.serving import LATENCY_BUCKETS, METRIC_PREFIX
 from splitserve.services.engine.step_stats import STEP_SECONDS_BUCKETS, StepKind, StepTotals
 
-if TYPE_CHECKING:
-    from splitserve.services.disagg.transfer.base import TransferFailure
+log = logging.getLogger("splitserve.worker")
 
-PREFIX = "splitserve_"
+PREFIX = METRIC_PREFIX
 VLLM_PREFIX = "vllm:"
 # The series also exported under vLLM's own names with --vllm-metric-names (their splitserve_ names,
 # without the prefix, are vLLM's): what tools and schedulers built for vLLM read.
@@ -46,7 +45,6 @@ VLLM_NAMES = frozenset(
         "request_decode_time_seconds",
     }
 )
-_SENDS = {"prefill": "sent", "decode": "received"}  # role -> the direction of its KV transfers
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +185,28 @@ def _renamed(metric: Metric, old: str, new: str) -> Metric:
     return copy
 
 
+def metric_labels(model: str, role: str) -> dict[str, str]:
+    """The labels on every series of a worker (its engine core's too)."""
+    return {"model_name": model, "role": role}
+
+
+class CoreMetrics:
+    """What the engine core counts itself (a prefill or decode worker's KV handoffs:
+    services/disagg/metrics.py), read from it at each scrape and exported as it exposes them."""
+
+    def __init__(self, expose: Callable[[], bytes]) -> None:
+        """expose: the core's registry in Prometheus' text format (raises if the core cannot say)."""
+        self._expose = expose
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            text = self._expose().decode()
+        except Exception as e:  # a dead or stalled core: the scrape has the worker's own series
+            log.warning("the engine core's metrics could not be read (%s: %s)", type(e).__name__, e)
+            return
+        yield from text_string_to_metric_families(text)
+
+
 class WorkerMetrics:
     """Per-request latency histograms and token counters, plus the engine collector."""
 
@@ -196,12 +216,11 @@ class WorkerMetrics:
         role: str,
         snapshot: Callable[[], EngineSnapshot],
         registry: CollectorRegistry | None = None,
-        failure_reasons: Sequence[TransferFailure] = (),
         vllm_names: bool = False,
     ) -> None:
         """vllm_names: also export VLLM_NAMES as vLLM names them (`vllm:` prefix, same labels)."""
         self.registry = registry or CollectorRegistry()
-        self.labels = {"model_name": model, "role": role}
+        self.labels = metric_labels(model, role)
         names = list(self.labels)
 
         def hist(name: str, doc: str) -> Histogram:
@@ -220,90 +239,21 @@ class WorkerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Finished requests.", ("finished_reason",))
-        self.kv_bytes = counter("kv_transfer_bytes", "KV bytes moved between tiers.", ("direction",))
-        self.kv_blocks = counter("kv_transfer_blocks", "KV blocks moved between tiers.", ("direction",))
-        self.kv_rank_bytes = counter(
-            "kv_transfer_rank_bytes",
-            "KV bytes moved between tiers by each tensor-parallel rank of this worker (its own KV heads).",
-            ("direction", "rank"),
-        )
-        self.kv_seconds = Histogram(
-            PREFIX + "kv_transfer_seconds",
-            "Time of one KV transfer.",
-            names + ["direction"],
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.kv_failures = counter("kv_transfer_failures", "Failed KV handoffs, by reason.", ("reason",))
-        self.kv_skipped = counter(
-            "kv_transfer_blocks_skipped", "Prompt blocks not transferred because the decode worker held them."
-        )
-        self.kv_recomputes = counter(
-            "kv_transfer_recompute_fallbacks",
-            "Requests whose prompt was recomputed on the decode worker after a failed transfer.",
-        )
-        self.kv_streamed = counter(
-            "kv_transfers_streamed",
-            "KV sends that went out layer by layer while the prompt's last step computed (prefill).",
-        )
         engine = _EngineCollector(snapshot, self.labels)
         self.registry.register(engine)
-        self._start_at_zero(_SENDS.get(role), failure_reasons)
+        self._start_at_zero()
         if vllm_names:
             per_request = (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode)
             counts = (self.prompt_tokens, self.generation_tokens, self.request_success)
             self.registry.register(_VllmNames((engine, *per_request, *counts)))
 
-    def _start_at_zero(self, direction: str | None, failure_reasons: Sequence[TransferFailure]) -> None:
-        """Create every series this worker can report, at zero, so that a rate() over a series
-        that only moves on failure (or that moved before the first scrape) has data from the start."""
-        lab = self.labels
+    def _start_at_zero(self) -> None:
+        """Create every series at zero, so that a rate() over one that moved before the first scrape
+        has data from the start."""
         for h in (self.ttft, self.itl, self.tpot, self.e2e, self.queue, self.prefill, self.decode):
-            h.labels(**lab)
-        for c in (self.prompt_tokens, self.generation_tokens, self.kv_skipped, self.kv_recomputes, self.kv_streamed):
-            c.labels(**lab)
-        if direction is not None:
-            self.kv_seconds.labels(**lab, direction=direction)
-            for c in (self.kv_bytes, self.kv_blocks):
-                c.labels(**lab, direction=direction)
-        for reason in failure_reasons:
-            self.kv_failures.labels(**lab, reason=reason.value)
-
-    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
-        self.kv_bytes.labels(**self.labels, direction=direction).inc(num_bytes)
-        self.kv_blocks.labels(**self.labels, direction=direction).inc(num_blocks)
-        self.kv_seconds.labels(**self.labels, direction=direction).observe(seconds)
-
-    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None:
-        self.kv_rank_bytes.labels(**self.labels, direction=direction, rank=str(rank)).inc(num_bytes)
-
-    def observe_transfer_failure(self, reason: TransferFailure) -> None:
-        self.kv_failures.labels(**self.labels, reason=reason.value).inc()
-
-    def observe_blocks_skipped(self, num_blocks: int) -> None:
-        self.kv_skipped.labels(**self.labels).inc(num_blocks)
-
-    def observe_streamed_send(self) -> None:
-        self.kv_streamed.labels(**self.labels).inc()
-
-    def observe_recompute_fallback(self) -> None:
-        self.kv_recomputes.labels(**self.labels).inc()
-
-    def observe_core(self, o: cpb.CoreHandoffObservation) -> None:
-        """What a handoff in this worker's engine core observed (services/disagg/core_handoffs.py ObservationRelay)."""
-        kind = o.kind
-        if kind == cpb.CORE_OBSERVATION_KIND_BLOCKS_SKIPPED:
-            self.observe_blocks_skipped(o.num_blocks)
-        elif kind == cpb.CORE_OBSERVATION_KIND_TRANSFER:
-            self.observe_transfer(o.direction, o.num_blocks, o.num_bytes, o.seconds)
-        elif kind == cpb.CORE_OBSERVATION_KIND_TRANSFER_FAILURE:
-            self.kv_failures.labels(**self.labels, reason=o.reason).inc()  # a TransferFailure's value
-        elif kind == cpb.CORE_OBSERVATION_KIND_RANK_BYTES:
-            self.observe_rank_bytes(o.direction, o.rank, o.num_bytes)
-        elif kind == cpb.CORE_OBSERVATION_KIND_RECOMPUTE_FALLBACK:
-            self.observe_recompute_fallback()
-        elif kind == cpb.CORE_OBSERVATION_KIND_STREAMED_SEND:
-            self.observe_streamed_send()
+            h.labels(**self.labels)
+        for c in (self.prompt_tokens, self.generation_tokens):
+            c.labels(**self.labels)
 
     def observe_finished(
         self, t: RequestTiming, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str

@@ -28,13 +28,12 @@ from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.services.disagg.decode import CoreDecodeSetup
 from splitserve.services.disagg.prefill import CorePrefillSetup
 from splitserve.services.disagg.rank_transfers import RankAgent
-from splitserve.services.disagg.transfer.base import TransferFailure
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.core_client import STALL_TIMEOUT_S, EngineCoreClient
 from splitserve.services.engine.core_process import CoreTraces, HandoffsSetup
 from splitserve.services.engine.handoff_port import EngineLoad, EngineReports
 from splitserve.services.worker.kv_events import KVEventPublisher
-from splitserve.services.worker.metrics import WorkerMetrics
+from splitserve.services.worker.metrics import CoreMetrics, WorkerMetrics, metric_labels
 from splitserve.services.worker.servicer import WORKER_SERVICE, WorkerServicer, add_worker_service, engine_snapshot
 
 log = logging.getLogger("splitserve.services.worker")
@@ -90,6 +89,9 @@ class WorkerConfig:
         return self.host
 
 
+CORE_METRICS_TIMEOUT_S = 2.0  # a scrape's wait for the core's own metrics (a stalled core's are left out)
+
+
 def _send_delay_s() -> float:
     return float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
 
@@ -105,10 +107,13 @@ def _start_engine(config: WorkerConfig) -> EngineCoreClient:
     engine_config = dataclasses.replace(config.engine, rank_agent=RankAgent)  # follower ranks move their KV heads
     handoffs: HandoffsSetup | None = None
     timeout_s = config.kv_transfer_timeout_s
+    labels = metric_labels(model_name(config.engine.model), config.mode)  # the core's series, as the worker's
     if config.role is Role.DECODE:
-        handoffs = CoreDecodeSetup(config.public_host, timeout_s, config.kv_reserve_timeout_s, config.cluster)
+        reserve_s = config.kv_reserve_timeout_s
+        handoffs = CoreDecodeSetup(config.public_host, timeout_s, reserve_s, config.cluster, labels)
     elif config.role is Role.PREFILL:
-        handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, _send_delay_s())
+        delay_s = _send_delay_s()
+        handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, delay_s, labels)
     traces = CoreTraces(config.mode, config.otlp_traces_endpoint)  # the core's spans: its handoffs'
     stall_s = config.engine_stall_timeout_s  # the watchdog: a hung or wedged core ends as a dead one
     client = EngineCoreClient.launch(engine_config, handoffs=handoffs, traces=traces, stall_timeout_s=stall_s)
@@ -119,15 +124,16 @@ def _start_engine(config: WorkerConfig) -> EngineCoreClient:
 async def serve_worker(config: WorkerConfig) -> None:
     engine = _start_engine(config)
     name = model_name(config.engine.model)
-    metrics = WorkerMetrics(
-        name,
-        config.mode,
-        lambda: engine_snapshot(engine),
-        failure_reasons=tuple(TransferFailure),
-        vllm_names=config.vllm_metric_names,
-    )
+    metrics = WorkerMetrics(name, config.mode, lambda: engine_snapshot(engine), vllm_names=config.vllm_metric_names)
+    if config.role is not Role.UNIFIED:  # its KV handoffs run, and are counted, in its core
+        loop = asyncio.get_running_loop()
+
+        def core_exposition() -> bytes:  # on a scrape's thread
+            exposition = asyncio.run_coroutine_threadsafe(engine.metrics_exposition(), loop)
+            return exposition.result(CORE_METRICS_TIMEOUT_S)
+
+        metrics.registry.register(CoreMetrics(core_exposition))
     servicer = WorkerServicer(engine, metrics, config.role)
-    engine.on_observed = metrics.observe_core  # a prefill or decode worker's handoffs run in its core
     server = grpc.aio.server(interceptors=[AccessGuard(config.cluster, (WORKER_SERVICE,), members_only=True)])
     add_worker_service(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -155,6 +155,59 @@ def test_a_core_stops_when_its_serving_process_is_gone_even_while_it_waits_for_a
     assert not serving.is_alive(), "the core still waits for an acknowledgement nobody will send"
 
 
+class _CountingHandoffs:
+    """A core's handoffs (services/engine/core_process.py CoreHandoffs) that count into its registry."""
+
+    def __init__(self, engine, steps, send, registry) -> None:
+        from prometheus_client import Counter
+
+        self.started = Counter("splitserve_test_handoffs", "Handoffs started.", registry=registry)
+
+    def start(self, request, add) -> None:
+        self.started.inc()
+
+    def abort(self, request_id) -> None:
+        pass
+
+    def on_step(self, step) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_what_a_core_counts_is_read_from_it_at_once(tiny_llama_dir):
+    """Handoff metrics are counted in the core's own registry and read whole by a METRICS query,
+    answered by the command reader, not between steps (no per-event relay). The core runs on a thread
+    here, over a real pipe."""
+    import multiprocessing
+    import threading
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from splitserve.services.engine.core_process import EngineCore
+    from splitserve.services.engine.step_loop import load_engine
+
+    ours, theirs = multiprocessing.Pipe()
+    core = EngineCore(load_engine(_config(tiny_llama_dir)), theirs, _CountingHandoffs)
+    serving = threading.Thread(target=core.serve, daemon=True)
+    serving.start()
+    assert pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event") == "ready"
+    call = wpb.WorkerGenerateRequest(prompt_token_ids=[1, 2, 3], prefill_address="p:1")
+    for i in range(3):  # a decode worker's handoffs
+        ours.send_bytes(pb.CoreCommand(add=pb.CoreAddRequest(request_id=f"r{i}", generate=call)).SerializeToString())
+    query = pb.CoreQuery(call_id=7, kind=pb.CORE_QUERY_KIND_METRICS)
+    ours.send_bytes(pb.CoreCommand(query=query).SerializeToString())
+    while (event := pb.CoreEvent.FromString(ours.recv_bytes())).WhichOneof("event") != "reply":
+        pass
+    assert event.reply.call_id == 7
+    families = {f.name: f for f in text_string_to_metric_families(event.reply.metrics.decode())}
+    assert [s.value for s in families["splitserve_test_handoffs"].samples if s.name.endswith("_total")] == [3.0]
+    ours.send_bytes(pb.CoreCommand(shutdown=True).SerializeToString())
+    serving.join(30)
+    assert not serving.is_alive()
+
+
 def test_a_handoffs_stages_when_its_landing_is_stamped_after_its_first_decode_step():
     """The core stamps a landing on its handoff thread, which may run after the step loop already
     scheduled and decoded the admitted request (a CI run saw first_decode_step_ms <= 0): the stages

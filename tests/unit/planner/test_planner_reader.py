@@ -9,16 +9,17 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from splitserve.common.roles import Role
 from splitserve.gateway.metrics import GatewayMetrics
+from splitserve.services.disagg.metrics import KVTransferMetrics
 from splitserve.services.engine.step_stats import StepStats
 from splitserve.services.planner.metrics import PlannerMetrics
 from splitserve.services.planner.policy import Decision, Mode, Observation, Reason, TierDecision
 from splitserve.services.planner.profile import LinearModel, OnlineFit, decode_features, prefill_features
 from splitserve.services.planner.reader import Samples, Scrape, WorkerScrape, histogram_quantile, observe
-from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+from splitserve.services.worker.metrics import CoreMetrics, EngineSnapshot, RequestTiming, WorkerMetrics, metric_labels
 
 
 class Worker:
@@ -29,6 +30,9 @@ class Worker:
         self.state = EngineSnapshot(0, 0, 0.0, 0, 0, 0)
         self.steps = StepStats()  # the engine's own step counters, fed by step()
         self.metrics = WorkerMetrics("tiny", role.value, lambda: replace(self.state, steps=self.steps.snapshot()))
+        core = CollectorRegistry()  # its engine core's, exported with its own as a worker does
+        self.kv = KVTransferMetrics(metric_labels("tiny", role.value), role.value, core)
+        self.metrics.registry.register(CoreMetrics(lambda: generate_latest(core)))
 
     def step(self, seq_lens: list[int], query_lens: list[int], seconds: float, repeat: int = 1) -> None:
         """Steps as the engine counts them: each sequence at seq_len tokens after computing query_len."""
@@ -64,7 +68,7 @@ def test_an_interval_of_a_disaggregated_system():
         gateway.latency.itl.observe(0.03)
     prefill.finish(20, prompt_tokens=1000, output_tokens=1, prefill_s=0.2)
     decode.finish(20, prompt_tokens=1000, output_tokens=100)
-    decode.metrics.observe_transfer("received", num_blocks=4, num_bytes=1024, seconds=0.05)
+    decode.kv.observe_transfer("received", num_blocks=4, num_bytes=1024, seconds=0.05)
     decode.state = EngineSnapshot(8, 2, 0.5, 0, 0, 0, num_awaiting_kv=1)
     obs = observe(first, scrape(110.0, gateway, prefill, decode))
 

@@ -7,12 +7,13 @@ import json
 import re
 from pathlib import Path
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 
 from splitserve.gateway.server import GatewayMetrics
+from splitserve.services.disagg.metrics import KVTransferMetrics
 from splitserve.services.disagg.transfer.base import TransferFailure
-from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
+from splitserve.services.worker.metrics import CoreMetrics, EngineSnapshot, RequestTiming, WorkerMetrics, metric_labels
 
 NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "grafana" / "splitserve-dashboard.json"
@@ -26,10 +27,13 @@ def _exported(exposition=generate_latest) -> set[str]:
     worker = WorkerMetrics("m", "decode", lambda: EngineSnapshot(1, 2, 0.5, 0, 10, 5, 1))
     worker.observe_finished(RequestTiming(arrival=0.0, first_token=0.1, last_token=0.3, finished=0.3), 5, 3, "stop")
     worker.observe_token_gap(0.01)
-    worker.observe_transfer("received", 2, 100, 0.01)
-    worker.observe_transfer_failure(TransferFailure.TIMEOUT)
-    worker.observe_blocks_skipped(1)
-    worker.observe_recompute_fallback()
+    core = CollectorRegistry()  # the engine core's, read back and exported by the worker's registry
+    kv = KVTransferMetrics(metric_labels("m", "decode"), "decode", core)
+    kv.observe_transfer("received", 2, 100, 0.01)
+    kv.observe_transfer_failure(TransferFailure.TIMEOUT)
+    kv.observe_blocks_skipped(1)
+    kv.observe_recompute_fallback()
+    worker.registry.register(CoreMetrics(lambda: generate_latest(core)))
     gateway = GatewayMetrics()
     gateway.requests.labels(code="OK").inc()
     gateway.routed.labels(worker="w1", reason="disaggregated").inc()
