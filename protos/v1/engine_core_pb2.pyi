@@ -159,14 +159,13 @@ class CoreReply(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., events: _Optional[_Iterable[_Union[_worker_pb2.KVCacheEvent, _Mapping]]] = ..., metrics: _Optional[bytes] = ...) -> None: ...
 
 class CoreEvent(_message.Message):
-    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "handoff_stages", "prefill_event")
+    __slots__ = ("ready", "step_tokens", "load", "reply", "refused", "died", "prefill_event")
     READY_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     REPLY_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     DIED_FIELD_NUMBER: _ClassVar[int]
-    HANDOFF_STAGES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_EVENT_FIELD_NUMBER: _ClassVar[int]
     ready: CoreReady
     step_tokens: CoreStepTokens
@@ -174,9 +173,8 @@ class CoreEvent(_message.Message):
     reply: CoreReply
     refused: CoreRefusal
     died: str
-    handoff_stages: CoreHandoffStages
     prefill_event: CorePrefillEvent
-    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., handoff_stages: _Optional[_Union[CoreHandoffStages, _Mapping]] = ..., prefill_event: _Optional[_Union[CorePrefillEvent, _Mapping]] = ...) -> None: ...
+    def __init__(self, ready: _Optional[_Union[CoreReady, _Mapping]] = ..., step_tokens: _Optional[_Union[CoreStepTokens, _Mapping]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., reply: _Optional[_Union[CoreReply, _Mapping]] = ..., refused: _Optional[_Union[CoreRefusal, _Mapping]] = ..., died: _Optional[str] = ..., prefill_event: _Optional[_Union[CorePrefillEvent, _Mapping]] = ...) -> None: ...
 
 class CorePrefillEvent(_message.Message):
     __slots__ = ("request_id", "response", "kind", "queue_ms")
@@ -190,7 +188,33 @@ class CorePrefillEvent(_message.Message):
     queue_ms: float
     def __init__(self, request_id: _Optional[str] = ..., response: _Optional[bytes] = ..., kind: _Optional[_Union[CorePrefillEventKind, str]] = ..., queue_ms: _Optional[float] = ...) -> None: ...
 
-class CoreHandoffStages(_message.Message):
+class CoreStepTokens(_message.Message):
+    __slots__ = ("ticket", "time", "request_ids", "token_ids", "num_cached_tokens", "first_scheduled_times", "finished", "logprobs", "failed", "load", "handoff_times")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SCHEDULED_TIMES_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_TIMES_FIELD_NUMBER: _ClassVar[int]
+    ticket: int
+    time: float
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    first_scheduled_times: _containers.RepeatedScalarFieldContainer[float]
+    finished: _containers.RepeatedCompositeFieldContainer[CoreFinish]
+    logprobs: _containers.RepeatedCompositeFieldContainer[CoreRequestLogprobs]
+    failed: _containers.RepeatedCompositeFieldContainer[CoreFailure]
+    load: CoreLoad
+    handoff_times: _containers.RepeatedCompositeFieldContainer[CoreHandoffTimes]
+    def __init__(self, ticket: _Optional[int] = ..., time: _Optional[float] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., first_scheduled_times: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[_Union[CoreFinish, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[CoreRequestLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[CoreFailure, _Mapping]]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ..., handoff_times: _Optional[_Iterable[_Union[CoreHandoffTimes, _Mapping]]] = ...) -> None: ...
+
+class CoreHandoffTimes(_message.Message):
     __slots__ = ("request_id", "prefill_queue_ms", "prefill_compute_ms", "first_token_time", "landed_time")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -203,30 +227,6 @@ class CoreHandoffStages(_message.Message):
     first_token_time: float
     landed_time: float
     def __init__(self, request_id: _Optional[str] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., first_token_time: _Optional[float] = ..., landed_time: _Optional[float] = ...) -> None: ...
-
-class CoreStepTokens(_message.Message):
-    __slots__ = ("ticket", "time", "request_ids", "token_ids", "num_cached_tokens", "first_scheduled_times", "finished", "logprobs", "failed", "load")
-    TICKET_FIELD_NUMBER: _ClassVar[int]
-    TIME_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    FIRST_SCHEDULED_TIMES_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    FAILED_FIELD_NUMBER: _ClassVar[int]
-    LOAD_FIELD_NUMBER: _ClassVar[int]
-    ticket: int
-    time: float
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
-    first_scheduled_times: _containers.RepeatedScalarFieldContainer[float]
-    finished: _containers.RepeatedCompositeFieldContainer[CoreFinish]
-    logprobs: _containers.RepeatedCompositeFieldContainer[CoreRequestLogprobs]
-    failed: _containers.RepeatedCompositeFieldContainer[CoreFailure]
-    load: CoreLoad
-    def __init__(self, ticket: _Optional[int] = ..., time: _Optional[float] = ..., request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., first_scheduled_times: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[_Union[CoreFinish, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[CoreRequestLogprobs, _Mapping]]] = ..., failed: _Optional[_Iterable[_Union[CoreFailure, _Mapping]]] = ..., load: _Optional[_Union[CoreLoad, _Mapping]] = ...) -> None: ...
 
 class CoreFinish(_message.Message):
     __slots__ = ("request_id", "reason", "stop_token_id")

@@ -18,18 +18,18 @@ handoff cannot start (RESOURCE_EXHAUSTED: no room for the prompt's KV; UNAVAILAB
 worker failed before the first token), which the serving process returns to the gateway as it
 would its own HandoffError.
 
-The handoff's metrics are counted here, in the core's registry (services/disagg/metrics.py), which the
-worker's scrapes read; its times cross the pipe (CoreHandoffStages, for the request's stage timings),
-and its spans join the request's trace (services/disagg/core_handoffs.py, which also holds the thread
-and the step loop's front). A tensor-parallel decode worker's follower ranks are the core's children: the core
-opens their KV endpoints and orders their receives, as a serving process does in one process.
+The handoff's metrics are counted here, in the core's registry (services/disagg/metrics.py), which
+the worker's scrapes read; its times are stamped on the request by the engine where each happens and
+ride its step tokens (HandoffTimes: the request's stage timings); its spans join the request's trace
+(services/disagg/core_handoffs.py, which also holds the thread and the step loop's front). A
+tensor-parallel decode worker's follower ranks are the core's children: the core opens their KV
+endpoints and orders their receives, as a serving process does in one process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -60,7 +60,7 @@ from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.core_process import Send, refusal
 from splitserve.services.engine.engine import Engine, RequestOutput
 from splitserve.services.engine.handoff_port import EngineFront, HandoffPort, Reservation
-from splitserve.services.engine.outputs import StageClock, StepTokens
+from splitserve.services.engine.outputs import StepTokens
 from splitserve.services.engine.request import Request
 from splitserve.services.engine.step_loop import StepLoop
 
@@ -120,22 +120,17 @@ class DecodeHandoff:
         engine.open_stream(rid, request.label)
         finished = streaming = False
         try:
-            out, stages, landing = await self.hand_off(request, peer, wire)
+            out, landing = await self.hand_off(request, peer, wire)
             if out is None:  # aborted meanwhile
                 return
             finished = out.finished
-            if finished:
-                out.stages = stages.as_dict()
             yield out
             if finished:
                 return
-            stages.landed_at = await asyncio.shield(landing)
+            await asyncio.shield(landing)
             streaming = True
             with ended(tracer.start_span("decode.decode")) as span:  # in the continuous batch, to the end
                 async for out in engine.stream(rid):
-                    stages.decoded(request.first_scheduled_time)
-                    if out.finished:
-                        out.stages = stages.as_dict()
                     yield out
                 span.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
         finally:
@@ -147,12 +142,11 @@ class DecodeHandoff:
         request: Request,
         peer: str,
         wire: pb.WorkerGenerateRequest | None = None,
-        on_first_token: Callable[[StageClock], None] | None = None,
-    ) -> tuple[RequestOutput | None, StageClock, asyncio.Task[float]]:
+    ) -> tuple[RequestOutput | None, asyncio.Task[None]]:
         """Reserve, ask the prefill worker, start the landing and accept the first token: its output
         (None if the request is gone, or if outputs are processed in another process: an engine
-        core's), the stage clock, and the landing (it ends when the KV landed). on_first_token(clock)
-        runs just before the first token is accepted. Raises HandoffError if the handoff cannot start;
+        core's) and the landing (it ends when the KV landed; the engine stamps the request's times,
+        its stages, where each happens). Raises HandoffError if the handoff cannot start;
         a caller cancelled before the first token still receives whatever the prefill worker
         announced, and drops it."""
         with stage("decode.reserve") as span:  # waiting for room in the KV cache
@@ -167,7 +161,6 @@ class DecodeHandoff:
         self.landings.add(ask)  # its reservation is in flight too: a drain waits for it
         try:
             first, job, events, receiving = await asyncio.shield(ask)
-            stages = StageClock(first.queue_ms, first.compute_ms)
         except asyncio.CancelledError:  # still take what the prefill worker sends, then drop it
             ask.add_done_callback(lambda task: self._land_if_asked(reservation, task))
             raise
@@ -175,10 +168,11 @@ class DecodeHandoff:
             if ask.done():  # else _land_if_asked lets go of it, once its landing (if any) is tracked
                 self.landings.discard(ask)
         landing = self._start_landing(reservation, first, job, events, receiving)
-        if on_first_token is not None:
-            on_first_token(stages)
-        out = await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state)
-        return out, stages, landing
+        prefill_ms = (first.queue_ms, first.compute_ms)
+        out = await self.port.accept_first_token(
+            reservation, first.token_id, first.logprobs, first.sampler_state, prefill_ms
+        )
+        return out, landing
 
     def _land_if_asked(self, reservation: Reservation, ask: asyncio.Task) -> None:
         """The caller left while asking; if the blocks were announced anyway, receive and discard them."""
@@ -269,12 +263,10 @@ class DecodeHandoff:
 
     async def _land(
         self, reservation: Reservation, job: HandoffJob, first: FirstToken, events, receiving: Receiving | None
-    ) -> float:
-        """The landing under its span (a child of the request's: this task inherits its context); returns
-        when it ended (time.monotonic())."""
+    ) -> None:
+        """The landing under its span (a child of the request's: this task inherits its context)."""
         with stage("decode.kv_transfer", {"splitserve.num_blocks": first.num_blocks}) as span:
             await self._land_or_recompute(reservation, job, first, events, receiving, span)
-        return time.monotonic()
 
     async def _land_or_recompute(
         self,
@@ -491,8 +483,7 @@ class CoreDecode:
     async def _hand_off(self, request: Request, peer: str, wire: pb.WorkerGenerateRequest) -> None:
         rid = request.request_id
         try:
-            _, _, landing = await self._handoff.hand_off(request, peer, wire, lambda clock: self._stages(rid, clock))
-            landing.add_done_callback(lambda task: self._landed(rid, task))
+            await self._handoff.hand_off(request, peer, wire)
         except HandoffError as e:
             self._end(rid)
             self._send(refusal(rid, e.message, e.code.name, e.failed_peer or ""))
@@ -502,21 +493,6 @@ class CoreDecode:
             log.exception("request %s: the handoff failed", rid)
             self._end(rid)
             self._send(refusal(rid, f"the KV handoff failed ({type(e).__name__}: {e})", "INTERNAL"))
-
-    def _stages(self, request_id: str, clock: StageClock) -> None:
-        """Before the first token goes out: the prefill worker's times, for the request's stage timings."""
-        stages = cpb.CoreHandoffStages(
-            request_id=request_id,
-            prefill_queue_ms=clock.prefill_queue_ms,
-            prefill_compute_ms=clock.prefill_compute_ms,
-            first_token_time=clock.first_token_at,
-        )
-        self._send(cpb.CoreEvent(handoff_stages=stages))
-
-    def _landed(self, request_id: str, landing: asyncio.Task[float]) -> None:
-        if not landing.cancelled() and landing.exception() is None:
-            stages = cpb.CoreHandoffStages(request_id=request_id, landed_time=landing.result())
-            self._send(cpb.CoreEvent(handoff_stages=stages))
 
     def _end(self, request_id: str) -> None:
         """The handoff ended before the first token: whatever it reserved goes (an abort between steps,

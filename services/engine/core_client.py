@@ -55,14 +55,15 @@ from splitserve.services.engine.core_pipe import PipeWriter
 from splitserve.services.engine.core_process import CoreTraces, HandoffsSetup, run_engine_core
 from splitserve.services.engine.core_wire import (
     finishes_from_proto,
+    handoff_times_from_proto,
     load_from_proto,
     logprobs_from_step_proto,
 )
 from splitserve.services.engine.engine import Engine, RequestOutput
 from splitserve.services.engine.handoff_port import EngineLoad
 from splitserve.services.engine.output_processor import OutputProcessor, OutputRequest, yield_gil
-from splitserve.services.engine.outputs import StageClock, StepTokens
-from splitserve.services.engine.request import RequestStatus
+from splitserve.services.engine.outputs import StepTokens
+from splitserve.services.engine.request import HandoffTimes, RequestStatus
 from splitserve.services.engine.step_loop import EngineDead
 from splitserve.services.engine.streams import Streams, post_to_loop
 from splitserve.services.model.loader import open_model
@@ -101,7 +102,6 @@ class EngineCoreClient:
         self.tensor_parallel_size, self.num_kv_heads = ready.tensor_parallel_size, ready.num_kv_heads
         self.num_threads = ready.num_threads  # torch's CPU threads in the core
         self._load = load_from_proto(ready.load)  # replaced whole by the reader (a racy read is a whole one)
-        self._clocks: dict[str, StageClock] = {}  # handed-off requests' times, from the core's reader
         # A prefill worker's calls run in the core: each one's events or its error
         self._prefills: dict[str, asyncio.Queue[pb.CorePrefillEvent | BaseException]] = {}
         self._prefill_labels: dict[str, str] = {}  # a Prefill call's request id -> the client's id (Abort by it)
@@ -191,23 +191,13 @@ class EngineCoreClient:
             async for out in self._streams.read(request_id):
                 if handoff:
                     if decoding is None and out.num_output_tokens > 1:  # decoded in the batch, so it landed
-                        decoding = tracer.start_span("decode.decode", start_time=self._landed_ns(request_id))
-                    if out.finished:
-                        out.stages = self._handoff_stages(record)
-                        if decoding is not None:
-                            decoding.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
+                        decoding = tracer.start_span("decode.decode", start_time=_landed_ns(record))
+                    if out.finished and decoding is not None:
+                        decoding.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
                 yield out
         finally:
-            self._clocks.pop(request_id, None)
             if decoding is not None:
                 decoding.end()
-
-    def _landed_ns(self, request_id: str) -> int | None:
-        """When a handed-off request's KV landed, on the wall clock spans use (None: not known, now)."""
-        clock = self._clocks.get(request_id)
-        if clock is None or clock.landed_at is None:
-            return None
-        return time.time_ns() - int((time.monotonic() - clock.landed_at) * 1e9)
 
     async def prefill(self, call: wpb.PrefillRequest) -> AsyncIterator[pb.CorePrefillEvent]:
         """A prefill worker's Prefill call, forwarded to the core as it was received and run there
@@ -243,20 +233,6 @@ class EngineCoreClient:
         events = self._prefills.get(event.request_id)
         if events is not None:
             events.put_nowait(event)
-
-    def _handoff_stages(self, record: _Record) -> dict[str, float] | None:
-        """A handed-off request's stage timings (as a decode worker in process gives them): the core's
-        times of the handoff, and its first decode step's from the step tokens."""
-        clock = self._clocks.get(record.request_id)
-        if clock is None:
-            return None
-        scheduled_at, decoded_at = record.first_scheduled_time, record.first_step_time
-        if clock.landed_at is not None and scheduled_at is not None and decoded_at is not None:
-            # The core stamps the landing on its handoff thread, which may get the GIL only after the
-            # step loop scheduled (even decoded) the admitted request: it had landed by its schedule.
-            clock.landed_at = min(clock.landed_at, scheduled_at)
-            clock.scheduled_at, clock.decoded_at = scheduled_at, decoded_at
-        return clock.as_dict()
 
     def abort(self, request_id: str) -> None:
         final = self._untrack(request_id)  # tokens the core computed meanwhile are dropped
@@ -397,8 +373,10 @@ class EngineCoreClient:
                 continue
             if record.first_scheduled_time is None and not math.isnan(scheduled):  # NaN: a handoff's first token
                 record.num_cached_tokens, record.first_scheduled_time = num_cached, scheduled
-                record.first_step_time = msg.time
             requests.append(record)
+        for times in msg.handoff_times:  # set before the step's outputs are made (its stages read them)
+            if (record := records.get(times.request_id)) is not None:
+                record.handoff_times = handoff_times_from_proto(times)
         return requests
 
     def _refused(self, refusal: pb.CoreRefusal) -> None:
@@ -446,19 +424,8 @@ class EngineCoreClient:
                 post_to_loop(loop, self._answer, event.reply)
             elif kind == "died":
                 self._death = event.died
-            elif kind == "handoff_stages":
-                self._clocked(event.handoff_stages)
             elif kind == "prefill_event":
                 post_to_loop(loop, self._prefilled, event.prefill_event)
-
-    def _clocked(self, msg: pb.CoreHandoffStages) -> None:
-        """On the reader: a handoff's times (its first token's, then its landing's)."""
-        if not msg.landed_time and msg.request_id in self._records:  # not ended meanwhile
-            self._clocks[msg.request_id] = StageClock(
-                msg.prefill_queue_ms, msg.prefill_compute_ms, msg.first_token_time
-            )
-        elif (clock := self._clocks.get(msg.request_id)) is not None:
-            clock.landed_at = msg.landed_time
 
     def _answer(self, reply: pb.CoreReply) -> None:
         future = self._replies.get(reply.call_id)
@@ -530,7 +497,15 @@ class _Record:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # set from its first step
     first_scheduled_time: float | None = None
-    first_step_time: float | None = None  # when its first step's token was known (CLOCK_MONOTONIC)
+    handoff_times: HandoffTimes | None = None  # a decode worker's handed-off request's, from its step tokens
+
+
+def _landed_ns(record: _Record) -> int | None:
+    """When a handed-off request's KV landed, on the wall clock spans use (None: not known)."""
+    times = record.handoff_times
+    if times is None or times.landed_time is None:
+        return None
+    return time.time_ns() - int((time.monotonic() - times.landed_time) * 1e9)
 
 
 def _gone(request_id: str) -> _Record:

@@ -10,7 +10,7 @@ from splitserve.common.wire import logprobs_to_proto
 from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.services.engine.handoff_port import EngineLoad
 from splitserve.services.engine.outputs import Finish, StepTokens
-from splitserve.services.engine.request import FinishReason
+from splitserve.services.engine.request import FinishReason, HandoffTimes
 from splitserve.services.engine.sampler import TokenLogprobs
 from splitserve.services.engine.step_stats import StepKind, StepTotals
 
@@ -38,6 +38,11 @@ def step_tokens_to_proto(step: StepTokens, ticket: int) -> pb.CoreStepTokens:
         msg.finished.add(request_id=request_id, reason=finish.reason.value)
         if finish.stop_reason is not None:
             msg.finished[-1].stop_token_id = finish.stop_reason
+    for r in requests:
+        times = r.handoff_times
+        if times is not None and not times.landing_reported:  # its first token's step, then its first after landing
+            msg.handoff_times.append(handoff_times_to_proto(r.request_id, times))
+            times.landing_reported = times.landed_time is not None
     if step.logprobs is not None:
         for r in requests:
             logprobs = step.logprobs.get(r.request_id)
@@ -46,8 +51,19 @@ def step_tokens_to_proto(step: StepTokens, ticket: int) -> pb.CoreStepTokens:
     return msg
 
 
-def _or_nan(value: float | None) -> float:
-    return math.nan if value is None else value
+def handoff_times_to_proto(request_id: str, times: HandoffTimes) -> pb.CoreHandoffTimes:
+    return pb.CoreHandoffTimes(
+        request_id=request_id,
+        prefill_queue_ms=times.prefill_queue_ms,
+        prefill_compute_ms=times.prefill_compute_ms,
+        first_token_time=times.first_token_time,
+        landed_time=times.landed_time,
+    )
+
+
+def handoff_times_from_proto(msg: pb.CoreHandoffTimes) -> HandoffTimes:
+    landed = msg.landed_time if msg.HasField("landed_time") else None
+    return HandoffTimes(msg.prefill_queue_ms, msg.prefill_compute_ms, msg.first_token_time, landed)
 
 
 def finishes_from_proto(msg: pb.CoreStepTokens) -> dict[str, Finish]:

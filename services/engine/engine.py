@@ -54,7 +54,7 @@ from splitserve.services.engine.outputs import (  # noqa: F401  (re-exported: th
     merge_outputs,
 )
 from splitserve.services.engine.ranks import RanksLost
-from splitserve.services.engine.request import Request, RequestId, RequestStatus
+from splitserve.services.engine.request import HandoffTimes, Request, RequestId, RequestStatus
 from splitserve.services.engine.sampler import Sampler, TokenLogprobs
 from splitserve.services.engine.scheduler import Scheduler
 from splitserve.services.engine.scheduler_output import SchedulerOutput
@@ -274,9 +274,15 @@ class Engine:
         return num_held
 
     def accept_first_token(
-        self, request_id: str, token_id: int, logprobs: TokenLogprobs | None, sampler_state: bytes | None
+        self,
+        request_id: str,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
+        sampler_state: bytes | None,
+        prefill_ms: tuple[float, float] = (0.0, 0.0),
     ) -> RequestOutput | None:
         """The prefill worker's first token: append it, carry the sampler over, check stops.
+        prefill_ms: the prefill worker's queue and compute times (the request's first stages).
 
         Returns its output; None if the request is gone (aborted meanwhile), or if outputs are
         processed in another process (an engine core's: the token went there like a step's).
@@ -285,6 +291,8 @@ class Engine:
         if request is None:
             return None
         request.append_output_token(token_id)
+        now = time.monotonic()
+        request.handoff_times = HandoffTimes(*prefill_ms, first_token_time=now)
         if sampler_state is not None:
             self.sampler.set_state(request_id, sampler_state)
         finished = {}
@@ -293,7 +301,7 @@ class Engine:
             self.scheduler.finish_request(request_id, status)
             finished[request_id] = self._finished(request)
         lookup = {request_id: logprobs} if logprobs is not None else None
-        tokens = StepTokens([request], [token_id], finished, time.monotonic(), lookup)
+        tokens = StepTokens([request], [token_id], finished, now, lookup)
         thread = self._output_thread
         done = thread.process_now(tokens) if thread else self._outputs.process(tokens)
         if done is None:

@@ -248,12 +248,22 @@ class HandoffPort:
         return Reservation(request, num_held, request.num_prompt_blocks - num_held)
 
     async def accept_first_token(
-        self, reservation: Reservation, token_id: int, logprobs: TokenLogprobs | None, sampler_state: bytes | None
+        self,
+        reservation: Reservation,
+        token_id: int,
+        logprobs: TokenLogprobs | None,
+        sampler_state: bytes | None,
+        prefill_ms: tuple[float, float],
     ) -> RequestOutput | None:
         """None if the request is gone (aborted meanwhile), or if its output is processed in another
         process (an engine core's)."""
         out = await self._async.call(
-            self._engine.accept_first_token, reservation.request.request_id, token_id, logprobs, sampler_state
+            self._engine.accept_first_token,
+            reservation.request.request_id,
+            token_id,
+            logprobs,
+            sampler_state,
+            prefill_ms,
         )
         if out is None and self._async.outputs_here or out is not None and out.finished:
             reservation.state = ReservationState.GONE

@@ -47,13 +47,14 @@ class ProcessedStep:
 class _Tracked:
     """A request's output state: its detokenizer, counts and times."""
 
-    __slots__ = ("request", "detokenizer", "arrival", "first_token", "num_output_tokens", "timings")
+    __slots__ = ("request", "detokenizer", "arrival", "first_token", "scheduled_step", "num_output_tokens", "timings")
 
     def __init__(self, request: OutputRequest, detokenizer: IncrementalDetokenizer, arrival: float) -> None:
         self.request = request  # read for fields fixed before its first token (prompt, cached tokens)
         self.detokenizer = detokenizer
         self.arrival = arrival
         self.first_token: float | None = None
+        self.scheduled_step: float | None = None  # when the token of its first scheduled step was known
         self.num_output_tokens = 0  # tokens processed here (the engine may be a step ahead)
         self.timings: RequestTimings | None = None  # fixed once scheduled and with its first token
 
@@ -109,6 +110,8 @@ class OutputProcessor:
         t.num_output_tokens += 1
         if t.first_token is None:
             t.first_token = step.time
+        if t.scheduled_step is None and request.first_scheduled_time is not None:
+            t.scheduled_step = step.time
         detok = t.detokenizer
         stop = detok.add_tokens([token_id])
         if stop is not None:  # a stop string wins over whatever else ended the request this step
@@ -132,6 +135,7 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens,
             timings=t.timings or _timings(t),
             handoff=finish.handoff if finish else None,
+            stages=_stages(t) if finish else None,
         )
 
     def _failure(self, t: _Tracked, error: Exception | str) -> RequestOutput:
@@ -157,7 +161,14 @@ def _ended(t: _Tracked, error: str | None = None) -> RequestOutput:
         num_cached_tokens=request.num_cached_tokens,
         timings=_timings(t),
         error=error,
+        stages=_stages(t),
     )
+
+
+def _stages(t: _Tracked) -> dict[str, float] | None:
+    """A handed-off request's stages (on its final output); None for one computed here."""
+    times = t.request.handoff_times
+    return None if times is None else times.stages(t.request.first_scheduled_time, t.scheduled_step)
 
 
 def _timings(t: _Tracked) -> RequestTimings:

@@ -3,13 +3,12 @@ per-request RequestOutputs built from them (services/engine/output_processor.py)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.services.engine.request import FinishReason
+from splitserve.services.engine.request import FinishReason, HandoffTimes
 from splitserve.services.engine.sampler import TokenLogprobs
 
 
@@ -46,8 +45,8 @@ class RequestOutput:
     timings: RequestTimings = field(default_factory=lambda: RequestTimings())
     handoff: PrefillHandoff | None = None  # prefill tier, on the finished output
     error: str | None = None  # the step failed for this request (finished, aborted, blocks freed)
-    # Time by stage in ms, keyed as splitserve.v1.StageTimings' fields, set by the tier that knows
-    # them (the decode handoff) on the final output; None: the worker derives them from timings.
+    # Time by stage in ms, keyed as splitserve.v1.StageTimings' fields, on a handed-off request's
+    # final output (HandoffTimes.stages); None: the worker derives them from timings.
     stages: dict[str, float] | None = None
 
 
@@ -104,6 +103,8 @@ class OutputRequest(Protocol):
     def num_cached_tokens(self) -> int: ...  # fixed by its first token
     @property
     def first_scheduled_time(self) -> float | None: ...  # monotonic; fixed by its first token
+    @property
+    def handoff_times(self) -> HandoffTimes | None: ...  # a decode worker's handed-off request's
 
 
 @dataclass(slots=True)
@@ -121,31 +122,3 @@ class StepTokens:
     @property
     def is_empty(self) -> bool:
         return not self.requests and not self.failed
-
-
-class StageClock:
-    """One disaggregated request's stages as the decode worker sees them (splitserve.v1.StageTimings):
-    the prefill worker's own two from its first token, then the transfer, the decode queue and the
-    first decode step from this host's clock (time.monotonic: the same in a worker's engine core)."""
-
-    def __init__(self, prefill_queue_ms: float, prefill_compute_ms: float, first_token_at: float | None = None) -> None:
-        self.prefill_queue_ms, self.prefill_compute_ms = prefill_queue_ms, prefill_compute_ms
-        self.first_token_at = time.monotonic() if first_token_at is None else first_token_at
-        self.landed_at: float | None = None
-        self.scheduled_at: float | None = None  # the first decode step (after the landing)
-        self.decoded_at: float | None = None  # its token
-
-    def decoded(self, first_scheduled_time: float | None) -> None:
-        if self.decoded_at is None:
-            self.decoded_at, self.scheduled_at = time.monotonic(), first_scheduled_time
-
-    def as_dict(self) -> dict[str, float]:
-        stages = {"prefill_queue_ms": self.prefill_queue_ms, "prefill_compute_ms": self.prefill_compute_ms}
-        if self.landed_at is None:
-            return stages
-        stages["kv_transfer_ms"] = (self.landed_at - self.first_token_at) * 1e3
-        if self.decoded_at is not None and self.scheduled_at is not None:
-            scheduled_at = max(self.scheduled_at, self.landed_at)  # a recomputed prompt was scheduled before
-            stages["decode_queue_ms"] = (scheduled_at - self.landed_at) * 1e3
-            stages["first_decode_step_ms"] = (self.decoded_at - scheduled_at) * 1e3
-        return stages

@@ -16,6 +16,7 @@ import enum
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NewType
 
 from splitserve.common.block_hash import BlockHash, extend_block_hashes
@@ -28,6 +29,32 @@ if TYPE_CHECKING:
 RequestId = NewType("RequestId", str)
 
 _arrival_counter = itertools.count()
+
+
+@dataclass(slots=True)
+class HandoffTimes:
+    """A decode worker's handed-off request's times (CLOCK_MONOTONIC seconds), each stamped on the
+    step loop where it happened: the first token accepted (with the prefill worker's own two times),
+    then the KV landed or the prompt was set to recompute, always before the request's first schedule.
+    The output processor turns them into its stages (splitserve.v1.StageTimings) on the final output."""
+
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    first_token_time: float
+    landed_time: float | None = None
+    landing_reported: bool = False  # an engine core's: its step tokens carried the landing (core_wire.py)
+
+    def stages(self, scheduled: float | None, decoded: float | None) -> dict[str, float]:
+        """scheduled: the request's first schedule here (after the landing); decoded: when that
+        step's token was known."""
+        stages = {"prefill_queue_ms": self.prefill_queue_ms, "prefill_compute_ms": self.prefill_compute_ms}
+        if self.landed_time is None:
+            return stages
+        stages["kv_transfer_ms"] = (self.landed_time - self.first_token_time) * 1e3
+        if scheduled is not None and decoded is not None:
+            stages["decode_queue_ms"] = (scheduled - self.landed_time) * 1e3
+            stages["first_decode_step_ms"] = (decoded - scheduled) * 1e3
+        return stages
 
 
 class RequestStatus(enum.Enum):
@@ -104,6 +131,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None  # monotonic, set by the scheduler at first admission
+        self.handoff_times: HandoffTimes | None = None  # a decode worker's: set when its first token came
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.block_size = block_size

@@ -167,6 +167,7 @@ class Scheduler:
             self._pinned.discard(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_blocks(request)
+        _stamp_landing(request)
         self._requeue(request)
 
     def recompute_locally(self, request_id: str) -> None:
@@ -175,6 +176,7 @@ class Scheduler:
         request = self.awaiting_kv[request_id]
         self._drop_reservation(request)
         request.num_computed_tokens = 0
+        _stamp_landing(request)
         self._requeue(request)
 
     # Pins: a transfer that writes a reservation's blocks as they arrive (not between steps) pins them
@@ -405,3 +407,9 @@ class Scheduler:
         if status is not None:
             self.finish_request(request.request_id, status, keep_blocks=request.stop_after_prefill)
             update.finished.append(request)
+
+
+def _stamp_landing(request: Request) -> None:
+    """Its KV landed, or it was set to recompute: before it is scheduled again (its stages' clock)."""
+    if request.handoff_times is not None:
+        request.handoff_times.landed_time = time.monotonic()

@@ -208,18 +208,51 @@ def test_what_a_core_counts_is_read_from_it_at_once(tiny_llama_dir):
     assert not serving.is_alive()
 
 
-def test_a_handoffs_stages_when_its_landing_is_stamped_after_its_first_decode_step():
-    """The core stamps a landing on its handoff thread, which may run after the step loop already
-    scheduled and decoded the admitted request (a CI run saw first_decode_step_ms <= 0): the stages
-    still add up, the landing counted as done by the schedule."""
+@pytest.mark.parametrize("lands", [True, False])
+def test_a_handed_off_requests_stages_have_one_owner_the_step_loop(tiny_llama_dir, lands):
+    """A decode worker's request: the engine stamps its first token and its landing (or its recompute)
+    on the step loop, before its first schedule; its step tokens carry the times across the pipe (the
+    core's PipeOutputs), and the final output's stages are made from them by the serving process's
+    output processor, never corrected after the fact (a CI run once saw a landing, stamped on
+    another thread, come after the first decode step)."""
     from types import SimpleNamespace
 
     from splitserve.services.engine.core_client import _Record
-    from splitserve.services.engine.outputs import StageClock
+    from splitserve.services.engine.core_process import PipeOutputs
+    from splitserve.services.engine.output_processor import OutputProcessor
 
-    clock = StageClock(1.0, 20.0, first_token_at=100.0)
-    clock.landed_at = 100.060
-    record = _Record("r", SamplingParams(), [1], 1, first_scheduled_time=100.050, first_step_time=100.055)
-    stages = EngineCoreClient._handoff_stages(SimpleNamespace(_clocks={"r": clock}), record)  # type: ignore[arg-type]
-    want = dict(prefill_queue_ms=1.0, prefill_compute_ms=20.0, kv_transfer_ms=50.0, decode_queue_ms=0.0)
-    assert stages == pytest.approx(want | {"first_decode_step_ms": 5.0})
+    engine = LLM(config=_config(tiny_llama_dir)).engine
+    events: list[pb.CoreEvent] = []
+    engine.start_output_sink(PipeOutputs(events.append, engine.finish_for_outputs))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    request = engine.make_request([1, 2, 3, 4, 5], params)
+    assert engine.reserve_for_transfer(request) == 0
+    record = _Record(request.request_id, params, [1, 2, 3, 4, 5], 5)
+    serving = SimpleNamespace(_records={record.request_id: record})  # what EngineCoreClient._requests reads
+    processor = OutputProcessor(engine.tokenizer)
+    processor.add(record, 0.0)
+
+    engine.accept_first_token(request.request_id, 9, None, None, (1.5, 20.0))
+    if lands:
+        assert engine.admit_transferred(request.request_id, 0, lambda block_ids: None)
+    else:
+        assert engine.recompute_locally(request.request_id)
+    while engine.has_unfinished_requests():
+        engine.step()
+    outs = []
+    for event in events:
+        msg = event.step_tokens
+        requests = EngineCoreClient._requests(serving, msg)  # type: ignore[arg-type]
+        step = StepTokens(requests, list(msg.token_ids), finishes_from_proto(msg), msg.time)
+        outs += processor.process(step).outputs
+    assert [len(e.step_tokens.handoff_times) for e in events] == [1, 1, 0, 0]  # its first token, its landing
+    times = request.handoff_times
+    assert times is not None and times.landed_time <= request.first_scheduled_time
+    assert outs[-1].finished and outs[-1].num_output_tokens == 4
+    stages = outs[-1].stages
+    assert stages["prefill_queue_ms"] == 1.5 and stages["prefill_compute_ms"] == 20.0
+    assert stages["kv_transfer_ms"] == pytest.approx((times.landed_time - times.first_token_time) * 1e3)
+    assert stages["decode_queue_ms"] == pytest.approx((request.first_scheduled_time - times.landed_time) * 1e3)
+    assert stages["first_decode_step_ms"] == pytest.approx(
+        (events[1].step_tokens.time - request.first_scheduled_time) * 1e3
+    )
