@@ -1,6 +1,8 @@
 """The serving process's side of an engine core process (services/engine/core_process.py): AsyncEngine's
 serving calls (generate, abort, died, shutdown) and HandoffPort's reports (load, the KV-event
-snapshot, the engine's sizes), over a pipe to the process that steps.
+snapshot, the engine's sizes), over a pipe to the process that steps. The same client serves a core
+stepping on a thread of this process (EngineCoreClient.in_process: unit tests, no spawn), over a pipe
+all the same.
 
 Threads here, none of them waiting on the core:
 - the event loop: the streams, and commands queued for the pipe (an add is a few hundred bytes); a
@@ -33,6 +35,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -52,7 +55,7 @@ from splitserve.protos.v1 import engine_core_pb2 as pb
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.core_pipe import PipeWriter
-from splitserve.services.engine.core_process import CoreTraces, HandoffsSetup, run_engine_core
+from splitserve.services.engine.core_process import CoreTraces, EngineCore, HandoffsSetup, run_engine_core
 from splitserve.services.engine.core_wire import (
     finishes_from_proto,
     handoff_times_from_proto,
@@ -79,12 +82,14 @@ STALL_TIMEOUT_S = 60.0
 class EngineCoreClient:
     def __init__(
         self,
-        process: BaseProcess,
+        process: BaseProcess | CoreThread,
         conn: Connection,
         ready: pb.CoreReady,
         tokenizer: Tokenizer,
-        stall_timeout_s: float = STALL_TIMEOUT_S,
+        stall_timeout_s: float | None = STALL_TIMEOUT_S,
     ) -> None:
+        """process: the core's process, or its thread (in_process); stall_timeout_s: the watchdog's
+        bound (None: no watchdog)."""
         self._process, self._conn = process, conn
         # The event loop (commands) and the reader (acknowledgements) queue; one thread writes.
         self._commands = PipeWriter(conn, "core-commands", _pipe_lost)
@@ -145,6 +150,17 @@ class EngineCoreClient:
         tokenizer = open_model(config.model).tokenizer  # while the core loads
         return cls(process, conn, _wait_ready(process, conn), tokenizer, stall_timeout_s)
 
+    @classmethod
+    def in_process(cls, engine: Engine, handoffs: HandoffsSetup | None = None) -> EngineCoreClient:
+        """The same core and client, the core stepping on a thread of this process (over a pipe all
+        the same): the engine core for unit tests and the offline engine, with no spawn and the engine
+        shared with the caller. No watchdog (a thread cannot be killed); the core closes the engine's
+        output sink when it stops, so the engine serves a later client, or steps on its own."""
+        conn, core_conn = multiprocessing.Pipe()
+        core = CoreThread(EngineCore(engine, core_conn, handoffs))
+        core.start()
+        return cls(core, conn, _wait_ready(core, conn), engine.tokenizer, stall_timeout_s=None)
+
     # -- AsyncEngine's serving calls ------------------------------------------------------------------
     def start(self) -> None:
         """Start reading the core's events, and watching it (from the event loop that consumes the streams)."""
@@ -153,7 +169,8 @@ class EngineCoreClient:
             self._commands.on_room = lambda: post_to_loop(loop, self._room.set)
             self._reader = threading.Thread(target=self._read_events, args=(loop,), name="core-events", daemon=True)
             self._reader.start()
-            threading.Thread(target=self._watch, args=(loop,), name="core-watchdog", daemon=True).start()
+            if self._stall_timeout_s is not None:
+                threading.Thread(target=self._watch, args=(loop,), name="core-watchdog", daemon=True).start()
 
     async def generate(
         self,
@@ -435,6 +452,7 @@ class EngineCoreClient:
     # -- the watchdog ---------------------------------------------------------------------------------
     def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """On its thread: give up on a core silent for stall_timeout_s while work is queued."""
+        assert self._stall_timeout_s is not None
         poll_s = self._stall_timeout_s / 8
         while not self._unwatched.wait(poll_s) and self._streams.error is None:
             silent_s = time.monotonic() - self._last_event_at
@@ -519,12 +537,50 @@ def _pipe_lost(error: OSError) -> None:
     log.debug("the engine core's pipe closed while writing a command (%s)", error)
 
 
+class CoreThread:
+    """An engine core serving on a thread of this process (EngineCoreClient.in_process), with what
+    the client reads of a core process."""
+
+    pid = None  # no process of its own
+
+    def __init__(self, core: EngineCore) -> None:
+        self.exitcode: int | None = None
+        self._thread = threading.Thread(target=self._serve, args=(core,), name="engine-core", daemon=True)
+
+    def _serve(self, core: EngineCore) -> None:
+        try:
+            self.exitcode = core.serve()
+        finally:
+            _hang_up(core.conn)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def kill(self) -> None:
+        """A thread cannot be killed: a core that ignored its shutdown is left to end with the process."""
+
+
+def _hang_up(conn: Connection) -> None:
+    """End both directions of a core thread's end of the pipe, as a process's exit would: the client's
+    reader sees EOF, and so does the core's own command reader if it still waits (closing the fd alone
+    would not wake it, and the socket would stay open under it)."""
+    with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as end:  # a duplicate of it
+        end.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
 def _end_orphan(process: BaseProcess) -> None:
     if process.is_alive():
         process.terminate()
 
 
-def _wait_ready(process: BaseProcess, conn: Connection) -> pb.CoreReady:
+def _wait_ready(process: BaseProcess | CoreThread, conn: Connection) -> pb.CoreReady:
     """The core's CoreReady, or RuntimeError if it exited first (its log says why)."""
     try:
         event = pb.CoreEvent.FromString(conn.recv_bytes())  # EOF if it exits while loading

@@ -173,6 +173,8 @@ class EngineCore:
         error = self.steps.run(self.closing, self.outputs)
         if self.handoffs is not None:
             self.handoffs.close()
+        if error is None:
+            self._abort_the_rest()
         self._last_load = None
         self._report_load()  # the state it ends in (a drained worker logs its pool)
         self.engine.close()
@@ -181,6 +183,14 @@ class EngineCore:
         if not self._events.close(FLUSH_TIMEOUT_S):
             log.warning("the serving process read none of the core's last events; exiting without them")
         return 0 if error is None else 1
+
+    def _abort_the_rest(self) -> None:
+        """A stopped core holds nothing: requests its serving process had not ended (their aborts may
+        have come just before the stop) are aborted, their blocks freed; an in-process core's engine
+        serves on after it (EngineCoreClient.in_process)."""
+        scheduler = self.engine.scheduler
+        for request_id in [*scheduler.requests, *scheduler.held]:
+            self.engine.abort_request(request_id)
 
     def _ready(self) -> pb.CoreReady:
         e = self.engine

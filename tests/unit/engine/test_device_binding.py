@@ -13,8 +13,8 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine import model_runner, step_loop
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.engine import Engine
 from splitserve.services.launcher import launcher, supervisor
 from splitserve.services.launcher.launcher import Child, child_device, spawn_worker, start_cluster
@@ -180,7 +180,7 @@ def test_every_step_runs_on_one_bound_thread(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(engine, "step", step)
 
     async def main():
-        aengine = AsyncEngine(engine)
+        aengine = EngineCoreClient.in_process(engine)  # its core's step loop
 
         async def one(prompt):
             return [o async for o in aengine.generate(prompt, SamplingParams(temperature=0, max_tokens=6))]

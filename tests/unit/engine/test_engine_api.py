@@ -1,4 +1,5 @@
-"""Engine, LLM and AsyncEngine behaviour on the tiny Llama: validation, abort, streaming, sampling."""
+"""Engine, LLM and the engine core client (in process) on the tiny Llama: validation, abort, streaming,
+sampling."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import asyncio
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.request import FinishReason
@@ -97,15 +98,15 @@ def test_logprobs_and_stop_token(engine):
     assert stopped.finish_reason.value == "stop" and stopped.stop_reason == stop_at
 
 
-def test_async_engine_streams_and_cancel_frees_blocks(engine):
+def test_a_core_client_streams_and_cancel_frees_blocks(engine):
     async def main():
-        aengine = AsyncEngine(engine)
+        client = EngineCoreClient.in_process(engine)
         params = SamplingParams(temperature=0, max_tokens=12)
-        chunks = [o async for o in aengine.generate([7, 8, 9], params, request_id="full")]
+        chunks = [o async for o in client.generate([7, 8, 9], params, request_id="full")]
         assert sum(len(c.new_token_ids) for c in chunks) == 12 and chunks[-1].finished
 
         async def consume_two():
-            gen = aengine.generate([1] * 30, SamplingParams(temperature=0, max_tokens=200), request_id="cut")
+            gen = client.generate([1] * 30, SamplingParams(temperature=0, max_tokens=200), request_id="cut")
             n = 0
             async for _ in gen:
                 n += 1
@@ -121,7 +122,7 @@ def test_async_engine_streams_and_cancel_frees_blocks(engine):
             if _all_free(engine):
                 break
             await asyncio.sleep(0.02)
-        await aengine.shutdown()
+        await client.shutdown()
 
     asyncio.run(main())
     assert _all_free(engine)
@@ -132,17 +133,17 @@ def test_abort_by_the_clients_id_ends_its_streams(engine):
     and the tokens it got (it hung before: nothing ever reached it again), and its blocks are freed."""
 
     async def main():
-        aengine = AsyncEngine(engine)
+        client = EngineCoreClient.in_process(engine)
         params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        streams = [aengine.generate([i + 1, 2, 3], params, label="lbl") for i in range(2)]
+        streams = [client.generate([i + 1, 2, 3], params, label="lbl") for i in range(2)]
         firsts = [await anext(s) for s in streams]
-        assert aengine.abort_label("lbl") == 2
+        assert client.abort_label("lbl") == 2
         for first, stream in zip(firsts, streams):
             rest = await asyncio.wait_for(_drain(stream), 10)
             last = rest[-1]
             assert last.finished and last.finish_reason is FinishReason.ABORT and len(rest) < 100
             assert last.num_output_tokens == len(first.new_token_ids) + sum(len(o.new_token_ids) for o in rest)
-        await aengine.shutdown()
+        await client.shutdown()
 
     asyncio.run(main())
     assert _all_free(engine)
@@ -152,26 +153,26 @@ async def _drain(stream) -> list:
     return [out async for out in stream]
 
 
-def test_async_engine_rejects_bad_input(engine):
+def test_a_core_client_rejects_bad_input(engine):
     async def main():
-        aengine = AsyncEngine(engine)
+        client = EngineCoreClient.in_process(engine)
         with pytest.raises(ValueError, match="prompt is empty"):
-            async for _ in aengine.generate("", SamplingParams()):
+            async for _ in client.generate([], SamplingParams()):
                 pass
-        await aengine.shutdown()
+        await client.shutdown()
 
     asyncio.run(main())
     assert _all_free(engine)
 
 
-def test_async_engine_merges_outputs_when_the_consumer_falls_behind(engine):
+def test_a_core_client_merges_outputs_when_the_consumer_falls_behind(engine):
     async def main():
-        aengine = AsyncEngine(engine)
+        client = EngineCoreClient.in_process(engine)
         chunks = []
-        async for out in aengine.generate([2, 3, 4], SamplingParams(temperature=0, max_tokens=24)):
+        async for out in client.generate([2, 3, 4], SamplingParams(temperature=0, max_tokens=24)):
             chunks.append(out)
             await asyncio.sleep(0.2)  # a slow client: several steps queue up meanwhile
-        await aengine.shutdown()
+        await client.shutdown()
         return chunks
 
     chunks = asyncio.run(main())

@@ -14,6 +14,7 @@ import pytest
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.engine import Engine, RequestOutput
 from splitserve.services.engine.output_processor import OutputProcessor
 from splitserve.services.engine.outputs import StepTokens
@@ -139,12 +140,14 @@ def test_an_aborted_request_ends_with_an_abort_output_and_others_keep_their_text
     assert _all_free(engine)
 
 
-def test_async_streams_with_stop_strings_and_cancellation(engine):
+def test_streams_through_a_core_with_stop_strings_and_cancellation(engine):
+    """The server's path (the engine core and its client, here in process): stop strings found in the
+    serving side end their requests as inline, slow consumers get merged chunks, a cancel frees its blocks."""
     params = _stop_strings(engine)
     want = _inline(engine, params)
 
     async def main():
-        aengine = AsyncEngine(engine)
+        aengine = EngineCoreClient.in_process(engine)
 
         async def collect(i: int) -> list[RequestOutput]:
             outs = []

@@ -16,6 +16,7 @@ from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.detokenizer import IncrementalDetokenizer
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.llm import LLM
@@ -161,7 +162,7 @@ def test_dead_loop_fails_every_stream_and_refuses_new_requests(tiny_llama_dir, m
     monkeypatch.setattr(engine.scheduler, "schedule", broken_schedule)
 
     async def main():
-        aengine = AsyncEngine(engine)
+        aengine = EngineCoreClient.in_process(engine)  # the server's path
         with pytest.raises(EngineDead, match="scheduler invariant broken"):
             async for _ in aengine.generate(PROMPT, SamplingParams(max_tokens=4)):
                 pass
