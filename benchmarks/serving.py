@@ -12,7 +12,7 @@ throughput (default): the offline workload of benchmarks/offline.py as concurren
     1P1D with the KV streamed layer by layer (the default) and 1P1D sending it after the first token
     (--no-kv-streaming), one pinned core per worker. Target: 1P1D within 1.1x of unified at 4k tokens.
 
-Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--json PATH]
+Usage: python benchmarks/serving.py [--quick] [--streams N] [--worker-threads N] [--json PATH]
        python benchmarks/serving.py --second-token [--lengths 256,1024,4096] [--repeats 3] [--json PATH]
        python benchmarks/serving.py --prefix-hit [--pairs 3] [--json PATH]
 """
@@ -20,6 +20,7 @@ Usage: python benchmarks/serving.py [--quick] [--worker-threads N] [--json PATH]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -124,7 +125,10 @@ def in_process(llm: LLM, requests: list[RequestSpec]) -> tuple[float, int]:
 
 
 def throughput(args: argparse.Namespace) -> dict:
-    workload = (QUICK if args.quick else FULL).workload(VOCAB_SIZE)  # every request sent at once
+    settings = QUICK if args.quick else FULL
+    if args.streams:
+        settings = dataclasses.replace(settings, num_requests=args.streams)
+    workload = settings.workload(VOCAB_SIZE)  # every request sent at once: as many concurrent streams
     requests = make_requests(workload)
     worker_argv = ["--kv-cache-bytes", str(KV_CACHE_BYTES)]
     if args.worker_threads:
@@ -283,6 +287,7 @@ def second_token(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--streams", type=int, default=0, help="concurrent streams (0: the workload's 64, --quick 8)")
     parser.add_argument("--worker-threads", type=int, default=0, help="torch threads in the worker (0: all cores)")
     parser.add_argument("--prefix-hit", action="store_true", help="cold vs prefix-hit TTFT on 1P1D instead")
     parser.add_argument("--pairs", type=int, default=3, help="--prefix-hit: prefixes, each sent cold then hit")
