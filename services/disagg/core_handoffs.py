@@ -115,10 +115,12 @@ class CoreLoop:
     """The handoffs' thread and asyncio loop in the core, one task per request until the serving
     process is told how it went."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
-        """device: the engine's; the thread is bound to it (pinned staging, side streams and NCCL groups
-        are made here: unbound, they would make a CUDA context on device 0 too)."""
+    def __init__(self, name: str, engine: Engine, device: torch.device) -> None:
+        """engine: it owns each task's end (an abort cancels it); device: the engine's, the thread is
+        bound to it (pinned staging, side streams and NCCL groups are made here: unbound, they would
+        make a CUDA context on device 0 too)."""
         self.loop = asyncio.new_event_loop()
+        self._engine = engine
         self._tasks: dict[str, asyncio.Task] = {}  # on the loop only
         self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
         self._thread.start()
@@ -139,18 +141,24 @@ class CoreLoop:
         trace_context: Mapping[str, str] | None = None,
     ) -> None:
         """From another thread: run coroutine_fn() as request_id's task, its spans children of the
-        serving process's span that trace_context carries (and its log lines naming the request)."""
+        serving process's span that trace_context carries (and its log lines naming the request).
+        The engine owns its end: the request's abort cancels it (Engine.run_outside)."""
 
         def start() -> None:
             context = remote_task_context(trace_context or {}, request_id)
             task = self.loop.create_task(coroutine_fn(), context=context)
             self._tasks[request_id] = task
-            task.add_done_callback(lambda _: self._tasks.pop(request_id, None))
+            task.add_done_callback(lambda _: self._ended(request_id))
 
+        self._engine.run_outside(request_id, lambda: self.cancel(request_id))
         self.loop.call_soon_threadsafe(start)
 
+    def _ended(self, request_id: str) -> None:
+        self._tasks.pop(request_id, None)
+        self._engine.done_outside(request_id)
+
     def cancel(self, request_id: str) -> None:
-        """From another thread: cancel request_id's task, if it still runs."""
+        """From any thread: cancel request_id's task, if it still runs."""
 
         def cancel() -> None:
             task = self._tasks.get(request_id)

@@ -444,7 +444,7 @@ class CoreDecode:
     ) -> None:
         self._front = CoreFront(engine, steps)
         self._send = send
-        self._loop = CoreLoop("core-handoffs", HandoffPort(self._front).device)
+        self._loop = CoreLoop("core-handoffs", engine, HandoffPort(self._front).device)
         self._handoff, self._client = self._loop.run(self._make_handoff(setup, metrics))
 
     async def _make_handoff(
@@ -465,9 +465,6 @@ class CoreDecode:
             return
         call = add.generate
         self._loop.start_task(rid, lambda: self._hand_off(request, call.prefill_address, call), add.trace_context)
-
-    def abort(self, request_id: str) -> None:
-        self._loop.cancel(request_id)
 
     def on_step(self, step: StepTokens) -> None:
         pass  # every output of a decode worker is made in its serving process

@@ -336,7 +336,7 @@ class CorePrefill:
         self._setup, self._send = setup, send
         self._sender = make_sender(setup.host, setup.transfer_timeout_s, port.device)
         self._metrics = metrics
-        self._loop = CoreLoop("core-prefills", port.device)
+        self._loop = CoreLoop("core-prefills", engine, port.device)
         # follower ranks (children of this core) send their own KV heads from endpoints of their own
         self._loop.run(open_endpoints(port, Endpoint.SENDER, setup.host, setup.transfer_timeout_s))
 
@@ -351,9 +351,6 @@ class CorePrefill:
             self._send(refusal(rid, f"the Prefill call's KV plan is invalid ({e})", "INVALID_ARGUMENT"))
             return
         self._loop.start_task(rid, lambda: self._prefill(request, job), add.trace_context)
-
-    def abort(self, request_id: str) -> None:
-        self._loop.cancel(request_id)
 
     def on_step(self, step: StepTokens) -> None:
         self._prompts.on_step(step)

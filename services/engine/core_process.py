@@ -86,9 +86,6 @@ class CoreHandoffs(Protocol):
         """From the command reader: a decode worker's Generate call with a prefill_address, or a
         prefill worker's Prefill call (the wrong kind for this worker is refused)."""
 
-    def abort(self, request_id: str) -> None:
-        """From the command reader: the serving process aborted it (the engine is told too)."""
-
     def on_step(self, step: StepTokens) -> None:
         """On the step loop, before the step's tokens leave: the outputs the core makes itself."""
 
@@ -241,9 +238,7 @@ class EngineCore:
                 self._refuse(request.request_id, "this engine core moves no KV (not a prefill or decode worker's)")
             else:
                 self._start_handoff(request, command.add)
-        elif kind == "abort_request_id":
-            if self.handoffs is not None:
-                self.handoffs.abort(command.abort_request_id)
+        elif kind == "abort_request_id":  # one place: the engine ends all it holds (its handoff too)
             self.steps.post(self.engine.abort_request, command.abort_request_id)
             self.steps.post(self._report_load)  # its blocks are free now, even if no step follows
         elif kind == "query" and command.query.kind == pb.CORE_QUERY_KIND_METRICS:

@@ -115,6 +115,10 @@ class Engine:
         # loop closed) and a new one never step this engine at once.
         self.loop_lock = threading.Lock()
         self._ids = itertools.count()
+        # What a request runs outside the engine that its abort must end (a core's KV handoff task),
+        # while it runs: an abort reaches the engine only, which ends the rest (run_outside).
+        self._outside: dict[str, Callable[[], None]] = {}
+        self._outside_lock = threading.Lock()
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: PromptInput) -> list[int]:
@@ -217,10 +221,27 @@ class Engine:
         if request_id in self.scheduler.requests or self.kv.holds(request_id) or self.kv.is_parked(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
 
+    def run_outside(self, request_id: str, end: Callable[[], None]) -> None:
+        """From any thread: request_id runs work outside the engine (a KV handoff task) until
+        done_outside; an abort meanwhile calls end() (thread-safe: it must not wait), so the request's
+        abort goes to one place, here."""
+        with self._outside_lock:
+            self._outside[request_id] = end
+
+    def done_outside(self, request_id: str) -> None:
+        """From any thread: request_id's work outside the engine has ended."""
+        with self._outside_lock:
+            self._outside.pop(request_id, None)
+
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its KV blocks (held ones too, unless their send has started).
+        """Stop a request now and free its KV blocks (held ones too, unless their send has started),
+        and end what it runs outside the engine (run_outside).
 
         False if it is unknown or already done."""
+        with self._outside_lock:
+            end = self._outside.pop(request_id, None)
+        if end is not None:
+            end()
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
         self._output_sink().abort(request_id)  # its stream ends (an inline caller gets nothing)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -207,7 +208,7 @@ def test_an_engine_core_s_handoff_thread_is_bound_to_the_engine_s_device(monkeyp
     async def where() -> threading.Thread:
         return threading.current_thread()
 
-    loop = core_handoffs.CoreLoop("core-handoffs", torch.device("cuda", 3))
+    loop = core_handoffs.CoreLoop("core-handoffs", SimpleNamespace(), torch.device("cuda", 3))  # type: ignore[arg-type]
     try:
         handoffs_thread = loop.run(where())
         ((thread, device),) = bound

@@ -4,7 +4,9 @@ dead core that fails every stream instead of hanging it. Real spawned processes 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -166,9 +168,6 @@ class _CountingHandoffs:
     def start(self, request, add) -> None:
         self.started.inc()
 
-    def abort(self, request_id) -> None:
-        pass
-
     def on_step(self, step) -> None:
         pass
 
@@ -203,6 +202,65 @@ def test_what_a_core_counts_is_read_from_it_at_once(tiny_llama_dir):
     assert event.reply.call_id == 7
     families = {f.name: f for f in text_string_to_metric_families(event.reply.metrics.decode())}
     assert [s.value for s in families["splitserve_test_handoffs"].samples if s.name.endswith("_total")] == [3.0]
+    ours.send_bytes(pb.CoreCommand(shutdown=True).SerializeToString())
+    serving.join(30)
+    assert not serving.is_alive()
+
+
+class _WaitingHandoffs:
+    """A core's handoffs whose every task waits until cancelled, on the core's handoff loop (CoreLoop)."""
+
+    def __init__(self, engine, steps, send, registry) -> None:
+        from splitserve.services.disagg.core_handoffs import CoreLoop
+
+        self.loop = CoreLoop("core-handoffs", engine, torch.device("cpu"))
+        self.cancelled: list[str] = []
+        self.running = threading.Event()
+
+    def start(self, request, add) -> None:
+        async def wait() -> None:
+            self.running.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(request.request_id)
+                raise
+
+        self.loop.start_task(request.request_id, wait)
+
+    def on_step(self, step) -> None:
+        pass
+
+    def close(self) -> None:
+        self.loop.close(lambda: asyncio.sleep(0))
+
+
+def test_an_abort_goes_to_the_engine_which_ends_the_requests_handoff(tiny_llama_dir):
+    """The serving process's abort reaches one place in the core, the engine: it ends the request
+    there and the handoff task the request runs outside it (Engine.run_outside), which no longer
+    holds a registration once it ended."""
+    import multiprocessing
+
+    from splitserve.services.engine.core_process import EngineCore
+    from splitserve.services.engine.step_loop import load_engine
+
+    engine = load_engine(_config(tiny_llama_dir))
+    ours, theirs = multiprocessing.Pipe()
+    core = EngineCore(engine, theirs, _WaitingHandoffs)
+    serving = threading.Thread(target=core.serve, daemon=True)
+    serving.start()
+    assert pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event") == "ready"
+    call = wpb.WorkerGenerateRequest(prompt_token_ids=[1, 2, 3], prefill_address="p:1")
+    ours.send_bytes(pb.CoreCommand(add=pb.CoreAddRequest(request_id="r", generate=call)).SerializeToString())
+    assert core.handoffs.running.wait(10)
+    ours.send_bytes(pb.CoreCommand(abort_request_id="r").SerializeToString())
+    query = pb.CoreQuery(call_id=1, kind=pb.CORE_QUERY_KIND_DRAIN_KV_EVENTS)  # answered after the abort, in order
+    ours.send_bytes(pb.CoreCommand(query=query).SerializeToString())
+    while pb.CoreEvent.FromString(ours.recv_bytes()).WhichOneof("event") != "reply":
+        pass
+    core.handoffs.loop.run(asyncio.sleep(0))  # the cancel, queued on the handoff loop, has run
+    assert core.handoffs.cancelled == ["r"]
+    assert not engine._outside  # the task's end let go of it
     ours.send_bytes(pb.CoreCommand(shutdown=True).SerializeToString())
     serving.join(30)
     assert not serving.is_alive()
