@@ -80,9 +80,7 @@ class CorePrompts:
 class CoreFront:
     """The core's step loop as a HandoffPort drives it (services/engine/handoff_port.py EngineFront): calls
     between steps, answered on the handoff thread's event loop; and, given CorePrompts, prompts run
-    to their first token (what services/disagg/prefill.py prefill_and_send reads of an AsyncEngine)."""
-
-    outputs_here = False  # a decode handoff's first token is processed in the serving process
+    to their first token (what services/disagg/prefill.py prefill_and_send reads)."""
 
     def __init__(self, engine: Engine, steps: StepLoop, prompts: CorePrompts | None = None) -> None:
         self.engine, self._steps, self._prompts = engine, steps, prompts

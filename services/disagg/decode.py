@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
+import torch
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.security import ClusterSecurity
-from splitserve.common.tracing import Span, ended, fail, stage, tracer
+from splitserve.common.tracing import Span, fail, stage
 from splitserve.protos.v1 import engine_core_pb2 as cpb
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.services.disagg.core_handoffs import CoreFront, CoreLoop, open_endpoints
@@ -56,9 +57,8 @@ from splitserve.services.disagg.prefill_client import GrpcPrefillClient
 from splitserve.services.disagg.rank_transfers import Endpoint, RankReceivers, Received
 from splitserve.services.disagg.transfer.base import Backend, KVReceiver, TransferError, TransferFailure
 from splitserve.services.disagg.transfer.isolated import make_receiver
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.core_process import Send, refusal
-from splitserve.services.engine.engine import Engine, RequestOutput
+from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import EngineFront, HandoffPort, Reservation
 from splitserve.services.engine.outputs import StepTokens
 from splitserve.services.engine.request import Request
@@ -111,44 +111,17 @@ class DecodeHandoff:
         # Asks and transfers in flight, each holding a reservation (a drain waits for them).
         self.landings: set[asyncio.Task] = set()
 
-    async def generate(
-        self, request: Request, peer: str, wire: pb.WorkerGenerateRequest | None = None
-    ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs; raises HandoffError if it cannot start."""
-        rid, engine = request.request_id, self.engine
-        assert isinstance(engine, AsyncEngine), "an engine core's outputs reach its serving process (hand_off)"
-        engine.open_stream(rid, request.label)
-        finished = streaming = False
-        try:
-            out, landing = await self.hand_off(request, peer, wire)
-            if out is None:  # aborted meanwhile
-                return
-            finished = out.finished
-            yield out
-            if finished:
-                return
-            await asyncio.shield(landing)
-            streaming = True
-            with ended(tracer.start_span("decode.decode")) as span:  # in the continuous batch, to the end
-                async for out in engine.stream(rid):
-                    yield out
-                span.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
-        finally:
-            if not streaming:
-                engine.close_stream(rid, finished)
-
     async def hand_off(
         self,
         request: Request,
         peer: str,
         wire: pb.WorkerGenerateRequest | None = None,
-    ) -> tuple[RequestOutput | None, asyncio.Task[None]]:
-        """Reserve, ask the prefill worker, start the landing and accept the first token: its output
-        (None if the request is gone, or if outputs are processed in another process: an engine
-        core's) and the landing (it ends when the KV landed; the engine stamps the request's times,
-        its stages, where each happens). Raises HandoffError if the handoff cannot start;
-        a caller cancelled before the first token still receives whatever the prefill worker
-        announced, and drops it."""
+    ) -> asyncio.Task[None]:
+        """Reserve, ask the prefill worker, start the landing and accept the first token (it goes
+        out like a step's tokens); returns the landing (it ends when the KV landed; the engine
+        stamps the request's times, its stages, where each happens). Raises HandoffError if the
+        handoff cannot start; a caller cancelled before the first token still receives whatever
+        the prefill worker announced, and drops it."""
         with stage("decode.reserve") as span:  # waiting for room in the KV cache
             reservation = await self._reserve(request)
             span.set_attributes(
@@ -169,10 +142,8 @@ class DecodeHandoff:
                 self.landings.discard(ask)
         landing = self._start_landing(reservation, first, job, events, receiving)
         prefill_ms = (first.queue_ms, first.compute_ms)
-        out = await self.port.accept_first_token(
-            reservation, first.token_id, first.logprobs, first.sampler_state, prefill_ms
-        )
-        return out, landing
+        await self.port.accept_first_token(reservation, first.token_id, first.logprobs, first.sampler_state, prefill_ms)
+        return landing
 
     def _land_if_asked(self, reservation: Reservation, ask: asyncio.Task) -> None:
         """The caller left while asking; if the blocks were announced anyway, receive and discard them."""
@@ -435,6 +406,16 @@ class CoreDecodeSetup:
     def __call__(self, engine: Engine, steps: StepLoop, send: Send, registry: CollectorRegistry) -> CoreDecode:
         return CoreDecode(self, engine, steps, send, KVTransferMetrics(self.metric_labels, "decode", registry))
 
+    def make_receiver(self, device: torch.device) -> KVReceiver:
+        """The core's KV receiver (tests give their own transport, and their own make_client)."""
+        receiver = make_receiver(self.host, self.transfer_timeout_s, device)
+        log.info("KV channels meet at TCPStore %s (in the engine core)", receiver.address)
+        return receiver
+
+    def make_client(self) -> PrefillClient:
+        """How the core reaches prefill workers: their Prefill RPC."""
+        return GrpcPrefillClient(self.cluster.worker_channel)
+
 
 class CoreDecode:
     """The core's handoffs (services/engine/core_process.py CoreHandoffs), one task each on the handoff loop."""
@@ -445,18 +426,14 @@ class CoreDecode:
         self._front = CoreFront(engine, steps)
         self._send = send
         self._loop = CoreLoop("core-handoffs", engine, HandoffPort(self._front).device)
-        self._handoff, self._client = self._loop.run(self._make_handoff(setup, metrics))
+        self.handoff = self._loop.run(self._make_handoff(setup, metrics))
 
-    async def _make_handoff(
-        self, setup: CoreDecodeSetup, metrics: KVTransferMetrics
-    ) -> tuple[DecodeHandoff, GrpcPrefillClient]:
-        receiver = make_receiver(setup.host, setup.transfer_timeout_s, HandoffPort(self._front).device)
-        log.info("KV channels meet at TCPStore %s (in the engine core)", receiver.address)
+    async def _make_handoff(self, setup: CoreDecodeSetup, metrics: KVTransferMetrics) -> DecodeHandoff:
+        receiver = setup.make_receiver(HandoffPort(self._front).device)
         # follower ranks (children of this core) receive their own KV heads on endpoints of their own
         await open_endpoints(HandoffPort(self._front), Endpoint.RECEIVER, setup.host, setup.transfer_timeout_s)
-        client = GrpcPrefillClient(setup.cluster.worker_channel)
         timeouts = (setup.reserve_timeout_s, setup.transfer_timeout_s)
-        return DecodeHandoff(self._front, receiver, client, metrics, *timeouts), client
+        return DecodeHandoff(self._front, receiver, setup.make_client(), metrics, *timeouts)
 
     def start(self, request: Request, add: cpb.CoreAddRequest) -> None:
         rid = request.request_id
@@ -471,8 +448,8 @@ class CoreDecode:
 
     def close(self) -> None:
         async def close() -> None:
-            self._handoff.receiver.close()
-            await self._client.close()
+            self.handoff.receiver.close()
+            await self.handoff.client.close()
 
         self._loop.close(close)
 
@@ -480,7 +457,7 @@ class CoreDecode:
     async def _hand_off(self, request: Request, peer: str, wire: pb.WorkerGenerateRequest) -> None:
         rid = request.request_id
         try:
-            await self._handoff.hand_off(request, peer, wire)
+            await self.handoff.hand_off(request, peer, wire)
         except HandoffError as e:
             self._end(rid)
             self._send(refusal(rid, e.message, e.code.name, e.failed_peer or ""))

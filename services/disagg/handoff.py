@@ -162,3 +162,6 @@ class PrefillClient(ABC):
         """The ranks of the prefill worker at peer (what the plan of a handoff needs); a client that
         cannot ask (in-process tests) reaches single-rank workers only."""
         return 1
+
+    async def close(self) -> None:
+        """Let go of whatever reaches the prefill workers (their channels)."""

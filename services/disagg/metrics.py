@@ -59,13 +59,18 @@ class KVTransferMetrics:
         that only moves on failure (or that moved before the first scrape) has data from the start."""
         lab = self.labels
         for c in (self.kv_skipped, self.kv_recomputes, self.kv_streamed):
-            c.labels(**lab)
+            self._series(c)
         if direction is not None:
             self.kv_seconds.labels(**lab, direction=direction)
             for c in (self.kv_bytes, self.kv_blocks):
                 c.labels(**lab, direction=direction)
         for reason in TransferFailure:
             self.kv_failures.labels(**lab, reason=reason.value)
+
+    def _series(self, counter: Counter) -> Counter:
+        """The worker's series of a counter with no labels of its own (the counter itself if the
+        worker has no labels either: a core made without them, in tests)."""
+        return counter.labels(**self.labels) if self.labels else counter
 
     def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None:
         self.kv_bytes.labels(**self.labels, direction=direction).inc(num_bytes)
@@ -79,10 +84,10 @@ class KVTransferMetrics:
         self.kv_failures.labels(**self.labels, reason=reason.value).inc()
 
     def observe_blocks_skipped(self, num_blocks: int) -> None:
-        self.kv_skipped.labels(**self.labels).inc(num_blocks)
+        self._series(self.kv_skipped).inc(num_blocks)
 
     def observe_streamed_send(self) -> None:
-        self.kv_streamed.labels(**self.labels).inc()
+        self._series(self.kv_streamed).inc()
 
     def observe_recompute_fallback(self) -> None:
-        self.kv_recomputes.labels(**self.labels).inc()
+        self._series(self.kv_recomputes).inc()

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 from prometheus_client import CollectorRegistry
 
 from splitserve.common.tracing import stage, tracer
@@ -52,7 +53,7 @@ from splitserve.services.disagg.transfer.base import KVSender, TransferError, Tr
 from splitserve.services.disagg.transfer.isolated import make_sender
 from splitserve.services.engine.core_process import Send, refusal
 from splitserve.services.engine.engine import Engine, RequestOutput
-from splitserve.services.engine.handoff_port import EngineFront, HandoffPort
+from splitserve.services.engine.handoff_port import HandoffPort
 from splitserve.services.engine.layer_progress import LayerProgress
 from splitserve.services.engine.outputs import StepTokens
 from splitserve.services.engine.ranks import Message
@@ -61,15 +62,6 @@ from splitserve.services.engine.step_loop import StepLoop
 from splitserve.services.engine.streams import RequestFailed
 
 log = logging.getLogger("splitserve.prefill")
-
-
-class PromptFront(EngineFront, Protocol):
-    """The engine a prefill worker computes prompts on: AsyncEngine in process, or its engine core's
-    step loop (services/disagg/core_handoffs.py CoreFront)."""
-
-    def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Add a validated request and stream its outputs."""
-        ...
 
 
 class SendMetrics(Protocol):
@@ -85,7 +77,7 @@ class SendMetrics(Protocol):
 
 
 async def prefill_and_send(
-    engine: PromptFront,
+    engine: CoreFront,
     request: Request,
     sender: KVSender,
     job: HandoffJob,
@@ -221,7 +213,7 @@ def _consume_error(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def _run_prompt(engine: PromptFront, request: Request) -> RequestOutput:
+async def _run_prompt(engine: CoreFront, request: Request) -> RequestOutput:
     final = None
     async for out in engine.generate_request(request):
         final = out
@@ -322,6 +314,10 @@ class CorePrefillSetup:
     def __call__(self, engine: Engine, steps: StepLoop, send: Send, registry: CollectorRegistry) -> CorePrefill:
         return CorePrefill(self, engine, steps, send, KVTransferMetrics(self.metric_labels, "prefill", registry))
 
+    def make_sender(self, device: torch.device) -> KVSender:
+        """The core's KV sender (tests and benchmarks give their own transport)."""
+        return make_sender(self.host, self.transfer_timeout_s, device)
+
 
 class CorePrefill:
     """The core's Prefill calls (services/engine/core_process.py CoreHandoffs), one task each on their loop."""
@@ -334,7 +330,7 @@ class CorePrefill:
         port = HandoffPort(self._front)
         self._num_kv_heads = port.num_kv_heads
         self._setup, self._send = setup, send
-        self._sender = make_sender(setup.host, setup.transfer_timeout_s, port.device)
+        self._sender = setup.make_sender(port.device)
         self._metrics = metrics
         self._loop = CoreLoop("core-prefills", engine, port.device)
         # follower ranks (children of this core) send their own KV heads from endpoints of their own

@@ -1,5 +1,5 @@
-"""The serving process's side of an engine core process (services/engine/core_process.py): AsyncEngine's
-serving calls (generate, abort, died, shutdown) and HandoffPort's reports (load, the KV-event
+"""The serving process's side of an engine core process (services/engine/core_process.py): the
+serving calls (generate, prefill, abort, died, shutdown) and HandoffPort's reports (load, the KV-event
 snapshot, the engine's sizes), over a pipe to the process that steps. The same client serves a core
 stepping on a thread of this process (EngineCoreClient.in_process: unit tests, no spawn), over a pipe
 all the same.
@@ -22,7 +22,7 @@ Threads here, none of them waiting on the core:
 So the core's GIL serves the step loop alone. A request refused by the core ends its stream with
 ValueError (the caller's fault), one the step failed for with RequestFailed. If the core process
 dies or its loop does (or the watchdog gives up on it), every stream and pending query gets
-EngineDead and `died` is set, as AsyncEngine does for a dead step loop; the worker then stops
+EngineDead and `died` is set; the worker then stops
 serving and exits non-zero, to be restarted.
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -38,7 +39,7 @@ import multiprocessing
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -161,7 +162,7 @@ class EngineCoreClient:
         core.start()
         return cls(core, conn, _wait_ready(core, conn), engine.tokenizer, stall_timeout_s=None)
 
-    # -- AsyncEngine's serving calls ------------------------------------------------------------------
+    # -- serving calls ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Start reading the core's events, and watching it (from the event loop that consumes the streams)."""
         if self._loop is None:
@@ -184,12 +185,13 @@ class EngineCoreClient:
         call = wpb.WorkerGenerateRequest(
             request_id=label, prompt_token_ids=prompt, params=params_to_proto(params), priority=priority
         )
-        async for out in self.generate_call(call, params, request_id):
-            yield out
+        async with contextlib.aclosing(self.generate_call(call, params, request_id)) as outputs:
+            async for out in outputs:  # closed with this one: an early leave aborts at once
+                yield out
 
     async def generate_call(
         self, call: wpb.WorkerGenerateRequest, params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """A Generate call, forwarded to the core as it was received (params: its parameters, read
         here for output processing). With a prefill_address (a decode worker's), the core gets the
         prompt's KV from that prefill worker (CoreRefused: the handoff could not start)."""
@@ -204,8 +206,9 @@ class EngineCoreClient:
         self._track(record)
         self._send(pb.CoreCommand(add=add))
         decoding: Span | None = None  # a handed-off request's decode.decode span, from its landing to its end
+        outputs = self._streams.read(request_id)
         try:
-            async for out in self._streams.read(request_id):
+            async for out in outputs:
                 if handoff:
                     if decoding is None and out.num_output_tokens > 1:  # decoded in the batch, so it landed
                         decoding = tracer.start_span("decode.decode", start_time=_landed_ns(record))
@@ -213,6 +216,7 @@ class EngineCoreClient:
                         decoding.set_attribute("splitserve.num_output_tokens", out.num_output_tokens)
                 yield out
         finally:
+            await outputs.aclose()  # a caller that leaves early aborts the request now, not when collected
             if decoding is not None:
                 decoding.end()
 

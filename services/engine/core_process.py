@@ -353,9 +353,6 @@ class PipeOutputs(OutputSink):
     def submit(self, step: StepTokens) -> int:
         """On the step loop: waits while the serving process is a queue's worth of events behind."""
         self._wait_for_room()
-        return self._emit(step)
-
-    def _emit(self, step: StepTokens) -> int:
         if self._tap is not None:  # outputs made here (a prefill worker's prompts) first
             self._tap(step)
         self._num_submitted += 1
@@ -370,11 +367,6 @@ class PipeOutputs(OutputSink):
         ticket = self._num_submitted if ticket is None else ticket
         with self._changed:
             self._changed.wait_for(lambda: self._num_processed >= ticket or self._closed)
-
-    def process_now(self, step: StepTokens) -> None:
-        self._emit(
-            step
-        )  # a decode worker's first token (its handoff's thread): processed there, acknowledged like a step
 
     def close(self) -> None:
         with self._changed:

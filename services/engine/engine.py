@@ -8,8 +8,8 @@ takes the first token from the prefill worker, then admits the request once its 
 
 Output processing (detokenization, stop strings, logprobs formatting, the RequestOutputs) is
 services/engine/output_processor.py, fed with each step's token ids (StepTokens): inline, so that step()
-returns the outputs, or on its own thread (start_output_thread, what AsyncEngine does), so that
-the next step starts as soon as the sampled ids are known.
+returns the outputs (LLM), or by a sink (an engine core's pipe to its serving process, which
+processes them there), so that the next step starts as soon as the sampled ids are known.
 
 Ids: the engine names requests itself (`req-N`, unique for the life of the process); a client's id
 is only a label. Held blocks live under a lease (services/engine/leases.py).
@@ -44,7 +44,7 @@ from splitserve.services.engine.kv_cache.manager import KVCacheManager
 from splitserve.services.engine.layer_progress import LayerProgress
 from splitserve.services.engine.leases import HeldLeases
 from splitserve.services.engine.model_runner import ModelRunner, WarmUpReport
-from splitserve.services.engine.output_processor import OutputProcessor, OutputSink, OutputThread, ProcessedStep
+from splitserve.services.engine.output_processor import OutputProcessor, OutputSink, ProcessedStep
 from splitserve.services.engine.outputs import (  # noqa: F401  (re-exported: the engine's public output types)
     Finish,
     PrefillHandoff,
@@ -101,7 +101,7 @@ class Engine:
         self.stats = EngineStats()
         self.step_stats = StepStats()  # what each kind of step costs (the planner's refit)
         self._outputs = OutputProcessor(self.tokenizer)
-        self._output_thread: OutputSink | None = None
+        self._sink: OutputSink | None = None  # where step tokens go when not processed inline
         # Requests the output processor asks to finish (stop strings, failures), applied before a
         # schedule; appended from the output thread (deque appends are atomic).
         self._to_finish: deque[tuple[str, RequestStatus]] = deque()
@@ -111,8 +111,8 @@ class Engine:
         # blocks were claimed at schedule (no lease: only the sender's release_held frees them).
         self._streaming: set[str] = set()
         self._to_stream: set[str] = set()  # unfinished requests whose kv_stream is not called yet
-        # Held by a thread that runs a step loop (AsyncEngine), so that one ending still (its event
-        # loop closed) and a new one never step this engine at once.
+        # Held by a thread that runs a step loop (an in-process core's), so that one ending still and
+        # a new one (a later client's, in tests) never step this engine at once.
         self.loop_lock = threading.Lock()
         self._ids = itertools.count()
         # What a request runs outside the engine that its abort must end (a core's KV handoff task),
@@ -301,16 +301,14 @@ class Engine:
         logprobs: TokenLogprobs | None,
         sampler_state: bytes | None,
         prefill_ms: tuple[float, float] = (0.0, 0.0),
-    ) -> RequestOutput | None:
-        """The prefill worker's first token: append it, carry the sampler over, check stops.
-        prefill_ms: the prefill worker's queue and compute times (the request's first stages).
-
-        Returns its output; None if the request is gone (aborted meanwhile), or if outputs are
-        processed in another process (an engine core's: the token went there like a step's).
-        """
+    ) -> bool:
+        """The prefill worker's first token: append it, carry the sampler over, check stops; the
+        token goes to the outputs like a step's. prefill_ms: the prefill worker's queue and compute
+        times (the request's first stages). False if the request ended: gone (aborted meanwhile) or
+        finished at this token."""
         request = self.scheduler.awaiting_kv.get(request_id)
         if request is None:
-            return None
+            return False
         request.append_output_token(token_id)
         now = time.monotonic()
         request.handoff_times = HandoffTimes(*prefill_ms, first_token_time=now)
@@ -322,13 +320,8 @@ class Engine:
             self.scheduler.finish_request(request_id, status)
             finished[request_id] = self._finished(request)
         lookup = {request_id: logprobs} if logprobs is not None else None
-        tokens = StepTokens([request], [token_id], finished, now, lookup)
-        thread = self._output_thread
-        done = thread.process_now(tokens) if thread else self._outputs.process(tokens)
-        if done is None:
-            return None
-        self._apply(done)
-        return done.outputs[0] if done.outputs else None
+        self._emit(StepTokens([request], [token_id], finished, now, lookup))
+        return status is None
 
     def admit_transferred(self, request_id: str, num_held: int, write: Callable[[Sequence[int]], None]) -> bool:
         """Write the received KV (write(block_ids): the reserved blocks after the num_held already
@@ -364,26 +357,28 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the forward, sample and update; then process the outputs.
 
-        Returns the step's outputs, or [] while an output thread runs (start_output_thread): then
-        they go to its deliver callback, and this returns as soon as the sampled ids are known.
+        Returns the step's outputs, or [] while an output sink takes them (start_output_sink):
+        then this returns as soon as the sampled ids are known.
         """
         self._before_schedule()
         tokens = self._step_tokens()
-        if tokens is None:
-            return []
-        if self._output_thread is None:
+        return [] if tokens is None else self._emit(tokens)
+
+    def _emit(self, tokens: StepTokens) -> list[RequestOutput]:
+        """Tokens to the outputs: processed here (and returned), or handed to the sink."""
+        if self._sink is None:
             done = self._outputs.process(tokens)
             self._apply(done)
             return done.outputs
-        self._recent_tickets.append(self._output_thread.submit(tokens))
+        self._recent_tickets.append(self._sink.submit(tokens))
         return []
 
     def _before_schedule(self) -> None:
-        """Finish what output processing asked for; with the output thread, first wait until it has
-        seen the step before last, so that a stop string ends its request within one step."""
-        thread = self._output_thread
-        if thread is not None and self._stop_string_ids and len(self._recent_tickets) == 2:
-            thread.wait(self._recent_tickets[0])
+        """Finish what output processing asked for; with a sink, first wait until it has processed
+        the step before last, so that a stop string ends its request within one step."""
+        sink = self._sink
+        if sink is not None and self._stop_string_ids and len(self._recent_tickets) == 2:
+            sink.wait(self._recent_tickets[0])
         while self._to_finish:
             self._finish_for_outputs(*self._to_finish.popleft())
 
@@ -503,43 +498,31 @@ class Engine:
     def _output_sink(self) -> OutputSink | OutputProcessor:
         """Where a request's arrival and abort go: queued after the steps the sink still has, or the
         inline processor now."""
-        return self._outputs if self._output_thread is None else self._output_thread
+        return self._outputs if self._sink is None else self._sink
 
-    # -- output thread --------------------------------------------------------------------------
-    def start_output_thread(
-        self, deliver: Callable[[list[RequestOutput]], None], on_error: Callable[[BaseException], None] | None = None
-    ) -> None:
-        """Process outputs on their own thread from now on: step() hands each step's tokens over and
-        returns []; deliver gets the outputs (called on that thread, in step order)."""
-        self.start_output_sink(OutputThread(self._outputs, deliver, self.finish_for_outputs, on_error))
-
+    # -- output sink ----------------------------------------------------------------------------
     def start_output_sink(self, sink: OutputSink) -> None:
-        """Hand every step's tokens to sink from now on (step() returns []): an OutputThread, or a
-        serving process's processor across a pipe (services/engine/core_process.py)."""
-        if self._output_thread is not None:
-            raise RuntimeError("the output thread is already running")
-        self._output_thread = sink
+        """Hand every step's tokens to sink from now on (step() returns []): a serving process's
+        processor across a pipe (services/engine/core_process.py)."""
+        if self._sink is not None:
+            raise RuntimeError("an output sink is already set")
+        self._sink = sink
 
     def finish_for_outputs(self, items: list[tuple[str, RequestStatus]]) -> None:
         """From any thread: output processing ended these requests (a stop string matched, or it
         failed); applied before the next schedule."""
         self._to_finish.extend(items)
 
-    def wait_for_outputs(self) -> None:
-        """Until every step so far has been delivered."""
-        if self._output_thread is not None:
-            self._output_thread.wait()
-
-    def stop_output_thread(self) -> None:
-        """Deliver what is queued, end the thread; outputs are returned by step() again."""
-        thread, self._output_thread = self._output_thread, None
+    def stop_output_sink(self) -> None:
+        """Let the sink deliver what is queued; outputs are returned by step() again."""
+        sink, self._sink = self._sink, None
         self._recent_tickets.clear()
-        if thread is not None:
-            thread.close()
+        if sink is not None:
+            sink.close()
 
     def close(self) -> None:
-        """Stop the output thread and the tensor-parallel ranks; the engine runs nothing more."""
-        self.stop_output_thread()
+        """Stop the output sink and the tensor-parallel ranks; the engine runs nothing more."""
+        self.stop_output_sink()
         self.runner.close()
 
     def warm_up(self) -> WarmUpReport:

@@ -22,14 +22,13 @@ Prefill side:
 
 Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
 their KV transfers, services/disagg/rank_transfers.py), load(), and the KV-event snapshot for the prefix
-index. Every mutation runs on the engine loop between steps (AsyncEngine.call).
+index. Every mutation runs on the engine loop between steps (EngineFront.call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import enum
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ import torch
 
 from splitserve.common.kv_events import KVCacheEvent
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.services.engine.engine import Engine, RequestOutput
+from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.kv_cache.block_io import gather_blocks
 from splitserve.services.engine.kv_cache.block_pool import BlockId
 from splitserve.services.engine.kv_cache.staging import Staging
@@ -56,13 +55,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class ReservationState(enum.Enum):
-    RESERVED = "reserved"  # blocks held, KV in flight
-    LANDED = "landed"  # KV written, the request is in the batch
-    RECOMPUTED = "recomputed"  # reservation dropped, the prompt is computed here
-    GONE = "gone"  # the request ended (aborted) before its KV landed
-
-
 @dataclass(eq=False, slots=True)
 class Reservation:
     """Decode side: the prompt's blocks, reserved for an incoming transfer."""
@@ -70,7 +62,6 @@ class Reservation:
     request: Request
     num_held_blocks: int  # leading prompt blocks already here (prefix hits): not transferred
     num_blocks_to_land: int  # the prompt's other blocks: what the transfer must carry
-    state: ReservationState = ReservationState.RESERVED
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +103,10 @@ class EngineLoad:
 
 
 class EngineFront(Protocol):
-    """What a HandoffPort drives the engine through: AsyncEngine in process, or a prefill or decode worker's
-    engine core process (services/disagg/core_handoffs.py CoreFront)."""
+    """What a HandoffPort drives the engine through: the step loop of a prefill or decode worker's
+    engine core (services/disagg/core_handoffs.py CoreFront)."""
 
     engine: Engine
-    # Outputs are processed in this process: accept_first_token returns the first token's output
-    # (an engine core's go to its serving process, like a step's).
-    outputs_here: bool
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the step loop, between steps."""
@@ -254,10 +242,9 @@ class HandoffPort:
         logprobs: TokenLogprobs | None,
         sampler_state: bytes | None,
         prefill_ms: tuple[float, float],
-    ) -> RequestOutput | None:
-        """None if the request is gone (aborted meanwhile), or if its output is processed in another
-        process (an engine core's)."""
-        out = await self._async.call(
+    ) -> bool:
+        """The token goes out like a step's; False if the request ended (gone, or finished at it)."""
+        return await self._async.call(
             self._engine.accept_first_token,
             reservation.request.request_id,
             token_id,
@@ -265,21 +252,16 @@ class HandoffPort:
             sampler_state,
             prefill_ms,
         )
-        if out is None and self._async.outputs_here or out is not None and out.finished:
-            reservation.state = ReservationState.GONE
-        return out
 
     async def land(self, reservation: Reservation, pieces: Sequence[LandedPiece]) -> bool:
         """Write every rank's pieces into the prompt's blocks after the held ones and admit the
         request. False, writing nothing, if the request is gone (the caller discards the pieces)."""
-        landed = await self._async.call(
+        return await self._async.call(
             self._engine.admit_transferred,
             reservation.request.request_id,
             reservation.num_held_blocks,
             lambda block_ids: self._write_pieces(block_ids, pieces),
         )
-        reservation.state = ReservationState.LANDED if landed else ReservationState.GONE
-        return landed
 
     def _write_pieces(self, block_ids: Sequence[int], pieces: Sequence[LandedPiece]) -> None:
         """On the engine loop, between steps: a follower's COMMIT_KV reaches it before the next STEP.
@@ -311,9 +293,7 @@ class HandoffPort:
 
     async def recompute(self, reservation: Reservation) -> bool:
         """The transfer failed: free the reservation and prefill here. False if the request is gone."""
-        recomputed = await self._async.call(self._engine.recompute_locally, reservation.request.request_id)
-        reservation.state = ReservationState.RECOMPUTED if recomputed else ReservationState.GONE
-        return recomputed
+        return await self._async.call(self._engine.recompute_locally, reservation.request.request_id)
 
     # -- prefill side ---------------------------------------------------------------------------
     def make_prefill_request(

@@ -3,28 +3,25 @@
 Per request: incremental detokenization, stop strings, logprobs formatting, timings and the
 RequestOutput itself. OutputProcessor keeps its own per-request state and is fed in step order
 (`add` when a request arrives, `process` after each step, `abort` when one is aborted). It runs
-inline (a bare Engine.step returns its outputs) or on its own thread, OutputThread (what
-AsyncEngine uses, as vLLM v1's output processor and SGLang's detokenizer manager run apart from
-their schedulers): the step loop hands over the token ids and starts the next step at once.
+inline (a bare Engine.step returns its outputs: LLM) or in the serving process of an engine core
+(services/engine/core_client.py, as vLLM v1's frontend and SGLang's detokenizer manager run apart
+from their schedulers), behind an OutputSink: the step loop hands over the token ids and starts the
+next step at once.
 
 Stop strings are found here, after the engine may have moved on: `process` returns the requests
-to finish (ProcessedStep.to_finish) and the engine finishes them before its next schedule; with
-the output thread the engine waits, before scheduling step N + 2, until step N went through here,
-so a stop string still ends its request within one step. A request's final output is its last:
+to finish (ProcessedStep.to_finish) and the engine finishes them before its next schedule; behind
+a sink the engine waits, before scheduling step N + 2, until step N went through here, so a stop
+string still ends its request within one step. A request's final output is its last:
 a token the engine computed for it meanwhile is dropped, never streamed.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
 
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.services.engine.detokenizer import IncrementalDetokenizer
@@ -211,100 +208,5 @@ class OutputSink(ABC):
         """Until the step with this ticket (default: every step so far) went through."""
 
     @abstractmethod
-    def process_now(self, step: StepTokens) -> ProcessedStep | None:
-        """Process these tokens after what is queued and return the result instead of delivering it
-        (a decode worker's first token, whose output the handoff yields itself); None where outputs
-        are processed in another process (the tokens go there like a step's)."""
-
-    @abstractmethod
     def close(self) -> None:
         """Finish what is queued (deliver it), then stop."""
-
-
-class OutputThread(OutputSink):
-    """Runs an OutputProcessor on its own thread; work is done in the order it was submitted.
-
-    A step's outputs go to `deliver` (from this thread); the requests to finish go to `report`
-    (from this thread: the engine applies them before its next step). If processing raises
-    outside the per-request boundary, the thread stops and every later call raises.
-    """
-
-    def __init__(
-        self,
-        processor: OutputProcessor,
-        deliver: Callable[[list[RequestOutput]], None],
-        report: Callable[[list[tuple[str, RequestStatus]]], None],
-        on_error: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        self._processor = processor
-        self._deliver, self._report, self._on_error = deliver, report, on_error
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._done = threading.Condition()
-        self._num_submitted = 0
-        self._num_done = 0
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="engine-output", daemon=True)
-        self._thread.start()
-
-    def submit(self, step: StepTokens) -> int:
-        """Queue a step's tokens; returns its ticket for wait()."""
-        return self._put((lambda p: p.process(step, yield_gil)), None)
-
-    def add(self, request: OutputRequest, arrival: float) -> None:
-        self._put(lambda p: p.add(request, arrival), None)
-
-    def abort(self, request_id: str) -> None:
-        self._put(lambda p: ProcessedStep(outputs=[out] if (out := p.abort(request_id)) else []), None)
-
-    def process_now(self, step: StepTokens) -> ProcessedStep:
-        future: Future[ProcessedStep] = Future()
-        self._put(lambda processor: processor.process(step), future)
-        return future.result()
-
-    def wait(self, ticket: int | None = None) -> None:
-        """Until the work with this ticket (default: all submitted so far) is done."""
-        ticket = self._num_submitted if ticket is None else ticket
-        with self._done:
-            self._done.wait_for(lambda: self._num_done >= ticket or self._error is not None)
-        self._raise_if_failed()
-
-    def close(self) -> None:
-        """Finish what is queued, then end the thread."""
-        self._queue.put(_CLOSE)
-        self._thread.join()
-
-    def _put(self, fn: Callable[[OutputProcessor], Any], future: Future | None) -> int:
-        self._raise_if_failed()
-        self._num_submitted += 1
-        self._queue.put((fn, future))
-        return self._num_submitted
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"the output thread died ({type(self._error).__name__}: {self._error})")
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not _CLOSE:
-            fn, future = item
-            try:
-                result = fn(self._processor)
-                if future is not None:
-                    future.set_result(result)
-                elif isinstance(result, ProcessedStep):  # a step's, or an abort's
-                    if result.to_finish:
-                        self._report(result.to_finish)
-                    if result.outputs:
-                        self._deliver(result.outputs)
-            except BaseException as e:  # nothing more can be trusted to reach the streams
-                log.exception("the output thread died")
-                if future is not None:
-                    future.set_exception(e)
-                with self._done:
-                    self._error = e
-                    self._done.notify_all()
-                if self._on_error is not None:
-                    self._on_error(e)
-                return
-            with self._done:
-                self._num_done += 1
-                self._done.notify_all()

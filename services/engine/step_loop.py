@@ -1,12 +1,12 @@
 """The engine's step loop: commands applied between steps, and steps back to back, on one thread.
 
-Shared by the two fronts of an engine: AsyncEngine (the step thread beside an asyncio event loop, in
-the serving process) and the engine core process (services/engine/core_process.py, fed over a pipe). Outputs
-leave through the engine's output thread, to the `on_outputs` callback the front gives.
+The engine core's (services/engine/core_process.py: in its process, or on a thread of the caller's for
+EngineCoreClient.in_process). Each step's tokens leave through the output sink the core gives (its
+pipe to the serving process).
 
 Commands come from any thread and must not raise (a front that wants an answer catches in the
 command and forwards it). If a step raises, the loop ends: the engine's state can no longer be
-trusted, so the commands still queued are dropped and the front fails its streams and callers.
+trusted, so the commands still queued are dropped and the core's client fails its streams and callers.
 """
 
 from __future__ import annotations
@@ -20,15 +20,11 @@ from typing import Any
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.cpu_threads import on_passing_thread
-from splitserve.services.engine.engine import Engine, RequestOutput
+from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.model_runner import bind_thread
 from splitserve.services.engine.output_processor import OutputSink
 
 log = logging.getLogger("splitserve.services.engine")
-
-
-# Where the steps' outputs go: an output thread's deliver callback, or a sink for the step tokens
-Outputs = Callable[[list[RequestOutput]], None] | OutputSink
 
 
 class EngineDead(RuntimeError):
@@ -70,10 +66,10 @@ class StepLoop:
         """From any thread: the loop raises error at its next turn (it dies); wakes it if idle."""
         self.post(_raise, error)
 
-    def run(self, closing: threading.Event, outputs: Outputs) -> EngineDead | None:
+    def run(self, closing: threading.Event, outputs: OutputSink) -> EngineDead | None:
         """Step until closing is set, on this thread (bound to the engine's device: Triton launches on
-        the calling thread's current CUDA device). Returns the error if the loop died. outputs: the
-        callback of an output thread, or where the step tokens go instead (a core process's pipe)."""
+        the calling thread's current CUDA device). Returns the error if the loop died. outputs: where
+        the step tokens go (a core's pipe)."""
         bind_thread(self.engine.runner.device)
         with self.engine.loop_lock:  # a loop of an earlier front may still be ending
             error = self._step_until_closed(closing, outputs)
@@ -81,12 +77,9 @@ class StepLoop:
                 self._commands.clear()
             return error
 
-    def _step_until_closed(self, closing: threading.Event, outputs: Outputs) -> EngineDead | None:
+    def _step_until_closed(self, closing: threading.Event, outputs: OutputSink) -> EngineDead | None:
         engine, error = self.engine, None
-        if isinstance(outputs, OutputSink):
-            engine.start_output_sink(outputs)
-        else:
-            engine.start_output_thread(outputs, self._output_died)
+        engine.start_output_sink(outputs)
         try:
             while not closing.is_set():
                 self._apply_commands()
@@ -100,14 +93,8 @@ class StepLoop:
             error = EngineDead(
                 f"this worker's engine loop died ({type(e).__name__}: {e}); retry the request on another worker"
             )
-        engine.stop_output_thread()  # what was stepped still reaches its streams, before any error
+        engine.stop_output_sink()  # what was stepped still reaches its streams, before any error
         return error
-
-    def _output_died(self, e: BaseException) -> None:
-        """The output thread raised: the loop raises at its next step; wake it if idle."""
-        error = RuntimeError(f"the output thread died ({type(e).__name__}: {e})")
-        error.__cause__ = e
-        self.fail(error)
 
     def _idle(self, closing: threading.Event) -> None:
         """Wait for new commands, waking for the next held-block lease to expire."""

@@ -1,13 +1,12 @@
-"""Per-request output streams on the event loop: a front's outputs arrive once per step and wait in
-one mailbox per request until its consumer reads them (AsyncEngine in process, EngineCoreClient
-over a core process). A consumer that falls behind reads one merged output; one that leaves early
-aborts its request."""
+"""Per-request output streams on the event loop: an engine core's outputs arrive once per step
+(services/engine/core_client.py) and wait in one mailbox per request until its consumer reads them.
+A consumer that falls behind reads one merged output; one that leaves early aborts its request."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from splitserve.services.engine.outputs import RequestOutput, merge_outputs
@@ -33,7 +32,7 @@ class Streams:
         self._mailboxes[request_id] = _Mailbox()
         self._labels[request_id] = label
 
-    async def read(self, request_id: str) -> AsyncIterator[RequestOutput]:
+    async def read(self, request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Outputs of an opened request until it finishes; leaving early aborts it."""
         mailbox = self._mailboxes[request_id]
         finished = False

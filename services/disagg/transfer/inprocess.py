@@ -1,4 +1,5 @@
-"""In-process transport for unit tests: sender and receiver share a Hub in one event loop.
+"""In-process transport for unit tests: sender and receiver share a Hub, from any threads (two
+in-process engine cores, each running its handoffs on an event loop of its own).
 
 Same contract as torch_dist (tags, timeouts, dropped channels, a secret per channel, checksums),
 with tensors copied in memory.
@@ -7,6 +8,7 @@ with tensors copied in memory.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import itertools
 import secrets
@@ -34,7 +36,7 @@ class Hub:
 
     def __init__(self, timeout_s: float = 5.0) -> None:
         self.timeout_s = timeout_s
-        self.slots: dict[tuple[str, int], asyncio.Future[torch.Tensor]] = {}
+        self.slots: dict[tuple[str, int], concurrent.futures.Future[torch.Tensor]] = {}
         self.dead: set[str] = set()
         self.secrets: dict[str, bytes] = {}  # by channel key, as receivers made them
         self.tamper: Callable[[torch.Tensor], None] | None = None  # tests: changes the bytes in flight
@@ -46,15 +48,26 @@ class Hub:
             return
         error = TransferError(TransferFailure.AUTH, f"the sender on channel {channel.key} has the wrong secret")
         self.dead.add(channel.key)
-        for (key, _), slot in self.slots.items():
-            if key == channel.key and not slot.done():
-                slot.set_exception(error)
+        for (key, _), slot in list(self.slots.items()):
+            if key == channel.key:
+                _settle(slot, error)
         raise error
 
-    def slot(self, key: str, tag: int) -> asyncio.Future[torch.Tensor]:
+    def slot(self, key: str, tag: int) -> concurrent.futures.Future[torch.Tensor]:
         if key in self.dead:
             raise TransferError(TransferFailure.CLOSED, f"channel {key} was closed after a failure")
-        return self.slots.setdefault((key, tag), asyncio.get_running_loop().create_future())
+        return self.slots.setdefault((key, tag), concurrent.futures.Future())
+
+
+def _settle(slot: concurrent.futures.Future, outcome: torch.Tensor | BaseException) -> None:
+    """The first outcome stays (a slot is settled from either side's thread)."""
+    try:
+        if isinstance(outcome, BaseException):
+            slot.set_exception(outcome)
+        else:
+            slot.set_result(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 class InProcessReceiver(KVReceiver):
@@ -78,7 +91,7 @@ class InProcessReceiver(KVReceiver):
         start = time.monotonic()
         slot = self.hub.slot(channel.key, tag)
         try:
-            data = await asyncio.wait_for(asyncio.shield(slot), self.hub.timeout_s)
+            data = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(slot)), self.hub.timeout_s)
         except TimeoutError:
             self.hub.dead.add(channel.key)
             message = f"no transfer {tag} on {channel.key} within {self.hub.timeout_s} s"
@@ -115,13 +128,12 @@ class InProcessSender(KVSender):
             except RuntimeError as e:  # as torch_dist: the sender drops the channel, the receiver fails
                 error = TransferError(TransferFailure.PEER_LOST, f"the sender failed on {channel.key}: {e}")
                 self.hub.dead.add(channel.key)
-                if not slot.done():
-                    slot.set_exception(error)
+                _settle(slot, error)
                 raise error from None
         crc = checksum(blocks)
         if not slot.done():
             wire = blocks.clone()
             if self.hub.tamper is not None:
                 self.hub.tamper(wire)
-            slot.set_result(wire)
+            _settle(slot, wire)
         return Moved(time.monotonic() - start, crc)

@@ -1,34 +1,40 @@
-"""The prefill -> decode handoff in one process: two engines, the in-process transport and direct
-calls instead of gRPC. Output must equal the unified engine's, token for token; failures fall
+"""The prefill -> decode handoff between two in-process engine cores: the same cores, handoff tasks
+and pipes as two workers' engine core processes, with the in-process transport and a direct call
+instead of the Prefill RPC. Output must equal the unified engine's, token for token; failures fall
 back without leaking blocks on either side."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 
-import grpc
 import pytest
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.services.disagg.decode import DecodeHandoff
+from splitserve.common.security import OPEN_CLUSTER
+from splitserve.common.wire import params_to_proto
+from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.services.disagg.decode import CoreDecode, CoreDecodeSetup
 from splitserve.services.disagg.handoff import (
     FirstToken,
-    HandoffError,
     HandoffEvent,
     HandoffJob,
+    PieceJob,
     PrefillClient,
     SendStarted,
 )
-from splitserve.services.disagg.prefill import prefill_and_send
-from splitserve.services.disagg.rank_transfers import RankReceivers
-from splitserve.services.disagg.transfer.base import ChannelSpec, KVSender, Moved
+from splitserve.services.disagg.plan import Piece
+from splitserve.services.disagg.prefill import CorePrefillSetup
+from splitserve.services.disagg.prefill_client import event_from_proto, job_to_proto
+from splitserve.services.disagg.transfer.base import ChannelSpec, KVReceiver, KVSender, Moved
 from splitserve.services.disagg.transfer.checksum import checksum
 from splitserve.services.disagg.transfer.inprocess import Hub, InProcessReceiver, InProcessSender
-from splitserve.services.engine.async_engine import AsyncEngine, RequestFailed
 from splitserve.services.engine.config import CacheConfig, EngineConfig
+from splitserve.services.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import HandoffPort
 from splitserve.services.engine.llm import LLM
@@ -43,13 +49,12 @@ def _config(folder) -> EngineConfig:
 
 
 class DirectClient(PrefillClient):
-    """Calls prefill_and_send on in-process prefill engines; records every job it forwards."""
+    """The decode core's way to the prefill core: each Prefill call goes, as the decode core made it,
+    to the prefill core's client on the test's event loop (as gRPC carries it to another process),
+    and its events come back. Records every job it forwards and the kinds of event it relayed."""
 
-    def __init__(
-        self, prefills: dict[str, AsyncEngine], hub: Hub, send_delay_s: float = 0.0, stream: bool = False
-    ) -> None:
-        self.prefills, self.sender, self.send_delay_s = prefills, InProcessSender(hub), send_delay_s
-        self.stream = stream  # the KV sent layer by layer while the last prompt chunk computes
+    def __init__(self, prefills: dict[str, EngineCoreClient], loop: asyncio.AbstractEventLoop) -> None:
+        self.prefills, self.loop = prefills, loop
         self.jobs: list[HandoffJob] = []
         self.events: list[type] = []  # the kinds of event each handoff yielded, in order
         self.fail_before_first = False
@@ -61,17 +66,74 @@ class DirectClient(PrefillClient):
             if self.before_failing is not None:
                 await self.before_failing()
             raise ConnectionError("prefill worker is gone")
-        engine = self.prefills[peer]
-        copy = HandoffPort(engine).make_prefill_request(
-            request.all_token_ids, request.sampling_params, label=request.request_id
-        )
-        events = prefill_and_send(engine, copy, self.sender, job, send_delay_s=self.send_delay_s, stream=self.stream)
+        async for response in _across(self.loop, _prefill_call(self.prefills[peer], job_to_proto(job, wire))):
+            event = event_from_proto(response)
+            self.events.append(type(event))
+            yield event
+
+
+async def _prefill_call(prefill: EngineCoreClient, call: wpb.PrefillRequest) -> AsyncIterator[wpb.PrefillResponse]:
+    """What the prefill worker's Prefill RPC streams (its responses as the core encoded them)."""
+    try:
+        async for event in prefill.prefill(call):
+            yield wpb.PrefillResponse.FromString(event.response)
+    except (CoreRefused, ValueError) as e:  # what the decode worker sees over gRPC: the Prefill RPC failed
+        raise ConnectionError(f"the Prefill RPC failed: {e}") from e
+
+
+async def _across(loop: asyncio.AbstractEventLoop, items: AsyncIterator) -> AsyncIterator:
+    """items, iterated on loop (another thread's), yielded here; leaving early cancels it there."""
+    here, queue = asyncio.get_running_loop(), asyncio.Queue()
+    end = object()
+
+    async def pump() -> None:
         try:
-            async for event in events:
-                self.events.append(type(event))
-                yield event
-        except RequestFailed as e:  # what the decode worker sees over gRPC: the Prefill RPC failed
-            raise ConnectionError(f"the Prefill RPC failed: {e}") from e
+            async for item in items:
+                here.call_soon_threadsafe(queue.put_nowait, item)
+        except Exception as e:
+            here.call_soon_threadsafe(queue.put_nowait, e)
+        else:
+            here.call_soon_threadsafe(queue.put_nowait, end)
+
+    pumping = asyncio.run_coroutine_threadsafe(pump(), loop)
+    try:
+        while (item := await queue.get()) is not end:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        pumping.cancel()
+
+
+@dataclass(frozen=True)
+class DecodeSetup(CoreDecodeSetup):
+    """A decode core on the hub, reaching its prefill workers through client."""
+
+    hub: Hub = field(default_factory=Hub)
+    client: PrefillClient | None = None
+    made: list[CoreDecode] = field(default_factory=list)  # the core's handoffs, once made
+
+    def __call__(self, *args) -> CoreDecode:
+        self.made.append(super().__call__(*args))
+        return self.made[-1]
+
+    def make_receiver(self, device: torch.device) -> KVReceiver:
+        return InProcessReceiver(self.hub)
+
+    def make_client(self) -> PrefillClient:
+        assert self.client is not None
+        return self.client
+
+
+@dataclass(frozen=True)
+class PrefillSetup(CorePrefillSetup):
+    """A prefill core sending on the hub (or with a sender of the test's own)."""
+
+    hub: Hub = field(default_factory=Hub)
+    sender: KVSender | None = None
+
+    def make_sender(self, device: torch.device) -> KVSender:
+        return self.sender or InProcessSender(self.hub)
 
 
 @pytest.fixture(scope="module")
@@ -79,21 +141,47 @@ def engines(tiny_llama_dir):
     return Engine(_config(tiny_llama_dir)), Engine(_config(tiny_llama_dir))
 
 
-def _setup(engines, hub_timeout_s=5.0, send_delay_s=0.0, stream=False):
+@dataclass
+class Tiers:
+    """A prefill core and a decode core (named p0 to it), on shared engines, in this event loop."""
+
+    prefill: EngineCoreClient
+    decode: EngineCoreClient
+    client: DirectClient
+    hub: Hub
+    handoff_core: CoreDecode
+
+    @property
+    def handoff(self):  # the decode core's DecodeHandoff
+        return self.handoff_core.handoff
+
+    async def close(self) -> None:
+        await self.decode.shutdown()
+        await self.prefill.shutdown()
+
+
+def _tiers(engines, hub_timeout_s=5.0, send_delay_s=0.0, stream=False, wrap=lambda client: client) -> Tiers:
+    """wrap(client): the client the decode core uses (a test's, around the direct one)."""
     prefill_engine, decode_engine = engines
-    prefill, decode = AsyncEngine(prefill_engine), AsyncEngine(decode_engine)
     hub = Hub(hub_timeout_s)
-    client = DirectClient({"p0": prefill}, hub, send_delay_s, stream)
-    handoff = DecodeHandoff(decode, InProcessReceiver(hub), client, transfer_timeout_s=hub_timeout_s)
-    return prefill, decode, client, handoff
+    prefill = EngineCoreClient.in_process(
+        prefill_engine, PrefillSetup("127.0.0.1", hub_timeout_s, stream, send_delay_s, hub=hub)
+    )
+    client = DirectClient({"p0": prefill}, asyncio.get_running_loop())
+    setup = DecodeSetup("127.0.0.1", hub_timeout_s, 10.0, OPEN_CLUSTER, hub=hub, client=wrap(client))
+    decode = EngineCoreClient.in_process(decode_engine, setup)
+    return Tiers(prefill, decode, client, hub, setup.made[0])
 
 
-async def _run(handoff: DecodeHandoff, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
-    request = handoff.engine.engine.make_request(prompt, params, rid)
-    tokens: list[int] = []
-    async for out in handoff.generate(request, "p0"):
-        tokens.extend(out.new_token_ids)
-    return tokens
+def _generate(tiers: Tiers, prompt: list[int], params: SamplingParams, rid: str):
+    call = wpb.WorkerGenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, params=params_to_proto(params), prefill_address="p0"
+    )
+    return tiers.decode.generate_call(call, params, rid)
+
+
+async def _run(tiers: Tiers, prompt: list[int], params: SamplingParams, rid: str) -> list[int]:
+    return [t async for out in _generate(tiers, prompt, params, rid) for t in out.new_token_ids]
 
 
 def _all_free(engine: Engine) -> bool:
@@ -101,14 +189,37 @@ def _all_free(engine: Engine) -> bool:
         engine.kv.num_free_blocks == engine.runner.num_blocks
         and not engine.has_unfinished_requests()
         and not engine.scheduler.held
+        and not engine.kv.num_parked
     )
 
 
-async def _settle(*engines: AsyncEngine) -> None:
-    for _ in range(100):
-        if all(_all_free(e.engine) for e in engines):
+async def _settle(*engines: Engine) -> None:
+    """Until every engine is free again (what the handoffs hold is released between steps)."""
+    for _ in range(250):
+        if all(_all_free(e) for e in engines):
             return
         await asyncio.sleep(0.02)
+
+
+class StepGate:
+    """engine.step, stopped once armed: the step thread sits in a step (as in a long forward) until
+    opened."""
+
+    def __init__(self, engine: Engine, monkeypatch) -> None:
+        self.busy, self.opened, self.armed = threading.Event(), threading.Event(), False
+        real = engine.step
+
+        def step():
+            if self.armed:
+                self.armed = False
+                self.busy.set()
+                self.opened.wait(30)
+            return real()
+
+        monkeypatch.setattr(engine, "step", step)
+
+    async def wait_busy(self) -> None:
+        assert await asyncio.to_thread(self.busy.wait, 10), "the step thread never reached the gate"
 
 
 PROMPTS = [[(5 * i + j) % 300 + 1 for j in range(3 + 11 * i)] for i in range(5)]  # 3..47 tokens, ragged
@@ -128,14 +239,17 @@ def test_disaggregated_output_equals_unified(engines, tiny_llama_dir, params, st
     want = [o.token_ids for o in LLM(_config(tiny_llama_dir)).generate(PROMPTS, params)]
 
     async def main():
-        prefill, decode, client, handoff = _setup(engines, stream=stream)
-        got = await asyncio.gather(*(_run(handoff, p, params, f"r{i}") for i, p in enumerate(PROMPTS)))
-        await _settle(prefill, decode)
-        return got, prefill, decode, client.events
+        tiers = _tiers(engines, stream=stream)
+        try:
+            got = await asyncio.gather(*(_run(tiers, p, params, f"r{i}") for i, p in enumerate(PROMPTS)))
+            await _settle(*engines)
+        finally:
+            await tiers.close()
+        return got, tiers.client.events
 
-    got, prefill, decode, events = asyncio.run(main())
+    got, events = asyncio.run(main())
     assert got == want
-    assert _all_free(prefill.engine) and _all_free(decode.engine)
+    assert all(_all_free(e) for e in engines)
     assert events.count(SendStarted) == (len(PROMPTS) if stream else 0)
 
 
@@ -145,11 +259,14 @@ def test_shared_prefix_sends_fewer_blocks(engines, stream):
     prefix = list(range(1 + 100 * stream, 41 + 100 * stream))  # 5 full blocks of 8, new to these engines
 
     async def main():
-        prefill, decode, client, handoff = _setup(engines, stream=stream)
-        await _run(handoff, prefix + [250, 251], params, "a")
-        await _run(handoff, prefix + [260, 261, 262], params, "b")
-        await _settle(prefill, decode)
-        return client.jobs
+        tiers = _tiers(engines, stream=stream)
+        try:
+            await _run(tiers, prefix + [250, 251], params, "a")
+            await _run(tiers, prefix + [260, 261, 262], params, "b")
+            await _settle(*engines)
+        finally:
+            await tiers.close()
+        return tiers.client.jobs
 
     first, second = asyncio.run(main())
     assert first.num_skip_blocks == 0
@@ -162,15 +279,16 @@ def test_transfer_timeout_falls_back_to_recompute(engines, tiny_llama_dir, strea
     want = LLM(_config(tiny_llama_dir)).generate([PROMPTS[3]], params)[0].token_ids
 
     async def main():
-        prefill, decode, _, handoff = _setup(engines, hub_timeout_s=0.3, send_delay_s=0.6, stream=stream)
-        got = await _run(handoff, PROMPTS[3], params, "slow")
-        await asyncio.sleep(0.7)  # the late send finds nobody and gives its blocks back
-        await _settle(prefill, decode)
-        return got, prefill, decode
+        tiers = _tiers(engines, hub_timeout_s=0.3, send_delay_s=0.6, stream=stream)
+        try:
+            got = await _run(tiers, PROMPTS[3], params, "slow")
+            await _settle(*engines)  # the late send finds nobody and gives its blocks back
+        finally:
+            await tiers.close()
+        return got
 
-    got, prefill, decode = asyncio.run(main())
-    assert got == want
-    assert _all_free(prefill.engine) and _all_free(decode.engine)
+    assert asyncio.run(main()) == want
+    assert all(_all_free(e) for e in engines)
 
 
 def _flip_one_bit(wire: torch.Tensor) -> None:
@@ -194,17 +312,20 @@ def test_a_corrupted_transfer_fails_its_checksum_and_the_prompt_is_recomputed(
     want = LLM(_config(tiny_llama_dir)).generate([prompt], params)[0].token_ids
 
     async def main():
-        prefill, decode, client, handoff = _setup(engines, stream=stream)
-        client.sender.hub.tamper = tamper  # on the wire, after the sender's checksum
-        got = await _run(handoff, prompt, params, "tampered")
-        await _settle(prefill, decode)
-        return got, prefill, decode
+        tiers = _tiers(engines, stream=stream)
+        tiers.hub.tamper = tamper  # on the wire, after the sender's checksum
+        try:
+            got = await _run(tiers, prompt, params, "tampered")
+            await _settle(*engines)
+        finally:
+            await tiers.close()
+        return got
 
     with caplog.at_level("WARNING", logger="splitserve.decode"):
-        got, prefill, decode = asyncio.run(main())
+        got = asyncio.run(main())
     assert "KV checksum mismatch" in caplog.text  # rejected for its checksum, not for another reason
     assert got == want  # recomputed here: the corrupted blocks never reached the batch
-    assert _all_free(prefill.engine) and _all_free(decode.engine)
+    assert all(_all_free(e) for e in engines)
 
 
 class MiscountingClient(PrefillClient):
@@ -234,16 +355,16 @@ def test_a_streamed_handoff_whose_counts_disagree_recomputes_and_releases_what_l
     monkeypatch.setattr(port, "release_staging", lambda self, s: staged.append(-1) or release(self, s))
 
     async def main():
-        prefill, decode, client, handoff = _setup(engines, stream=True)
-        handoff.client = MiscountingClient(client)
-        got = await _run(handoff, PROMPTS[3], params, "miscounted")
-        await asyncio.sleep(0.2)  # the streamed KV lands meanwhile, to be discarded
-        await _settle(prefill, decode)
-        return got, prefill, decode
+        tiers = _tiers(engines, stream=True, wrap=MiscountingClient)
+        try:
+            got = await _run(tiers, PROMPTS[3], params, "miscounted")
+            await _settle(*engines)  # the streamed KV lands meanwhile, to be discarded
+        finally:
+            await tiers.close()
+        return got
 
-    got, prefill, decode = asyncio.run(main())
-    assert got == want  # recomputed on the decode worker
-    assert _all_free(prefill.engine) and _all_free(decode.engine)
+    assert asyncio.run(main()) == want  # recomputed on the decode worker
+    assert all(_all_free(e) for e in engines)
     assert staged.count(1) >= 1 and sum(staged) == 0, "a staging buffer of the discarded landing was kept"
 
 
@@ -260,63 +381,66 @@ def test_a_failed_streamed_step_is_unavailable_and_frees_both_sides(engines, mon
     monkeypatch.setattr(layer, "forward", broken)
 
     async def main():
-        prefill, decode, client, handoff = _setup(engines, stream=True)
-        with pytest.raises(HandoffError) as info:
-            await _run(handoff, PROMPTS[3], SamplingParams(max_tokens=4), "sf")
-        await _settle(prefill, decode)
-        return info.value, prefill, decode, client.events
+        tiers = _tiers(engines, stream=True)
+        try:
+            with pytest.raises(CoreRefused) as info:
+                await _run(tiers, PROMPTS[3], SamplingParams(max_tokens=4), "sf")
+            await _settle(*engines)
+        finally:
+            await tiers.close()
+        return info.value, tiers.client.events
 
-    error, prefill, decode, events = asyncio.run(main())
-    assert error.code == grpc.StatusCode.UNAVAILABLE and error.failed_peer == "p0"
+    error, events = asyncio.run(main())
+    assert error.code == "UNAVAILABLE" and error.failed_peer == "p0"
     assert events == [SendStarted]
-    assert _all_free(prefill.engine) and _all_free(decode.engine)
+    assert all(_all_free(e) for e in engines)
 
 
 def test_failure_before_first_token_is_unavailable_and_frees_the_reservation(engines):
     async def main():
-        prefill, decode, client, handoff = _setup(engines)
-        client.fail_before_first = True
-        with pytest.raises(HandoffError) as info:
-            await _run(handoff, PROMPTS[2], SamplingParams(max_tokens=4), "x")
-        await _settle(prefill, decode)
-        return info.value, decode
+        tiers = _tiers(engines)
+        tiers.client.fail_before_first = True
+        try:
+            with pytest.raises(CoreRefused) as info:
+                await _run(tiers, PROMPTS[2], SamplingParams(max_tokens=4), "x")
+            await _settle(engines[1])
+        finally:
+            await tiers.close()
+        return info.value
 
-    error, decode = asyncio.run(main())
-    assert error.code == grpc.StatusCode.UNAVAILABLE and error.failed_peer == "p0"
-    assert _all_free(decode.engine)
+    error = asyncio.run(main())
+    assert error.code == "UNAVAILABLE" and error.failed_peer == "p0"
+    assert _all_free(engines[1])
 
 
 def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
     """A drain waits for KV in flight. A failed ask leaves the landings at once, but its reservation is
     freed by an abort that runs between decode steps: until then the reservation still counts, or a
     drained worker exits with blocks reserved (seen in a scale-down under load)."""
-    import threading
 
     async def main() -> None:
-        prefill, decode, client, handoff = _setup(engines)
-        busy, release = threading.Event(), threading.Event()
+        tiers = _tiers(engines)
+        busy, opened = threading.Event(), threading.Event()
 
         def long_step() -> None:  # the decode step thread, in a step as the ask fails
             busy.set()
-            release.wait(30)
+            opened.wait(30)
 
         async def block_decode_steps() -> None:
-            nonlocal stuck
-            stuck = asyncio.ensure_future(decode.call(long_step))
+            tiers.handoff.engine.post(long_step)
             await asyncio.to_thread(busy.wait, 10)
 
-        stuck: asyncio.Future | None = None
-        client.fail_before_first, client.before_failing = True, block_decode_steps
+        tiers.client.fail_before_first, tiers.client.before_failing = True, block_decode_steps
         try:
-            with pytest.raises(HandoffError):
-                await _run(handoff, PROMPTS[2], SamplingParams(max_tokens=4), "f")
-            assert not handoff.landings and decode.num_requests() == 0
-            assert _moving_kv(handoff.port.load()), "a drain would stop with the failed ask's blocks still reserved"
+            with pytest.raises(CoreRefused):
+                await _run(tiers, PROMPTS[2], SamplingParams(max_tokens=4), "f")
+            assert not tiers.handoff.landings and tiers.decode.num_requests() == 0
+            assert _moving_kv(tiers.handoff.port.load()), "a drain would stop with the failed ask's blocks reserved"
         finally:
-            release.set()
-        await stuck
-        await _settle(prefill, decode)
-        assert _all_free(decode.engine) and not _moving_kv(handoff.port.load())
+            opened.set()
+        await _settle(engines[1])
+        assert _all_free(engines[1]) and not _moving_kv(tiers.handoff.port.load())
+        await tiers.close()
 
     asyncio.run(main())
 
@@ -325,40 +449,41 @@ def test_a_cancelled_request_keeps_its_blocks_out_of_the_pool_until_its_kv_stops
     """Rank 0 writes each chunk into the reserved blocks as it lands (not between steps), so the
     blocks of a request cancelled mid-transfer are parked, not freed, until the receive ends:
     freed at once, another request could get them and have its KV overwritten."""
+    decode_engine = engines[1]
 
     async def main():
-        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.5)
-        free_before = decode.engine.kv.num_free_blocks
-        request = decode.engine.make_request(PROMPTS[4], SamplingParams(max_tokens=50), "k")
-        stream = handoff.generate(request, "p0")
-        await anext(stream)  # the first token is out; the blocks are still on their way
-        await stream.aclose()
-        await decode.call(lambda: None)  # the abort has run
-        assert not decode.engine.scheduler.requests and decode.engine.kv.is_parked("k")
-        assert decode.engine.kv.num_free_blocks < free_before
-        assert handoff.port.load().num_awaiting_kv == 1  # a drain still waits for it
-        await asyncio.sleep(1.0)
-        await _settle(prefill, decode)
-        return prefill, decode
+        tiers = _tiers(engines, send_delay_s=0.5)
+        try:
+            free_before = decode_engine.kv.num_free_blocks
+            stream = _generate(tiers, PROMPTS[4], SamplingParams(max_tokens=50), "k")
+            await anext(stream)  # the first token is out; the blocks are still on their way
+            await stream.aclose()
+            await tiers.decode.drain_kv_events()  # a query after the abort: the abort has run
+            assert not decode_engine.scheduler.requests and decode_engine.kv.is_parked("k")
+            assert decode_engine.kv.num_free_blocks < free_before
+            assert tiers.handoff.port.load().num_awaiting_kv == 1  # a drain still waits for it
+            await _settle(*engines)
+        finally:
+            await tiers.close()
 
-    prefill, decode = asyncio.run(main())
-    assert _all_free(prefill.engine) and _all_free(decode.engine) and not decode.engine.kv.is_parked("k")
+    asyncio.run(main())
+    assert all(_all_free(e) for e in engines) and not decode_engine.kv.is_parked("k")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["after", "streamed"])
 def test_cancel_during_transfer_frees_both_sides(engines, stream):
     async def main():
-        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.3, stream=stream)
-        request = decode.engine.make_request(PROMPTS[4], SamplingParams(max_tokens=50), "c")
-        outputs = handoff.generate(request, "p0")
-        await anext(outputs)  # the first token is out; the blocks are still on their way
-        await outputs.aclose()
-        await asyncio.sleep(0.5)
-        await _settle(prefill, decode)
-        return prefill, decode
+        tiers = _tiers(engines, send_delay_s=0.3, stream=stream)
+        try:
+            outputs = _generate(tiers, PROMPTS[4], SamplingParams(max_tokens=50), "c")
+            await anext(outputs)  # the first token is out; the blocks are still on their way
+            await outputs.aclose()
+            await _settle(*engines)
+        finally:
+            await tiers.close()
 
-    prefill, decode = asyncio.run(main())
-    assert _all_free(prefill.engine) and _all_free(decode.engine)
+    asyncio.run(main())
+    assert all(_all_free(e) for e in engines)
 
 
 class _NeverJoins(KVSender):
@@ -366,7 +491,7 @@ class _NeverJoins(KVSender):
     cancelled, touching no block."""
 
     def __init__(self) -> None:
-        self.cancelled = False
+        self.cancelled = threading.Event()
 
     def connect(self, channel: ChannelSpec) -> None:
         pass
@@ -375,7 +500,7 @@ class _NeverJoins(KVSender):
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
-            self.cancelled = True
+            self.cancelled.set()
             raise
         raise AssertionError("unreachable")
 
@@ -385,30 +510,30 @@ def test_a_prefill_call_that_is_gone_ends_its_waiting_send_and_frees_the_held_bl
     """An aborted Prefill call (Worker.Abort by the client's id, or its decode worker gone) whose
     send still waits to join its channel ends that send and frees the prompt's held blocks at once,
     not when the join times out (30 s and more: TCPStore retries a dead address)."""
+    prefill_engine = engines[0]
+    sender = _NeverJoins()
 
     async def main():
-        prefill, decode, _, _ = _setup(engines)
-        pieces = await RankReceivers(InProcessReceiver(Hub()), HandoffPort(decode)).plan("p0", 1)
-        job = HandoffJob(pieces, 0, HandoffPort(decode).kv_layout)
-        request = HandoffPort(prefill).make_prefill_request(PROMPTS[4], SamplingParams(max_tokens=50), label="gone")
-        sender, first = _NeverJoins(), asyncio.Event()
+        prefill = EngineCoreClient.in_process(prefill_engine, PrefillSetup("127.0.0.1", 5.0, stream, sender=sender))
+        channel = InProcessReceiver(Hub()).channel_for("p0")
+        heads = range(prefill_engine.runner.arch.num_kv_heads)
+        job = HandoffJob((PieceJob(Piece(0, 0, heads), channel, 1),), 0, prefill_engine.runner.kv_layout)
+        params = SamplingParams(max_tokens=50)
+        wire = wpb.WorkerGenerateRequest(request_id="gone", prompt_token_ids=PROMPTS[4], params=params_to_proto(params))
+        try:
+            events = _prefill_call(prefill, job_to_proto(job, wire))
+            async for response in events:
+                if response.HasField("first_token"):
+                    break  # the prompt is computed; its blocks are held for the send
+            assert prefill_engine.num_held_blocks() > 0
+            await events.aclose()  # the call is gone
+            assert await asyncio.to_thread(sender.cancelled.wait, 10), "the waiting send was not ended"
+            await _settle(prefill_engine)
+        finally:
+            await prefill.shutdown()
 
-        async def call() -> None:
-            async for event in prefill_and_send(prefill, request, sender, job, stream=stream):
-                if isinstance(event, FirstToken):
-                    first.set()
-
-        task = asyncio.create_task(call())
-        await first.wait()  # the prompt is computed; its blocks are held for the send
-        assert prefill.engine.num_held_blocks() > 0
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await _settle(prefill)
-        return prefill, sender.cancelled  # read now: asyncio.run cancels whatever is left when main returns
-
-    prefill, send_ended = asyncio.run(main())
-    assert send_ended and _all_free(prefill.engine)
+    asyncio.run(main())
+    assert _all_free(prefill_engine)
 
 
 def test_received_blocks_are_bit_identical(engines):
@@ -432,65 +557,71 @@ def test_received_blocks_are_bit_identical(engines):
     assert checksum(received) == checksum(sent)
 
 
+class _StuckFront:
+    """An engine whose step thread is in a long step (a prefill forward, seconds on a CPU): calls
+    between steps never come back."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def call(self, fn, *args):
+        await asyncio.Event().wait()
+
+    def post(self, fn, *args) -> None:
+        pass
+
+
 def test_the_sender_claims_held_blocks_while_a_step_runs(tiny_llama_dir):
     """The claim does not wait for the step thread: on a CPU the next prompt's forward takes seconds,
     and waiting for it delayed every handoff (seen as a second token seconds after the first)."""
-    import threading
+    engine = Engine(_config(tiny_llama_dir))
+    request = engine.make_request(
+        [1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=4), stop_after_prefill=True
+    )
+    engine.add_request(request)
+    while engine.has_unfinished_requests():
+        engine.step()  # finished at its first token, blocks held under a lease
+    port = HandoffPort(_StuckFront(engine))
 
     async def main() -> None:
-        engine = AsyncEngine(Engine(_config(tiny_llama_dir)))
-        port = HandoffPort(engine)
-        request = port.make_prefill_request([1, 2, 3, 4, 5], SamplingParams(temperature=0.0, max_tokens=4))
-        async for _ in engine.generate_request(request):
-            pass  # finished at its first token, blocks held under a lease
-        busy, release = threading.Event(), threading.Event()
-
-        def long_step() -> None:  # the step thread, stuck as in a long forward
-            busy.set()
-            release.wait(30)
-
-        stuck = asyncio.ensure_future(engine.call(long_step))
-        await asyncio.to_thread(busy.wait, 10)
-        try:
-            assert await asyncio.wait_for(port.claim_held(request.request_id), 5)
-            assert not await asyncio.wait_for(port.claim_held(request.request_id), 5)  # claimed once
-        finally:
-            release.set()
-            await stuck
-        assert await port.release_held(request.request_id)
-        await engine.shutdown()
+        assert await asyncio.wait_for(port.claim_held(request.request_id), 5)
+        assert not await asyncio.wait_for(port.claim_held(request.request_id), 5)  # claimed once
 
     asyncio.run(main())
+    assert engine.release_held(request.request_id)
 
 
-def test_the_second_token_does_not_wait_for_the_prefill_workers_step(engines):
+def test_the_second_token_does_not_wait_for_the_prefill_workers_step(engines, monkeypatch):
     """Once the KV is sent, the decode worker gets TransferDone and lands it while the prefill worker's
     step thread is busy (its next prompt's forward, seconds on a CPU). Releasing the sent blocks waits
     for that step; TransferDone waiting for the release delayed the second token by a whole prefill step."""
-    import threading
+    gate = StepGate(engines[0], monkeypatch)
 
     async def main() -> None:
-        prefill, decode, _, handoff = _setup(engines, send_delay_s=0.3)  # the send starts 0.3 s after the claim
-        request = decode.engine.make_request(PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=4), "s")
-        stream = handoff.generate(request, "p0")
-        busy, release = threading.Event(), threading.Event()
-
-        def long_step() -> None:  # the prefill step thread, stuck as in the next prompt's forward
-            busy.set()
-            release.wait(30)
-
+        tiers = _tiers(engines, send_delay_s=0.3)  # the send starts 0.3 s after the claim
         try:
+            stream = _generate(tiers, PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=4), "s")
             await anext(stream)  # the first token: the send has not started yet (send_delay_s)
-            stuck = asyncio.ensure_future(prefill.call(long_step))
-            await asyncio.to_thread(busy.wait, 10)
-            second = await asyncio.wait_for(anext(stream), 10)
-            assert second.new_token_ids
+            gate.armed = True  # the prefill worker's next prompt: its step sits at the gate
+            other = asyncio.ensure_future(_drain(tiers.prefill.generate(PROMPTS[1], SamplingParams(max_tokens=1))))
+            await gate.wait_busy()
+            try:
+                second = await asyncio.wait_for(anext(stream), 10)
+                assert second.new_token_ids
+            finally:
+                gate.opened.set()
+            await other
+            async for _ in stream:
+                pass
+            await _settle(*engines)
         finally:
-            release.set()
-        await stuck
-        async for _ in stream:
-            pass
-        await _settle(prefill, decode)
-        assert _all_free(prefill.engine) and _all_free(decode.engine)
+            gate.opened.set()
+            await tiers.close()
 
     asyncio.run(main())
+    assert all(_all_free(e) for e in engines)
+
+
+async def _drain(outputs: AsyncIterator) -> None:
+    async for _ in outputs:
+        pass
