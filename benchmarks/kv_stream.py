@@ -1,13 +1,18 @@
 """Layer-by-layer KV streaming, as a timeline (issue 18, item 2): one prefill engine (bundled SmolLM2
 fp32, --threads torch threads) sends each prompt's KV over a real gloo pair (TorchDistSender to a
-TorchDistReceiver in this process, on their own threads) with the handoff's own code
-(services/disagg/prefill.py prefill_and_send), once sending after the first token ("after") and once
-streaming the layers as the prompt's last step computes them ("streamed"), back to back per prompt.
+TorchDistReceiver in this process, on their own threads) from a prefill worker's engine core, stepping
+on a thread of this process (EngineCoreClient.in_process with the worker's CorePrefillSetup, its
+sender swapped for that TorchDistSender), fed Prefill calls as a worker's serving side forwards them.
+Whether the core sends after the first token ("after") or streams the layers as the prompt's last
+step computes them ("streamed") is the core's setting: each prompt length runs its prompts on an
+"after" core, then the same prompts on a "streamed" core, one core at a time on the same engine
+(two step loops at once would give two OpenMP pools on this machine's cores: services/engine/cpu_threads.py).
 
 Recorded per request, from its submission: each layer of the last step marked written (the
 step thread), each chunk gathered by the sender (then it goes on the wire), each chunk landed and hashed by
-the receiver, the first token, the end of the receive. The decode worker could compute the second
-token at max(first token, all KV landed); "landed after first token" is what streaming shortens.
+the receiver, the first token (as the serving side gets it), the end of the receive. The decode worker could
+compute the second token at max(first token, all KV landed); "landed after first token" is what streaming
+shortens.
 
 Both sides share this machine's cores (2 here), so the sender's gather and the receiver's hash
 compete with the forward; on a GPU host the forward runs on the device and the wire is NCCL.
@@ -20,26 +25,35 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.wire import params_to_proto
+from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.services.disagg.handoff import FirstToken, HandoffJob, PieceJob, SendStarted, TransferDone
 from splitserve.services.disagg.plan import Piece
-from splitserve.services.disagg.prefill import prefill_and_send
+from splitserve.services.disagg.prefill import CorePrefillSetup
+from splitserve.services.disagg.prefill_client import event_from_proto, job_to_proto
+from splitserve.services.disagg.transfer.base import ChannelSpec
 from splitserve.services.disagg.transfer.torch_dist import TorchDistReceiver, TorchDistSender
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig
-from splitserve.services.engine.handoff_port import HandoffPort
+from splitserve.services.engine.core_client import EngineCoreClient
+from splitserve.services.engine.cpu_threads import on_passing_thread
+from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.handoff_port import HandoffPort, piece_buffer, release_piece_buffer
 from splitserve.services.engine.layer_progress import LayerProgress
 
 KV_CACHE_BYTES = 1024**3
 VOCAB = 49152
+TIMEOUT_S = 60.0
 
 
 class Recorder:
@@ -60,7 +74,7 @@ class Recorder:
 
 
 def _patch(recorder: Recorder) -> None:
-    """Record each layer marked written, and each chunk the sender gathers."""
+    """Record each layer marked written, and each chunk the sender gathers (in the core: this process)."""
     mark = LayerProgress.layer_done
 
     def layer_done(self: LayerProgress, index: int) -> None:
@@ -82,17 +96,27 @@ def _patch(recorder: Recorder) -> None:
     HandoffPort.held_reader = held_reader  # type: ignore[method-assign]
 
 
+@dataclass(frozen=True)
+class TorchDistPrefill(CorePrefillSetup):
+    """A prefill worker's core setup whose sender is torch_dist's, in the core's process (a CPU
+    worker's would be in its KV agent's)."""
+
+    def make_sender(self, device: torch.device) -> TorchDistSender:
+        return TorchDistSender(self.host, self.transfer_timeout_s, device)
+
+
 async def one_request(
-    engine: AsyncEngine, receiver: TorchDistReceiver, sender: TorchDistSender, prompt: list[int], stream: bool
+    engine: Engine, client: EngineCoreClient, receiver: TorchDistReceiver, channel: ChannelSpec, prompt: list[int]
 ) -> dict:
-    port = HandoffPort(engine)
-    channel = receiver.channel_for("prefill")
+    """One Prefill call through the core; the receive posted at the first event (as a decode worker does)."""
+    heads = range(client.num_kv_heads)
     tag = receiver.next_tag(channel)
-    heads = range(port.num_kv_heads)
-    job = HandoffJob((PieceJob(Piece(0, 0, heads), channel, tag),), 0, port.kv_layout)
-    request = port.make_prefill_request(prompt, SamplingParams(temperature=0.0, max_tokens=2))
-    num_blocks = request.num_prompt_blocks
-    staging = port.acquire_staging(num_blocks, len(heads))
+    job = HandoffJob((PieceJob(Piece(0, 0, heads), channel, tag),), 0, engine.runner.kv_layout)
+    params = params_to_proto(SamplingParams(temperature=0.0, max_tokens=2))
+    wire = wpb.WorkerGenerateRequest(request_id="kv-stream", prompt_token_ids=prompt, params=params)
+    call = job_to_proto(job, wire)
+    num_blocks = -(-len(prompt) // client.block_size)  # no prefix skipped
+    staging = piece_buffer(engine.runner, num_blocks, len(heads))  # the decode side's buffer
     recorder = RECORDER
     recorder.start()
 
@@ -101,8 +125,9 @@ async def one_request(
 
     recv: asyncio.Task | None = None
     times: dict[str, float] = {}
-    async for event in prefill_and_send(engine, request, sender, job, stream=stream):
+    async for core_event in client.prefill(call):
         now = recorder.now()
+        event = event_from_proto(wpb.PrefillResponse.FromString(core_event.response))
         if isinstance(event, SendStarted):
             times["send_started_s"] = now
         elif isinstance(event, FirstToken):
@@ -110,15 +135,29 @@ async def one_request(
         elif isinstance(event, TransferDone):
             times["transfer_done_s"] = now
         if recv is None and isinstance(event, (SendStarted, FirstToken)):
+            assert event.num_blocks == num_blocks, (event.num_blocks, num_blocks)
             recv = asyncio.ensure_future(receiver.recv(channel, tag, staging.tensor, landed))
     assert recv is not None
     await recv
     times["all_landed_s"] = max(e[1] for e in recorder.events if e[0] == "landed")
     times["landed_after_first_token_s"] = max(times["all_landed_s"] - times["first_token_s"], 0.0)
     times["second_token_ready_s"] = max(times["all_landed_s"], times["first_token_s"])
-    port.release_staging(staging)
-    await port.release_held(request.request_id)  # already queued by the send; a no-op then
+    release_piece_buffer(engine.runner, staging)
     return {**times, "num_blocks": num_blocks, "events": list(recorder.events)}
+
+
+async def run_on_core(
+    engine: Engine, receiver: TorchDistReceiver, channel: ChannelSpec, stream: bool, prompts: list[list[int]]
+) -> list[dict]:
+    """The prompts, one at a time, on a prefill core of their own (its sender joins channel); its
+    first request, a short one, builds the pair's group and warms the path up (not recorded)."""
+    setup = TorchDistPrefill("127.0.0.1", TIMEOUT_S, kv_streaming=stream)
+    client = EngineCoreClient.in_process(engine, setup)
+    try:
+        await one_request(engine, client, receiver, channel, prompts[0][:64])
+        return [await one_request(engine, client, receiver, channel, prompt) for prompt in prompts]
+    finally:
+        await client.shutdown()  # its sender closes with it
 
 
 RECORDER = Recorder()
@@ -128,25 +167,21 @@ async def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     # No prefix cache: both modes compute the same prompt from scratch.
     cache = CacheConfig(kv_cache_bytes=KV_CACHE_BYTES, enable_prefix_caching=False)
-    engine = AsyncEngine.from_config(EngineConfig(cache=cache))
-    receiver = TorchDistReceiver("127.0.0.1", 60.0)
-    sender = TorchDistSender("127.0.0.1", 60.0)
+    engine = on_passing_thread(Engine, EngineConfig(cache=cache))  # the step loop's OpenMP pool is the only one
+    receiver = TorchDistReceiver("127.0.0.1", TIMEOUT_S)
     _patch(RECORDER)
     gen = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in args.lengths.split(",")]
-    warm = torch.randint(1, VOCAB, (64,), generator=gen).tolist()
-    for stream in (False, True):  # the pair's group, the kernels, both paths once
-        await one_request(engine, receiver, sender, warm, stream)
+    cores = itertools.count()
     result: dict = {"lengths": lengths, "repeats": args.repeats, "threads": args.threads, "runs": {}}
     for n in lengths:
-        rows: dict[str, list[dict]] = {"after": [], "streamed": []}
-        for _ in range(args.repeats):
-            prompt = torch.randint(1, VOCAB, (n,), generator=gen).tolist()  # fresh: no prefix hit
-            for mode in ("after", "streamed"):
-                rows[mode].append(await one_request(engine, receiver, sender, prompt, mode == "streamed"))
+        prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for _ in range(args.repeats)]  # no prefix hit
+        rows: dict[str, list[dict]] = {}
+        for mode in ("after", "streamed"):
+            channel = receiver.channel_for(f"prefill-{next(cores)}")  # each core's sender is a new peer
+            rows[mode] = await run_on_core(engine, receiver, channel, mode == "streamed", prompts)
+            receiver.drop(channel)
         result["runs"][n] = rows
-    await engine.shutdown()
-    sender.close()
     receiver.close()
     return result
 

@@ -7,21 +7,18 @@ zero cost that returns precomputed random logits of the right shape [num_samplin
 (scheduling, input preparation, sampling, bookkeeping, detokenization and output building) runs for
 real. Every request decodes in every timed step.
 
-Two ways of stepping, each timed per step (median and p90 over --steps, after --warm-up steps), in
-wall time and in the stepping thread's CPU time (time.thread_time: what the step itself costs,
-much less disturbed than wall time by other processes on a shared machine):
-- `step`: Engine.step(), outputs detokenized and built in the calling thread (the only way the
-  engine ran before output processing moved to its own thread).
-- `async`: the serving path, AsyncEngine with one consuming task per request (as the gRPC servicer
-  has), wall time per step from the first add to the last output (prefill step included).
+Three ways of stepping, each timed per step (median and p90 over --steps, after --warm-up steps),
+in wall time and in CPU time (time.thread_time for `step`: what the step itself costs, much less
+disturbed than wall time by other processes on a shared machine):
+- `step`: Engine.step(), outputs detokenized and built in the calling thread (what LLM does).
+- `in_process`: the serving path with the engine core stepping on a thread of this process
+  (EngineCoreClient.in_process: the same core and pipe as a worker's, no spawn), one consuming task
+  per request (as the gRPC servicer has); wall time per step the core ran, from the first add to the
+  last output (prefill step included); CPU time of the whole process (the core's thread and the
+  serving side share its GIL).
 - `core`: the same serving path with the engine core in a process of its own (EngineCoreClient, as
   a worker runs it): the consuming tasks here, the step loop and the stub
   there; wall time per step the core ran. --no-core skips it.
-- `pipelined` (when the engine has it): the step loop as AsyncEngine runs it, outputs processed on
-  the engine's output thread. `loop` is the step loop's own time per step: what a GPU would wait
-  for between forwards. `total CPU` is the whole process's CPU time per step until the output
-  thread has caught up: all the host work a step costs (with a zero-cost forward the two threads
-  share one GIL, so their wall times add up; a real forward leaves the GIL to the output thread).
 
 --baseline-pythonpath DIR runs the same measurement first in a subprocess importing `splitserve`
 from DIR (e.g. a folder whose one link, `splitserve`, points at a `git worktree` of HEAD: docs/benchmarks.md),
@@ -141,62 +138,31 @@ def time_steps(engine: Engine, batch: int, steps: int, warm_up: int) -> dict[str
     return percentiles(wall) | {f"cpu_{k}": v for k, v in percentiles(cpu).items()}
 
 
-def time_pipelined(engine: Engine, batch: int, steps: int, warm_up: int) -> dict[str, float] | None:
-    """The step loop of AsyncEngine: steps here, output processing on the engine's output thread.
+def time_in_process(engine: Engine, batch: int, steps: int) -> dict[str, float] | None:
+    """The serving path with the engine core on a thread of this process (EngineCoreClient.in_process),
+    one consuming task per request (as the gRPC servicer has), from the first add to the last output.
+    ms per step = wall time / steps the core ran. None on a tree without an in-process core."""
+    from splitserve.services.engine.core_client import EngineCoreClient
 
-    loop_cpu: CPU time of this thread per step (what the step loop itself costs, whatever the
-    other thread does); loop_wall: wall time per step (waits for the GIL included); total_cpu:
-    CPU time of the whole process per step until the output thread has caught up."""
-    if not hasattr(engine, "start_output_thread"):
+    if not hasattr(EngineCoreClient, "in_process"):
         return None
-    received: list[int] = []
-    engine.start_output_thread(lambda outputs: received.append(len(outputs)))
-    try:
-        add_requests(engine, batch, steps + warm_up)
-        for _ in range(warm_up):
-            engine.step()
-        engine.wait_for_outputs()
-        cpu, wall = [], []
-        start_cpu = time.process_time()
-        for _ in range(steps):
-            start, start_thread = time.perf_counter(), time.thread_time()
-            engine.step()
-            cpu.append((time.thread_time() - start_thread) * 1e3)
-            wall.append((time.perf_counter() - start) * 1e3)
-        engine.wait_for_outputs()
-        total_cpu_ms = (time.process_time() - start_cpu) * 1e3 / steps
-    finally:
-        engine.stop_output_thread()
-    if received[-steps:] != [batch] * steps:
-        raise RuntimeError("a timed step did not deliver one output per request")
-    result = {f"loop_cpu_{k}": v for k, v in percentiles(cpu).items()}
-    result |= {f"loop_wall_{k}": v for k, v in percentiles(wall).items()}
-    result["total_cpu_mean_ms"] = round(total_cpu_ms, 4)
-    return result
-
-
-def time_async(engine: Engine, batch: int, steps: int) -> dict[str, float]:
-    """The serving path: AsyncEngine with one consuming task per request (as the gRPC servicer has),
-    from the first add to the last output. ms per step = wall time / steps run."""
-    from splitserve.services.engine.async_engine import AsyncEngine
-
     prompts = make_prompts(engine.vocab_size, batch)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=steps)
 
-    async def run() -> tuple[float, int]:
-        aengine = AsyncEngine(engine)
-        before = engine.step_stats.snapshot()
+    async def run() -> tuple[float, tuple[int, float], dict[str, float]]:
+        client = EngineCoreClient.in_process(engine)
+        before = client.load().steps
 
         async def consume(prompt: list[int]) -> int:
-            return sum([len(out.new_token_ids) async for out in aengine.generate(prompt, params)])
+            return sum([len(out.new_token_ids) async for out in client.generate(prompt, params)])
 
         start, cpu = time.perf_counter(), time.process_time()
         counts = await asyncio.gather(*(consume(p) for p in prompts))
         wall_ms, cpu_ms = (time.perf_counter() - start) * 1e3, (time.process_time() - cpu) * 1e3
-        await aengine.shutdown()
+        await client.shutdown()  # then load() is the core's final state
         if counts != [steps] * batch:
             raise RuntimeError("a stream lost tokens")
-        return wall_ms, steps_between(before, engine.step_stats.snapshot()), {"process_cpu_ms": cpu_ms}
+        return wall_ms, steps_between(before, client.load().steps), {"process_cpu_ms": cpu_ms}
 
     return per_step(*asyncio.run(run()))
 
@@ -280,10 +246,9 @@ def measure(
     rows = []
     for batch in batches:
         row = {"batch": batch, "step": time_steps(make_engine(model, batch), batch, steps, warm_up)}
-        pipelined = time_pipelined(make_engine(model, batch), batch, steps, warm_up)
-        if pipelined is not None:
-            row["pipelined"] = pipelined
-        row["async"] = time_async(make_engine(model, batch, forward_ms), batch, steps)
+        in_process = time_in_process(make_engine(model, batch, forward_ms), batch, steps)
+        if in_process is not None:
+            row["in_process"] = in_process
         if core:
             row["core"] = time_core(model, batch, steps, forward_ms)
         rows.append(row)
@@ -303,20 +268,15 @@ def run_baseline(pythonpath: str, args: argparse.Namespace, model: str) -> dict:
 def print_table(title: str, rows: list[dict]) -> None:
     print(title)
     print(
-        "| batch | step() wall median | step() CPU median | step() CPU p90 | loop CPU median | loop CPU p90 "
-        "| loop wall median | loop wall p90 | total CPU mean | AsyncEngine wall (between steps; CPU) "
-        "| core process wall (between steps; CPU core + serving) |"
+        "| batch | step() wall median | step() CPU median | step() CPU p90 "
+        "| in-process core wall (between steps; CPU) | core process wall (between steps; CPU core + serving) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        s, p = r["step"], r.get("pipelined")
-        pipe = "- | - | - | - | -"
-        if p:
-            keys = ("loop_cpu_median_ms", "loop_cpu_p90_ms", "loop_wall_median_ms", "loop_wall_p90_ms")
-            pipe = " | ".join(f"{p[k]:.3f}" for k in keys) + f" | {p['total_cpu_mean_ms']:.3f}"
+        s = r["step"]
         step = f"{s['median_ms']:.3f} | {s['cpu_median_ms']:.3f} | {s['cpu_p90_ms']:.3f}"
-        serving = [_serving(r.get(k)) for k in ("async", "core")]
-        print(f"| {r['batch']} | {step} | {pipe} | {serving[0]} | {serving[1]} |")
+        serving = [_serving(r.get(k)) for k in ("in_process", "core")]
+        print(f"| {r['batch']} | {step} | {serving[0]} | {serving[1]} |")
 
 
 def _serving(m: dict | None) -> str:
@@ -341,8 +301,8 @@ def main() -> None:
         "--forward-ms",
         type=float,
         default=0.0,
-        help="the serving paths' (async, core) stub forward sleeps this long, off the GIL as a GPU forward "
-        "waits; step() and the loop columns keep a zero-cost forward",
+        help="the serving paths' (in_process, core) stub forward sleeps this long, off the GIL as a GPU "
+        "forward waits; step() keeps a zero-cost forward",
     )
     parser.add_argument("--no-core", action="store_true", help="skip the engine core process (older trees lack it)")
     parser.add_argument("--json", metavar="PATH", default="runs/step_overhead.json")
@@ -367,10 +327,7 @@ def main() -> None:
         for base, new in zip(baseline["results"], rows):
             base_ms = base["step"]["cpu_median_ms"]
             step_ratio = base_ms / new["step"]["cpu_median_ms"]
-            line = f"batch {new['batch']}: CPU per step, baseline step() / step() {step_ratio:.1f}x"
-            if "pipelined" in new:
-                line += f", baseline step() / step loop {base_ms / new['pipelined']['loop_cpu_median_ms']:.1f}x"
-            print(line)
+            print(f"batch {new['batch']}: CPU per step, baseline step() / step() {step_ratio:.1f}x")
     settings = {
         "engine_source": source,
         "steps": args.steps,

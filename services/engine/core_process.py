@@ -169,8 +169,9 @@ class EngineCore:
         threading.Thread(target=self._load_clock, name="core-load", daemon=True).start()
         error = self.steps.run(self.closing, self.outputs)
         if self.handoffs is not None:
-            self.handoffs.close()
+            self.handoffs.close()  # a send it ends posts the release of its blocks
         if error is None:
+            self.steps.apply_commands()
             self._abort_the_rest()
         self._last_load = None
         self._report_load()  # the state it ends in (a drained worker logs its pool)

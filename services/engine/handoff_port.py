@@ -14,15 +14,14 @@ Decode side:
     recompute(reservation)      drop the reservation, compute the prompt here instead
 
 Prefill side:
-    make_prefill_request(...)   a request that finishes at its first token and keeps its blocks
-                                (the prefill policy, here and nowhere else)
     claim_held / held_reader / release_held(_soon)   the held blocks, under their lease (services/engine/leases.py)
     stream_as_computed(request, start, follower_orders)  or the blocks claimed when the step computing the prompt's
                                 last chunk is scheduled, read layer by layer as it computes them
 
 Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
-their KV transfers, services/disagg/rank_transfers.py), load(), and the KV-event snapshot for the prefix
-index. Every mutation runs on the engine loop between steps (EngineFront.call).
+their KV transfers, services/disagg/rank_transfers.py). Every mutation runs on the engine loop between
+steps (EngineFront.call). What a worker reads of its engine (its load, sizes, KV events) comes from the
+engine core's client (services/engine/core_client.py).
 """
 
 from __future__ import annotations
@@ -37,8 +36,6 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import numpy as np
 import torch
 
-from splitserve.common.kv_events import KVCacheEvent
-from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.kv_cache.block_io import gather_blocks
 from splitserve.services.engine.kv_cache.block_pool import BlockId
@@ -114,23 +111,6 @@ class EngineFront(Protocol):
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """fn(*args) on the step loop, between steps, without waiting."""
-
-
-class EngineReports(Protocol):
-    """What a worker reads of its engine, in process (HandoffPort) or in a core process of its own
-    (services/engine/core_client.py EngineCoreClient)."""
-
-    @property
-    def block_size(self) -> int: ...
-    @property
-    def max_model_len(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def tensor_parallel_size(self) -> int: ...
-    def load(self) -> EngineLoad: ...
-    async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]: ...
-    async def drain_kv_events(self) -> list[KVCacheEvent]: ...
 
 
 def engine_load(engine: Engine) -> EngineLoad:
@@ -216,18 +196,6 @@ class HandoffPort:
         """Blocks move only between workers whose layouts are equal (model, dtype, block size)."""
         return self._engine.runner.kv_layout
 
-    @property
-    def block_size(self) -> int:
-        return self._engine.runtime.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self._engine.runtime.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self._engine.vocab_size
-
     # -- decode side ----------------------------------------------------------------------------
     async def reserve(self, request: Request) -> Reservation | None:
         num_held = await self._async.call(self._engine.reserve_for_transfer, request)
@@ -296,12 +264,6 @@ class HandoffPort:
         return await self._async.call(self._engine.recompute_locally, reservation.request.request_id)
 
     # -- prefill side ---------------------------------------------------------------------------
-    def make_prefill_request(
-        self, prompt: list[int], params: SamplingParams, priority: int = 0, label: str = ""
-    ) -> Request:
-        """Validated; finishes at its first token and keeps its blocks for the decode worker."""
-        return self._engine.make_request(prompt, params, priority=priority, stop_after_prefill=True, label=label)
-
     def stream_as_computed(
         self,
         request: Request,
@@ -391,14 +353,3 @@ class HandoffPort:
         if followers is None:
             raise RuntimeError("this worker has a single rank: no follower takes orders")
         return followers
-
-    def load(self) -> EngineLoad:
-        return engine_load(self._engine)
-
-    async def kv_snapshot(self) -> tuple[list, list[KVCacheEvent]]:
-        """The pool's cached hashes and its pending events, taken together between steps."""
-        pool = self._engine.kv.pool
-        return await self._async.call(lambda: (pool.cached_hashes(), pool.drain_events()))
-
-    async def drain_kv_events(self) -> list[KVCacheEvent]:
-        return await self._async.call(self._engine.kv.pool.drain_events)

@@ -82,7 +82,7 @@ class StepLoop:
         engine.start_output_sink(outputs)
         try:
             while not closing.is_set():
-                self._apply_commands()
+                self.apply_commands()
                 engine.expire_leases()
                 if engine.has_work():
                     engine.step()
@@ -104,7 +104,8 @@ class StepLoop:
         deadline = self.engine.leases.next_deadline()
         self._wakeup.wait(None if deadline is None else max(0.0, deadline - time.monotonic()) + 0.01)
 
-    def _apply_commands(self) -> None:
+    def apply_commands(self) -> None:
+        """Run the commands posted so far (the loop does between steps; a stopped core, once more)."""
         while self._commands:
             fn, args = self._commands.popleft()
             fn(*args)

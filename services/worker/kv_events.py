@@ -24,7 +24,7 @@ from splitserve.common.security import OPEN_CLUSTER
 from splitserve.common.wire import kv_events_to_proto
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
-from splitserve.services.engine.handoff_port import EngineReports
+from splitserve.services.engine.core_client import EngineCoreClient
 
 log = logging.getLogger("splitserve.services.worker")
 
@@ -32,7 +32,7 @@ log = logging.getLogger("splitserve.services.worker")
 class KVEventPublisher:
     def __init__(
         self,
-        port: EngineReports,
+        port: EngineCoreClient,
         gateway: str,
         address: str,
         model: str,

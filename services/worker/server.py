@@ -31,7 +31,7 @@ from splitserve.services.disagg.rank_transfers import RankAgent
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.core_client import STALL_TIMEOUT_S, EngineCoreClient
 from splitserve.services.engine.core_process import CoreTraces, HandoffsSetup
-from splitserve.services.engine.handoff_port import EngineLoad, EngineReports
+from splitserve.services.engine.handoff_port import EngineLoad
 from splitserve.services.worker.kv_events import KVEventPublisher
 from splitserve.services.worker.metrics import CoreMetrics, WorkerMetrics, metric_labels
 from splitserve.services.worker.servicer import WORKER_SERVICE, WorkerServicer, add_worker_service, engine_snapshot
@@ -174,7 +174,9 @@ async def serve_worker(config: WorkerConfig) -> None:
     log.info("drained: %s", _pool_report(engine.load()))  # the core closes its KV endpoints as it exits
 
 
-async def _register(config: WorkerConfig, address: str, metrics_address: str, name: str, port: EngineReports) -> None:
+async def _register(
+    config: WorkerConfig, address: str, metrics_address: str, name: str, port: EngineCoreClient
+) -> None:
     request = pb.RegisterWorkerRequest(
         address=address,
         role=config.role.proto,

@@ -29,13 +29,12 @@ from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.protos.v1 import worker_pb2_grpc as pb_grpc
 from splitserve.services.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.services.engine.engine import RequestOutput
-from splitserve.services.engine.handoff_port import EngineReports
 from splitserve.services.engine.step_loop import EngineDead
 from splitserve.services.engine.streams import RequestFailed
 from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, WorkerMetrics
 
 
-def engine_snapshot(port: EngineReports) -> EngineSnapshot:
+def engine_snapshot(port: EngineCoreClient) -> EngineSnapshot:
     load = port.load()
     return EngineSnapshot(
         num_running=load.num_running,

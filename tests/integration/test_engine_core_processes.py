@@ -1,6 +1,6 @@
 """The engine core in its own process (services/engine/core_process.py) behind EngineCoreClient: the same
-outputs as the engine in process, refusals that leave it serving, aborts that free blocks, and a
-dead core that fails every stream instead of hanging it. Real spawned processes and pipes."""
+outputs as the engine stepped in process (LLM), refusals that leave it serving, aborts that free
+blocks, and a dead core that fails every stream instead of hanging it. Real spawned processes and pipes."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import torch
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.protos.v1 import engine_core_pb2 as pb
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.core_client import EngineCoreClient
+from splitserve.services.engine.llm import LLM, CompletionOutput
 from splitserve.services.engine.outputs import RequestOutput
 from splitserve.services.engine.request import FinishReason
 from splitserve.services.engine.step_loop import EngineDead
@@ -54,9 +54,19 @@ def _joined(outs: list[RequestOutput]) -> tuple:
     return ids, "".join(o.new_text for o in outs), last.finish_reason, last.num_output_tokens, logprobs
 
 
+def _completed(out: CompletionOutput) -> tuple:
+    """An LLM's output as _joined gives a stream's."""
+    return out.token_ids, out.text, out.finish_reason, len(out.token_ids), out.logprobs or []
+
+
 def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
     config = _config(tiny_llama_dir)
-    in_process = AsyncEngine.from_config(config)
+    with LLM(config) as llm:
+        expected = [_completed(out) for out in llm.generate(PROMPTS, PARAMS)]
+        # a stop string from the middle of a greedy output: it ends the request, in both, alike
+        stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[expected[0][1][3:6]])
+        stopped = _completed(llm.generate(PROMPTS[0], stop)[0])
+    assert stopped[2] is FinishReason.STOP and stopped[3] < 12 and stopped[1] == expected[0][1][:3]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # what --num-threads 1 does: the core runs its CPU ops on as many threads
     try:
@@ -66,12 +76,6 @@ def test_core_process_serves_like_the_engine_in_process(tiny_llama_dir):
     assert client.num_threads == 1
 
     async def main() -> None:
-        expected = [_joined(outs) for outs in await _run_all(in_process)]
-        # a stop string from the middle of a greedy output: it ends the request, in both, alike
-        stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[expected[0][1][3:6]])
-        stopped = _joined(await _collect(in_process.generate(PROMPTS[0], stop)))
-        await in_process.shutdown()
-        assert stopped[2] is FinishReason.STOP and stopped[3] < 12 and stopped[1] == expected[0][1][:3]
         client.start()
         assert _joined(await _collect(client.generate(PROMPTS[0], stop))) == stopped
         got = await _run_all(client)
@@ -191,14 +195,14 @@ def test_a_seed_of_2_to_the_63_or_more_samples_in_a_core_as_in_process(tiny_llam
     def params(seed: int) -> SamplingParams:
         return SamplingParams(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
 
-    async def sample(engine) -> list[list[int]]:
-        if isinstance(engine, EngineCoreClient):
-            engine.start()
-        outs = await asyncio.gather(*(_collect(engine.generate(p, params(s))) for p, s in zip(prompts, seeds)))
-        await engine.shutdown()
+    async def sample(client: EngineCoreClient) -> list[list[int]]:
+        client.start()
+        outs = await asyncio.gather(*(_collect(client.generate(p, params(s))) for p, s in zip(prompts, seeds)))
+        await client.shutdown()
         return [_joined(o)[0] for o in outs]
 
-    expected = asyncio.run(sample(AsyncEngine.from_config(config)))
+    with LLM(config) as llm:
+        expected = [out.token_ids for out in llm.generate(prompts, [params(s) for s in seeds])]
     assert len({tuple(ids) for ids in expected}) == len(seeds)  # the seeds sample apart
     assert asyncio.run(sample(EngineCoreClient.launch(config))) == expected
 

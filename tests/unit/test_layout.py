@@ -65,7 +65,7 @@ def test_protos_follow_the_house_rules():
 
 
 def test_disagg_and_worker_reach_the_engine_only_through_its_interfaces():
-    """services/disagg/ and services/worker/ use the engine core's client or AsyncEngine (streams),
+    """services/disagg/ and services/worker/ use the engine core's client (streams, reports),
     HandoffPort (the rest of a handoff) and plain data types; never the engine's scheduler, block pool,
     runner or leases."""
     import re

@@ -36,9 +36,10 @@ from splitserve.services.disagg.transfer.inprocess import Hub, InProcessReceiver
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.handoff_port import HandoffPort
+from splitserve.services.engine.handoff_port import HandoffPort, engine_load
 from splitserve.services.engine.llm import LLM
 from splitserve.services.engine.request import Request
+from splitserve.services.engine.step_loop import EngineDead
 from splitserve.services.worker.server import _moving_kv
 
 KV_BYTES = 2 * 1024**2
@@ -435,12 +436,13 @@ def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
             with pytest.raises(CoreRefused):
                 await _run(tiers, PROMPTS[2], SamplingParams(max_tokens=4), "f")
             assert not tiers.handoff.landings and tiers.decode.num_requests() == 0
-            assert _moving_kv(tiers.handoff.port.load()), "a drain would stop with the failed ask's blocks reserved"
+            assert _moving_kv(engine_load(engines[1])), "a drain would stop with the failed ask's blocks reserved"
+            opened.set()
+            await _settle(engines[1])
+            assert _all_free(engines[1]) and not _moving_kv(engine_load(engines[1]))
         finally:
             opened.set()
-        await _settle(engines[1])
-        assert _all_free(engines[1]) and not _moving_kv(tiers.handoff.port.load())
-        await tiers.close()
+            await tiers.close()
 
     asyncio.run(main())
 
@@ -461,7 +463,7 @@ def test_a_cancelled_request_keeps_its_blocks_out_of_the_pool_until_its_kv_stops
             await tiers.decode.drain_kv_events()  # a query after the abort: the abort has run
             assert not decode_engine.scheduler.requests and decode_engine.kv.is_parked("k")
             assert decode_engine.kv.num_free_blocks < free_before
-            assert tiers.handoff.port.load().num_awaiting_kv == 1  # a drain still waits for it
+            assert engine_load(decode_engine).num_awaiting_kv == 1  # a drain still waits for it
             await _settle(*engines)
         finally:
             await tiers.close()
@@ -625,3 +627,28 @@ def test_the_second_token_does_not_wait_for_the_prefill_workers_step(engines, mo
 async def _drain(outputs: AsyncIterator) -> None:
     async for _ in outputs:
         pass
+
+
+def test_a_prefill_core_stopped_with_a_send_in_flight_leaves_no_block_held(engines):
+    """The core stops while a Prefill call's send has claimed the held blocks: the send is ended with
+    the handoffs and its release still runs, so the engine a later core steps holds nothing."""
+    prefill_engine = engines[0]
+
+    async def main():
+        prefill = EngineCoreClient.in_process(prefill_engine, PrefillSetup("127.0.0.1", 5.0, False, 30.0))
+        channel = InProcessReceiver(Hub()).channel_for("p0")
+        heads = range(prefill_engine.runner.arch.num_kv_heads)
+        job = HandoffJob((PieceJob(Piece(0, 0, heads), channel, 1),), 0, prefill_engine.runner.kv_layout)
+        params = SamplingParams(max_tokens=50)
+        wire = wpb.WorkerGenerateRequest(request_id="cut", prompt_token_ids=PROMPTS[3], params=params_to_proto(params))
+        events = _prefill_call(prefill, job_to_proto(job, wire))
+        async for response in events:
+            if response.HasField("first_token"):
+                break  # the send claimed the blocks and waits (send_delay_s)
+        assert prefill_engine.num_held_blocks() > 0
+        await prefill.shutdown()
+        with pytest.raises(EngineDead):  # the call ends with the core
+            await anext(events)
+
+    asyncio.run(main())
+    assert _all_free(prefill_engine)

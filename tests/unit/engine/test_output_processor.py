@@ -1,18 +1,17 @@
 """Output processing off the step loop (services/engine/output_processor.py): stop strings still end their
 request within one step, streamed text stays equal to the final text, and cancellation drops a
-request's outputs and frees its blocks, whether outputs are processed inline or on the output thread.
+request's outputs and frees its blocks, whether outputs are processed inline or by the serving side
+of an engine core (here in process).
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
-from splitserve.services.engine.async_engine import AsyncEngine
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.engine import Engine, RequestOutput
@@ -67,77 +66,88 @@ def _text(outputs: list[RequestOutput]) -> str:
     return "".join(o.new_text for o in outputs)
 
 
-class _Collector:
-    """The output thread's deliver callback: every output, in order."""
-
-    def __init__(self) -> None:
-        self.outputs: list[RequestOutput] = []
-        self.threads: set[threading.Thread] = set()
-
-    def __call__(self, outputs: list[RequestOutput]) -> None:
-        self.threads.add(threading.current_thread())
-        self.outputs.extend(outputs)
-
-    def of(self, request_id: str) -> list[RequestOutput]:
-        return [o for o in self.outputs if o.request_id == request_id]
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
 
 
-def test_stop_strings_on_the_output_thread_end_within_one_step_with_the_inline_text(engine, monkeypatch):
+def test_stop_strings_found_by_a_slow_serving_side_end_within_one_step_with_the_inline_text(engine, monkeypatch):
+    """A core's serving side processes outputs several steps behind the step loop; the engine waits
+    for it only as much as a stop string needs to end its request within one step."""
     params = _stop_strings(engine)
     want = _inline(engine, params)
-    process = OutputProcessor.process
+    added: dict[str, Request] = {}  # the engine's requests, as the core adds them
+    add_request, process = engine.add_request, OutputProcessor.process
 
-    def slow_process(self, step, pause=None):  # an output thread several steps behind the step loop
+    def record(request, *args, **kwargs):
+        added[request.request_id] = request
+        return add_request(request, *args, **kwargs)
+
+    def slow_process(self, step, pause=None):  # several steps behind the step loop
         time.sleep(0.1)
         return process(self, step, pause)
 
+    monkeypatch.setattr(engine, "add_request", record)
     monkeypatch.setattr(OutputProcessor, "process", slow_process)
-    collected = _Collector()
-    engine.start_output_thread(collected)
-    try:
-        requests = [engine.make_request(p, sp) for p, sp in zip(PROMPTS, params)]
-        for request in requests:
-            engine.add_request(request)
-        while engine.has_unfinished_requests():
-            assert engine.step() == []  # outputs go to the thread, not to the caller
-        engine.wait_for_outputs()
-    finally:
-        engine.stop_output_thread()
-    assert collected.threads and threading.current_thread() not in collected.threads
-    for i, request in enumerate(requests):
-        got = collected.of(request.request_id)
-        assert [t for o in got for t in o.new_token_ids] == [t for o in want[i] for t in o.new_token_ids]
+
+    async def main() -> list[list[RequestOutput]]:
+        client = EngineCoreClient.in_process(engine)
+
+        async def collect(i: int) -> list[RequestOutput]:
+            return [out async for out in client.generate(PROMPTS[i], params[i], request_id=f"r{i}")]
+
+        got = await asyncio.gather(*(collect(i) for i in range(len(PROMPTS))))
+        await client.shutdown()
+        return got
+
+    for i, got in enumerate(asyncio.run(main())):
+        assert _tokens(got) == _tokens(want[i])
         assert _text(got) == _text(want[i]) and params[i].stop[0] not in _text(got)
         final = got[-1]
         assert final.finished and sum(o.finished for o in got) == 1
         assert final.finish_reason is FinishReason.STOP and final.stop_reason == params[i].stop[0]
         # The engine may have computed one token past the stop string, never more, and streamed none.
-        assert request.num_output_tokens <= final.num_output_tokens + 1
+        assert added[f"r{i}"].num_output_tokens <= final.num_output_tokens + 1
     assert _all_free(engine)
 
 
 def test_an_aborted_request_ends_with_an_abort_output_and_others_keep_their_text(engine):
     want = _inline(engine, [_greedy()] * len(PROMPTS))
-    collected = _Collector()
-    engine.start_output_thread(collected)
-    try:
-        ids = [engine.add_request(p, _greedy()) for p in PROMPTS]
-        for _ in range(5):
-            engine.step()
-        assert engine.abort_request(ids[1])
-        while engine.has_unfinished_requests():
-            engine.step()
-        engine.wait_for_outputs()
-    finally:
-        engine.stop_output_thread()
-    *aborted, final = collected.of(ids[1])
-    assert len(aborted) <= 5 and not any(o.finished for o in aborted)
-    assert final.finished and final.finish_reason is FinishReason.ABORT and not final.new_token_ids
-    assert final.num_output_tokens == len(aborted)
-    assert _text(aborted) == _text(want[1])[: len(_text(aborted))]
+
+    async def main() -> list[list[RequestOutput]]:
+        client = EngineCoreClient.in_process(engine)
+
+        async def collect(i: int) -> list[RequestOutput]:
+            outs = []
+            async for out in client.generate(PROMPTS[i], _greedy(), label=f"p{i}"):
+                outs.append(out)
+                if i == 1 and len(outs) == 2:
+                    assert client.abort_label("p1") == 1  # the Abort RPC's path
+            return outs
+
+        got = await asyncio.gather(*(collect(i) for i in range(len(PROMPTS))))
+        assert await _freed(engine)
+        await client.shutdown()
+        return got
+
+    got = asyncio.run(main())
+    *before, final = got[1]  # the abort's final output carries what was queued for the stream (merged)
+    assert len(before) == 2 and not any(o.finished for o in before)
+    assert final.finished and final.finish_reason is FinishReason.ABORT
+    assert final.num_output_tokens == len(_tokens(got[1])) < MAX_TOKENS
+    assert _text(got[1]) == _text(want[1])[: len(_text(got[1]))]
     for i in (0, 2, 3):
-        assert _text(collected.of(ids[i])) == _text(want[i])
+        assert _text(got[i]) == _text(want[i])
     assert _all_free(engine)
+
+
+async def _freed(engine: Engine) -> bool:
+    """Whether the engine holds nothing within 2 s (an abort reaches the step loop between steps):
+    asked before a core's shutdown, which aborts whatever is left."""
+    for _ in range(100):
+        if _all_free(engine):
+            return True
+        await asyncio.sleep(0.02)
+    return False
 
 
 def test_streams_through_a_core_with_stop_strings_and_cancellation(engine):
@@ -165,10 +175,7 @@ def test_streams_through_a_core_with_stop_strings_and_cancellation(engine):
         victim.cancel()
         with pytest.raises(asyncio.CancelledError):
             await victim
-        for _ in range(100):  # the abort reaches the step thread between steps
-            if _all_free(engine):
-                break
-            await asyncio.sleep(0.02)
+        assert await _freed(engine)
         await aengine.shutdown()
         return got
 
@@ -226,13 +233,18 @@ def test_processor_isolates_a_request_whose_processing_fails(engine):
     assert done.to_finish == [("bad", RequestStatus.FINISHED_ABORTED)]
 
 
-def test_async_engine_steps_from_a_new_event_loop_after_the_last_one_closed(engine):
-    """Without shutdown, the step thread ends with its event loop; the next loop gets a new one."""
-    aengine = AsyncEngine(engine)
+def test_an_engine_serves_a_new_core_after_the_last_one_stopped(engine):
+    """An in-process core hands its engine back when it stops (its output sink closed): a second
+    core on the same engine, from a new event loop, streams the same tokens, and so does the engine
+    stepping on its own after that."""
 
     async def tokens() -> list[int]:
-        return [t async for out in aengine.generate(PROMPTS[0], _greedy()) for t in out.new_token_ids]
+        client = EngineCoreClient.in_process(engine)
+        got = [t async for out in client.generate(PROMPTS[0], _greedy()) for t in out.new_token_ids]
+        await client.shutdown()
+        return got
 
     first = asyncio.run(tokens())
     assert asyncio.run(tokens()) == first and len(first) == MAX_TOKENS
+    assert [t for out in _inline(engine, [_greedy()] * len(PROMPTS))[0] for t in out.new_token_ids] == first
     assert _all_free(engine)

@@ -7,20 +7,32 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+from dataclasses import dataclass
 
 import pytest
+import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.common.tokenizer import Tokenizer
-from splitserve.services.engine.async_engine import AsyncEngine, EngineDead, RequestFailed
+from splitserve.common.wire import params_to_proto
+from splitserve.protos.v1 import worker_pb2 as wpb
+from splitserve.services.disagg.handoff import HandoffJob, PieceJob
+from splitserve.services.disagg.plan import Piece
+from splitserve.services.disagg.prefill import CorePrefillSetup
+from splitserve.services.disagg.prefill_client import job_to_proto
+from splitserve.services.disagg.transfer.base import ChannelSpec, Fill, KVSender, Moved
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.detokenizer import IncrementalDetokenizer
 from splitserve.services.engine.engine import Engine
+from splitserve.services.engine.handoff_port import EngineLoad
 from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.request import Request
+from splitserve.services.engine.request import Request, RequestId
+from splitserve.services.engine.step_loop import EngineDead, StepLoop
+from splitserve.services.engine.streams import RequestFailed
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 8, 19]
 
@@ -53,11 +65,11 @@ def _run(engine: Engine, prompt, params: SamplingParams) -> list[int]:
     return tokens
 
 
-def _unvalidated(engine: Engine, params: SamplingParams, prompt=PROMPT) -> Request:
+def _unvalidated(engine: Engine, params: SamplingParams, prompt=PROMPT, request_id: str | None = None) -> Request:
     """A request that skipped make_request's checks: how a bug or a new parameter reaches step()."""
     rt = engine.runtime
     return Request(
-        engine.make_request(prompt, SamplingParams()).request_id,
+        RequestId(request_id) if request_id is not None else engine.make_request(prompt, SamplingParams()).request_id,
         list(prompt),
         params,
         max_tokens=params.max_tokens,
@@ -133,23 +145,44 @@ def test_failed_forward_fails_its_batch_and_the_engine_goes_on(tiny_llama_dir, m
     assert _run(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=6)) == want
 
 
-def test_async_engine_fails_the_request_and_keeps_serving(engine):
-    async def main():
-        aengine = AsyncEngine(engine)
-        bad = _unvalidated(engine, SamplingParams(temperature=0.0, max_tokens=5, min_tokens=2, stop_token_ids=[10**9]))
-        with pytest.raises(RequestFailed, match="the worker goes on"):
-            async for _ in aengine.generate_request(bad):
-                pass
-        tokens = [
-            t
-            async for out in aengine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=5))
-            for t in out.new_token_ids
-        ]
-        assert not aengine.died.is_set()
-        await aengine.shutdown()
-        return tokens
+def _skip_validation(engine: Engine, monkeypatch, skipped_label: str) -> None:
+    """The core validates each request it is sent (Engine.make_request) and refuses a bad one; a
+    request carrying this label skips those checks, as one that a bug or a new parameter lets through."""
+    make_request = engine.make_request
 
-    assert asyncio.run(main()) == _run(engine, PROMPT, SamplingParams(temperature=0.0, max_tokens=5))
+    def maybe_unvalidated(prompt, params, request_id=None, priority=0, stop_after_prefill=False, label=""):
+        if label == skipped_label:
+            return _unvalidated(engine, params, prompt, request_id)
+        return make_request(prompt, params, request_id, priority, stop_after_prefill, label)
+
+    monkeypatch.setattr(engine, "make_request", maybe_unvalidated)
+
+
+def test_a_core_refuses_or_fails_a_bad_request_and_keeps_serving(engine, monkeypatch):
+    """Through the serving path (an engine core and its client): a request whose parameters the core
+    validates is refused with ValueError; one that got past validation fails in the step, and ends
+    with RequestFailed; either way the core serves the next request as before and frees every block."""
+    _skip_validation(engine, monkeypatch, "unvalidated")
+    bad = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=2, stop_token_ids=[10**9])
+    good = SamplingParams(temperature=0.0, max_tokens=5)
+
+    async def main() -> tuple[list[int], EngineLoad]:
+        client = EngineCoreClient.in_process(engine)
+        with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 320\)"):
+            async for _ in client.generate(PROMPT, bad):
+                pass
+        with pytest.raises(RequestFailed, match="IndexError.*the worker goes on"):
+            async for _ in client.generate(PROMPT, bad, label="unvalidated"):
+                pass
+        tokens = [t async for out in client.generate(PROMPT, good) for t in out.new_token_ids]
+        load = client.load()  # as of the step that ended the last stream
+        assert not client.died.is_set()
+        await client.shutdown()
+        return tokens, load
+
+    tokens, load = asyncio.run(main())
+    assert load.num_failed_requests >= 1 and load.is_idle and load.num_free_blocks == load.num_total_blocks
+    assert tokens == _run(engine, PROMPT, good)
     assert _all_free(engine)
 
 
@@ -214,39 +247,93 @@ def test_abort_before_the_send_releases_held_blocks(engine):
     assert _all_free(engine)
 
 
+class _UnreceivedSender(KVSender):
+    """Each send waits for a receive that never comes (a decode worker that is gone) until it is cancelled."""
+
+    def connect(self, channel: ChannelSpec) -> None:
+        pass
+
+    async def send(self, channel: ChannelSpec, tag: int, blocks: torch.Tensor, fill: Fill | None = None) -> Moved:
+        await asyncio.get_running_loop().create_future()
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class _UnreceivedPrefill(CorePrefillSetup):
+    """A prefill core whose KV sends are never received."""
+
+    def make_sender(self, device: torch.device) -> KVSender:
+        return _UnreceivedSender()
+
+
+def _prefill_call(engine: Engine, prompt: list[int], params: SamplingParams) -> wpb.PrefillRequest:
+    """A decode worker's Prefill call for prompt (every KV head, on one channel)."""
+    channel = ChannelSpec("127.0.0.1:1", "decode->prefill#0", secret=b"s" * 32)
+    piece = PieceJob(Piece(0, 0, range(engine.runner.arch.num_kv_heads)), channel, tag=1)
+    job = HandoffJob((piece,), num_skip_blocks=0, kv_layout=engine.runner.kv_layout)
+    wire = wpb.WorkerGenerateRequest(request_id="prefill", prompt_token_ids=prompt, params=params_to_proto(params))
+    return job_to_proto(job, wire)
+
+
+def _num_steps(load: EngineLoad) -> int:
+    return sum(totals.num_steps for totals in load.steps.values())
+
+
+async def _settled(client: EngineCoreClient, num_steps: int, timeout_s: float = 10.0) -> EngineLoad:
+    """The first load the core reports with num_steps steps run, nothing running or held and every
+    block free (a report's step totals are as new as its counts, or older)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        load = client.load()
+        settled = load.is_idle and load.num_free_blocks == load.num_total_blocks
+        if _num_steps(load) >= num_steps and settled or loop.time() > deadline:
+            return load
+        await asyncio.sleep(0.01)
+
+
 def test_prefill_cancelled_during_its_first_token_step_leaks_nothing(engine, monkeypatch):
-    """The Prefill RPC is cancelled while the step that samples its first token runs."""
+    """The Prefill call is cancelled while the step that samples its first token runs: its abort
+    reaches the core during that step, and the prompt's blocks (held at its first token, perhaps
+    claimed meanwhile by a send that would never end) all come back before the core stops."""
+    stepping, aborted = threading.Event(), threading.Event()
+    real_step, real_post = engine.step, StepLoop.post
 
-    async def main():
-        aengine = AsyncEngine(engine)
-        stepping = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        real_step = engine.step
+    def held_step():  # the step waits, once it runs, until the abort is queued behind it
+        stepping.set()
+        aborted.wait(10)
+        return real_step()
 
-        def slow_step():
-            loop.call_soon_threadsafe(stepping.set)
-            import time
+    def post(self: StepLoop, fn, *args) -> None:
+        real_post(self, fn, *args)
+        if fn == engine.abort_request:
+            aborted.set()
 
-            time.sleep(0.3)
-            return real_step()
+    monkeypatch.setattr(engine, "step", held_step)
+    monkeypatch.setattr(StepLoop, "post", post)
+    setup = _UnreceivedPrefill("127.0.0.1", transfer_timeout_s=5.0, kv_streaming=False)
+    call = _prefill_call(engine, PROMPT * 2, SamplingParams(max_tokens=8))
 
-        monkeypatch.setattr(engine, "step", slow_step)
-        request = engine.make_request(PROMPT * 2, SamplingParams(max_tokens=8), stop_after_prefill=True)
+    async def main() -> EngineLoad:
+        client = EngineCoreClient.in_process(engine, handoffs=setup)
+        num_steps = _num_steps(client.load())  # the engine's, so far
 
-        async def consume():
-            async for _ in aengine.generate_request(request):
+        async def prefill() -> None:
+            async for _ in client.prefill(call):
                 pass
 
-        task = asyncio.create_task(consume())
-        await stepping.wait()
+        task = asyncio.create_task(prefill())
+        assert await asyncio.to_thread(stepping.wait, 10)
         task.cancel()
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if _all_free(engine):
-                break
-        await aengine.shutdown()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await asyncio.to_thread(aborted.wait, 10)
+        load = await _settled(client, num_steps + 1)  # before the shutdown, which aborts whatever is left
+        await client.shutdown()
+        return load
 
-    asyncio.run(main())
+    load = asyncio.run(main())
+    assert load.is_idle and load.num_held_blocks == 0 and load.num_free_blocks == load.num_total_blocks
     assert _all_free(engine)
 
 
