@@ -36,6 +36,7 @@ from splitserve.services.engine.streams import RequestFailed, answer_call, post_
 log = logging.getLogger("splitserve.services.engine")
 
 T = TypeVar("T")
+CLOSE_TASKS_TIMEOUT_S = 2.0  # a closing core's wait for its handoffs' tasks to end once cancelled
 
 
 class CorePrompts:
@@ -172,6 +173,14 @@ class CoreLoop:
             for task in list(self._tasks.values()):
                 task.cancel()
             await close()
+            # as asyncio.run ends: every task left (a send or a landing a handoff left behind) is
+            # cancelled and given a moment to end, so what it posts (its blocks' release) is queued
+            # before the core aborts the rest
+            rest = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in rest:
+                task.cancel()
+            if rest:
+                await asyncio.wait(rest, timeout=CLOSE_TASKS_TIMEOUT_S)
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=5.0)

@@ -1,7 +1,7 @@
 """Decode tier: continue requests whose prompt KV comes from a prefill worker.
 
-Lifecycle of a request here: awaiting_kv -> waiting -> running -> finished (the whole handoff,
-both sides and every failure, is described once, in services/disagg/handoff.py).
+Lifecycle of a request here: awaiting_room -> awaiting_kv -> waiting -> running -> finished (the
+whole handoff, both sides and every failure, is described once, in services/disagg/handoff.py).
 
 In the engine core process (CoreDecodeSetup, CoreDecode, below): the serving process keeps the per-
 stream work (the gRPC streams, detokenization, stop strings); the core steps and, on a thread of its own
@@ -160,22 +160,19 @@ class DecodeHandoff:
         return landing
 
     async def _reserve(self, request: Request) -> Reservation:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.reserve_timeout_s
-        while True:
-            reservation = await self.port.reserve(request)
-            if reservation is not None:
-                if self.metrics is not None and reservation.num_held_blocks:
-                    self.metrics.observe_blocks_skipped(reservation.num_held_blocks)
-                return reservation
-            if loop.time() > deadline:
-                raise HandoffError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"this decode worker's KV cache had no room "
-                    f"for the {request.num_prompt_tokens}-token prompt for "
-                    f"{self.reserve_timeout_s:.0f} s; retry later or add decode workers",
-                )
-            await asyncio.sleep(0.02)
+        """Queued in the engine until the pool has room (the handoff's end withdraws it)."""
+        try:
+            reservation = await asyncio.wait_for(self.port.reserve(request), self.reserve_timeout_s)
+        except TimeoutError:
+            raise HandoffError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this decode worker's KV cache had no room "
+                f"for the {request.num_prompt_tokens}-token prompt for "
+                f"{self.reserve_timeout_s:.0f} s; retry later or add decode workers",
+            ) from None
+        if self.metrics is not None and reservation.num_held_blocks:
+            self.metrics.observe_blocks_skipped(reservation.num_held_blocks)
+        return reservation
 
     async def _ask(self, reservation: Reservation, peer: str, wire: pb.WorkerGenerateRequest | None):
         job: HandoffJob | None = None

@@ -5,8 +5,9 @@ splitserve.v1 messages in prefill_client.py; unit tests pass them directly).
     decode worker (decode.py)                       prefill worker (prefill.py)
     1. reserve  blocks for the whole prompt
        (prefix hits held here are not sent; no
-       room within the reserve timeout ->
-       RESOURCE_EXHAUSTED)
+       room yet: queued in the scheduler, in
+       arrival order; none within the reserve
+       timeout -> RESOURCE_EXHAUSTED)
     2. plan     the pieces (services/disagg/plan.py: which
        prefill rank sends which KV heads to which
        decode rank), from both tensor-parallel

@@ -187,7 +187,7 @@ class EngineCore:
         have come just before the stop) are aborted, their blocks freed; an in-process core's engine
         serves on after it (EngineCoreClient.in_process)."""
         scheduler = self.engine.scheduler
-        for request_id in [*scheduler.requests, *scheduler.held]:
+        for request_id in [*scheduler.requests, *scheduler.awaiting_room, *scheduler.held]:
             self.engine.abort_request(request_id)
 
     def _ready(self) -> pb.CoreReady:

@@ -218,7 +218,13 @@ class Engine:
 
     def _check_unused(self, request_id: str) -> None:
         """An id is in use while its request is unfinished or owns blocks (held, reserved or parked)."""
-        if request_id in self.scheduler.requests or self.kv.holds(request_id) or self.kv.is_parked(request_id):
+        s = self.scheduler
+        if (
+            request_id in s.requests
+            or request_id in s.awaiting_room
+            or self.kv.holds(request_id)
+            or self.kv.is_parked(request_id)
+        ):
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def run_outside(self, request_id: str, end: Callable[[], None]) -> None:
@@ -293,6 +299,23 @@ class Engine:
         if num_held is not None:
             self._track(request)
         return num_held
+
+    def queue_reservation(self, request: Request, reserved: Callable[[int], None]) -> None:
+        """reserve_for_transfer now, or once room is freed (reserve_queued, each turn of the step
+        loop), after those queued before it; reserved(num_held) runs on the step loop once made.
+        Its abort withdraws it."""
+        self._check_unused(request.request_id)
+
+        def made(num_held: int) -> None:
+            self._track(request)
+            reserved(num_held)
+
+        self.scheduler.queue_reservation(request, made)
+
+    def reserve_queued(self) -> None:
+        """Make the queued reservations that fit now (blocks freed since: a step, a landing, an abort)."""
+        if self.scheduler.awaiting_room:
+            self.scheduler.reserve_queued()
 
     def accept_first_token(
         self,

@@ -45,6 +45,7 @@ from splitserve.services.engine.ranks import Followers, Message, Op, RanksLost, 
 from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampler import TokenLogprobs
 from splitserve.services.engine.step_stats import StepKind, StepTotals
+from splitserve.services.engine.streams import post_to_loop, set_result
 
 if TYPE_CHECKING:
     from splitserve.services.engine.model_runner import ModelRunner
@@ -197,10 +198,16 @@ class HandoffPort:
         return self._engine.runner.kv_layout
 
     # -- decode side ----------------------------------------------------------------------------
-    async def reserve(self, request: Request) -> Reservation | None:
-        num_held = await self._async.call(self._engine.reserve_for_transfer, request)
-        if num_held is None:
-            return None
+    async def reserve(self, request: Request) -> Reservation:
+        """The prompt's blocks, reserved now or once the pool has room for them (queued in the
+        engine in arrival order: Engine.queue_reservation). Leaving early does not withdraw it: the
+        request's abort does."""
+        loop = asyncio.get_running_loop()
+        reserved: asyncio.Future[int] = loop.create_future()
+        await self._async.call(
+            self._engine.queue_reservation, request, lambda num_held: post_to_loop(loop, set_result, reserved, num_held)
+        )
+        num_held = await reserved
         return Reservation(request, num_held, request.num_prompt_blocks - num_held)
 
     async def accept_first_token(

@@ -3,8 +3,9 @@
 Request lifecycle: waiting -> running -> finished, with running -> waiting on preemption
 (recompute: the request's blocks are freed and its KV recomputed later, cheaply when its blocks
 are still in the prefix cache). The decode tier adds awaiting_kv -> waiting in front (blocks
-reserved while the KV is in flight); the prefill tier adds finished -> held (blocks kept until
-they are sent).
+reserved while the KV is in flight), and awaiting_room before it (a reservation the pool cannot
+hold yet, retried in arrival order as blocks free); the prefill tier adds finished -> held (blocks
+kept until they are sent).
 
 Each step: running requests first (decodes and unfinished chunked prefills), preempting the
 running request last in service order (see `service_key`) when blocks run out; then, if nothing
@@ -19,7 +20,7 @@ from __future__ import annotations
 import bisect
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
@@ -90,6 +91,8 @@ class Scheduler:
         self._use_priority = config.policy == "priority"
         self.waiting = WaitingQueue(self._use_priority)
         self.running: list[Request] = []
+        # decode tier: reservations waiting for room, in arrival order, each with what to call once made
+        self.awaiting_room: dict[str, tuple[Request, Callable[[int], None]]] = {}
         self.awaiting_kv: dict[str, Request] = {}  # decode tier: KV in flight from a prefill worker
         self.held: dict[str, Request] = {}  # prefill tier: finished, blocks kept until sent
         self.requests: dict[str, Request] = {}  # every unfinished request (awaiting_kv included)
@@ -99,8 +102,7 @@ class Scheduler:
 
     # -- queue changes ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._check_unused(request.request_id)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -108,7 +110,10 @@ class Scheduler:
         """Finish (or abort) a request now and free its blocks at once (or hold them: prefill tier)."""
         request = self.requests.pop(request_id, None)
         if request is None:
-            return None
+            queued = self.awaiting_room.pop(request_id, None)
+            if queued is not None:
+                queued[0].status = status
+            return None if queued is None else queued[0]
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.AWAITING_KV:
@@ -123,6 +128,10 @@ class Scheduler:
         else:
             self.kv.free(request)
         return request
+
+    def _check_unused(self, request_id: str) -> None:
+        if request_id in self.requests or request_id in self.awaiting_room:
+            raise ValueError(f"request id {request_id!r} is already in use")
 
     def release_held(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-tier request kept for its KV transfer."""
@@ -145,8 +154,10 @@ class Scheduler:
         With it, blocks not held by waiting or awaiting requests always number at least those
         requests, so when nothing runs one of them can (see _schedule_waiting): no deadlock.
         """
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self._check_unused(request.request_id)
+        return self._reserve(request)
+
+    def _reserve(self, request: Request) -> int | None:
         hit = self.kv.find_prefix_hit(request)
         num_keep_free = self._num_holding_blocks() + 1
         if not self.kv.allocate_slots(request, request.num_tokens - hit.num_tokens, hit, num_keep_free):
@@ -158,6 +169,24 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.awaiting_kv[request.request_id] = request
         return len(hit.blocks)
+
+    def queue_reservation(self, request: Request, reserved: Callable[[int], None]) -> None:
+        """Reserve as reserve_for_transfer does, now or once room is freed (reserve_queued), after
+        the reservations queued before it; reserved(num_held) is called once it is made."""
+        self._check_unused(request.request_id)
+        self.awaiting_room[request.request_id] = (request, reserved)
+        self.reserve_queued()
+
+    def reserve_queued(self) -> None:
+        """Make the queued reservations that fit now, in arrival order (one that does not fit holds
+        the rest back: a large prompt is not starved by small ones)."""
+        while self.awaiting_room:
+            request, reserved = next(iter(self.awaiting_room.values()))
+            num_held = self._reserve(request)
+            if num_held is None:
+                return
+            del self.awaiting_room[request.request_id]
+            reserved(num_held)
 
     def admit_transferred(self, request_id: str) -> None:
         """The prompt's KV landed in the reserved blocks (every write to them has ended): the prompt

@@ -84,6 +84,7 @@ class StepLoop:
             while not closing.is_set():
                 self.apply_commands()
                 engine.expire_leases()
+                engine.reserve_queued()  # what the commands or the last step freed
                 if engine.has_work():
                     engine.step()
                 else:

@@ -161,7 +161,9 @@ class Tiers:
         await self.prefill.shutdown()
 
 
-def _tiers(engines, hub_timeout_s=5.0, send_delay_s=0.0, stream=False, wrap=lambda client: client) -> Tiers:
+def _tiers(
+    engines, hub_timeout_s=5.0, send_delay_s=0.0, stream=False, wrap=lambda client: client, reserve_timeout_s=10.0
+) -> Tiers:
     """wrap(client): the client the decode core uses (a test's, around the direct one)."""
     prefill_engine, decode_engine = engines
     hub = Hub(hub_timeout_s)
@@ -169,7 +171,7 @@ def _tiers(engines, hub_timeout_s=5.0, send_delay_s=0.0, stream=False, wrap=lamb
         prefill_engine, PrefillSetup("127.0.0.1", hub_timeout_s, stream, send_delay_s, hub=hub)
     )
     client = DirectClient({"p0": prefill}, asyncio.get_running_loop())
-    setup = DecodeSetup("127.0.0.1", hub_timeout_s, 10.0, OPEN_CLUSTER, hub=hub, client=wrap(client))
+    setup = DecodeSetup("127.0.0.1", hub_timeout_s, reserve_timeout_s, OPEN_CLUSTER, hub=hub, client=wrap(client))
     decode = EngineCoreClient.in_process(decode_engine, setup)
     return Tiers(prefill, decode, client, hub, setup.made[0])
 
@@ -557,6 +559,8 @@ def test_received_blocks_are_bit_identical(engines):
     decode_engine.runner.write_blocks([7, 9, 11], received)
     assert torch.equal(decode_engine.runner.read_blocks([7, 9, 11]), sent)
     assert checksum(received) == checksum(sent)
+    # the blocks written here may have held cached prefixes: forget them, or later tests read garbage
+    assert prefill_engine.kv.pool.reset_prefix_cache() and decode_engine.kv.pool.reset_prefix_cache()
 
 
 class _StuckFront:
@@ -652,3 +656,73 @@ def test_a_prefill_core_stopped_with_a_send_in_flight_leaves_no_block_held(engin
 
     asyncio.run(main())
     assert _all_free(prefill_engine)
+
+
+def _fill(engine: Engine) -> list[str]:
+    """On the step loop: one-block reservations until the pool takes no more (what a busy decode
+    worker's requests in flight hold); their ids."""
+    ids = []
+    while True:
+        i = len(ids)
+        filler = engine.make_request([i % 300 + 1, i // 300 + 1, *range(2, 8)], SamplingParams(max_tokens=1))
+        if engine.reserve_for_transfer(filler) is None:
+            return ids
+        ids.append(filler.request_id)
+
+
+async def _until(condition: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the state was never reached")
+
+
+def test_a_handoff_without_room_waits_in_the_scheduler_until_blocks_are_freed(engines, tiny_llama_dir):
+    """A full decode worker queues the handoff's reservation (awaiting_room) instead of refusing or
+    polling it; the blocks freed by the next abort make it, and the output is the unified engine's."""
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    want = LLM(_config(tiny_llama_dir)).generate([PROMPTS[2]], params)[0].token_ids
+    decode_engine = engines[1]
+
+    async def main():
+        tiers = _tiers(engines)
+        try:
+            fillers = await tiers.handoff.engine.call(_fill, decode_engine)
+            run = asyncio.ensure_future(_run(tiers, PROMPTS[2], params, "q"))
+            await _until(lambda: "q" in decode_engine.scheduler.awaiting_room)
+            assert not tiers.client.jobs  # no Prefill call before the blocks are reserved
+            for rid in fillers:
+                tiers.decode.abort(rid)  # through the core, as a cancelled stream's abort
+            got = await asyncio.wait_for(run, 30)
+            await _settle(*engines)
+        finally:
+            await tiers.close()
+        return got
+
+    assert asyncio.run(main()) == want
+    assert all(_all_free(e) for e in engines) and not decode_engine.scheduler.awaiting_room
+
+
+def test_a_reservation_that_never_gets_room_is_refused_and_leaves_the_queue(engines):
+    decode_engine = engines[1]
+
+    async def main():
+        tiers = _tiers(engines, reserve_timeout_s=0.5)
+        try:
+            fillers = await tiers.handoff.engine.call(_fill, decode_engine)
+            with pytest.raises(CoreRefused) as info:
+                await _run(tiers, PROMPTS[2], SamplingParams(max_tokens=4), "never")
+            await tiers.decode.drain_kv_events()  # a query after the handoff's end: its abort has run
+            assert not decode_engine.scheduler.awaiting_room
+            for rid in fillers:
+                tiers.decode.abort(rid)
+            await _settle(decode_engine)
+        finally:
+            await tiers.close()
+        return info.value
+
+    error = asyncio.run(main())
+    assert error.code == "RESOURCE_EXHAUSTED" and "no room" in error.message
+    assert not error.failed_peer  # no prefill worker is blamed: none was asked
+    assert _all_free(decode_engine)

@@ -589,3 +589,41 @@ def test_refused_reservation_keeps_the_prefix_cache():
     refused = make_request("refused", list(range(500, 516)))
     assert sched.reserve_for_transfer(refused) is None
     assert sched.kv.pool.num_cached_blocks() == num_cached and all_blocks_free(sched)
+
+
+def test_a_reservation_without_room_waits_in_the_scheduler_and_is_made_in_arrival_order():
+    """No room: the reservation waits in awaiting_room (not retried by its caller) and is made at the
+    first chance after blocks are freed, in arrival order: a large prompt first holds back a small
+    one that would fit, so a stream of small prompts cannot starve it."""
+    sched = make_scheduler(num_blocks=8)
+    running = make_request("running", list(range(100, 115)), max_tokens=3)  # 4 blocks
+    sched.add_request(running)
+    step(sched)
+    made: list[tuple[str, int]] = []
+    big, small = make_request("big", list(range(200, 212))), make_request("small", [300])  # 3 blocks, 1 block
+    sched.queue_reservation(big, lambda num_held: made.append(("big", num_held)))
+    sched.queue_reservation(small, lambda num_held: made.append(("small", num_held)))
+    assert not made and list(sched.awaiting_room) == ["big", "small"] and not sched.awaiting_kv
+    sched.reserve_queued()
+    assert not made  # nothing was freed
+    with pytest.raises(ValueError, match="already in use"):
+        sched.queue_reservation(make_request("big", [1]), lambda _: None)
+    run_until_done(sched)  # the running request finishes: its blocks come back
+    sched.reserve_queued()
+    assert made == [("big", 0), ("small", 0)] and not sched.awaiting_room
+    assert set(sched.awaiting_kv) == {"big", "small"}
+
+
+def test_an_aborted_reservation_leaves_the_queue_without_being_made():
+    sched = make_scheduler(num_blocks=8)
+    running = make_request("running", list(range(100, 119)), max_tokens=3)  # 5 blocks
+    sched.add_request(running)
+    step(sched)
+    made: list[int] = []
+    queued = make_request("queued", list(range(200, 212)))
+    sched.queue_reservation(queued, made.append)
+    assert sched.finish_request("queued", RequestStatus.FINISHED_ABORTED) is queued
+    assert queued.status is RequestStatus.FINISHED_ABORTED and not sched.awaiting_room
+    run_until_done(sched)
+    sched.reserve_queued()
+    assert not made and not sched.kv.holds("queued") and all_blocks_free(sched)
