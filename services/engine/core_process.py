@@ -326,8 +326,8 @@ class EngineCore:
 class PipeOutputs(OutputSink):
     """The step tokens leave for the serving process, which processes them (services/engine/core_client.py)
     and acknowledges each step with the requests to finish; the engine waits for an acknowledgement
-    only where an output thread would be waited for (a stop string must end its request within one
-    step). The serving process tracks its requests itself: add and abort have nothing to do here."""
+    only where a stop string must end its request within one step. The serving process tracks its
+    requests itself: add and abort have nothing to do here."""
 
     def __init__(
         self,

@@ -103,9 +103,9 @@ class Engine:
         self._outputs = OutputProcessor(self.tokenizer)
         self._sink: OutputSink | None = None  # where step tokens go when not processed inline
         # Requests the output processor asks to finish (stop strings, failures), applied before a
-        # schedule; appended from the output thread (deque appends are atomic).
+        # schedule; appended from the sink's thread (deque appends are atomic).
         self._to_finish: deque[tuple[str, RequestStatus]] = deque()
-        self._recent_tickets: deque[int] = deque(maxlen=2)  # the output thread's tickets of the last two steps
+        self._recent_tickets: deque[int] = deque(maxlen=2)  # the sink's tickets of the last two steps
         self._stop_string_ids: set[str] = set()  # unfinished requests with stop strings
         # Prefill tier, during a step: requests whose KV a sender reads as this step computes it; their
         # blocks were claimed at schedule (no lease: only the sender's release_held frees them).

@@ -29,7 +29,8 @@ from splitserve.services.engine.outputs import Finish, OutputRequest, RequestOut
 from splitserve.services.engine.request import FinishReason, RequestStatus
 
 log = logging.getLogger("splitserve.services.engine")
-# The output thread offers the GIL back every this many requests (~0.1 ms of work on this CPU).
+# Processing off the step loop (a core client's reader) offers the GIL back every this many requests
+# (~0.1 ms of work on this CPU).
 _REQUESTS_BETWEEN_PAUSES = 32
 
 
@@ -77,8 +78,8 @@ class OutputProcessor:
         return len(self._tracked)
 
     def process(self, step: StepTokens, pause: Callable[[], None] | None = None) -> ProcessedStep:
-        """The step's outputs; pause() is called between runs of requests (the output thread
-        yields the GIL there, so that the step loop never waits long for it)."""
+        """The step's outputs; pause() is called between runs of requests (a core client's reader
+        yields the GIL there, so that an in-process core's step loop never waits long for it)."""
         done = ProcessedStep()
         tracked, finished, outputs = self._tracked, step.finished, done.outputs
         for i, (request, token_id) in enumerate(zip(step.requests, step.token_ids)):
