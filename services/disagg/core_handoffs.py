@@ -167,20 +167,17 @@ class CoreLoop:
         self.loop.call_soon_threadsafe(cancel)
 
     def close(self, close: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Cancel every task, run close() on the loop, stop it."""
+        """As asyncio.run ends: cancel every task on the loop (the requests' and what their handoffs
+        left behind: a send, a landing) and give them a moment to end, so what they post (their
+        blocks' release) is queued before the core aborts the rest; then run close() and stop."""
 
         async def stop() -> None:
-            for task in list(self._tasks.values()):
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in tasks:
                 task.cancel()
+            if tasks:
+                await asyncio.wait(tasks, timeout=CLOSE_TASKS_TIMEOUT_S)
             await close()
-            # as asyncio.run ends: every task left (a send or a landing a handoff left behind) is
-            # cancelled and given a moment to end, so what it posts (its blocks' release) is queued
-            # before the core aborts the rest
-            rest = asyncio.all_tasks() - {asyncio.current_task()}
-            for task in rest:
-                task.cancel()
-            if rest:
-                await asyncio.wait(rest, timeout=CLOSE_TASKS_TIMEOUT_S)
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self.loop).result(timeout=5.0)

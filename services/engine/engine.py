@@ -314,8 +314,7 @@ class Engine:
 
     def reserve_queued(self) -> None:
         """Make the queued reservations that fit now (blocks freed since: a step, a landing, an abort)."""
-        if self.scheduler.awaiting_room:
-            self.scheduler.reserve_queued()
+        self.scheduler.reserve_queued()
 
     def accept_first_token(
         self,
@@ -324,14 +323,13 @@ class Engine:
         logprobs: TokenLogprobs | None,
         sampler_state: bytes | None,
         prefill_ms: tuple[float, float] = (0.0, 0.0),
-    ) -> bool:
+    ) -> None:
         """The prefill worker's first token: append it, carry the sampler over, check stops; the
         token goes to the outputs like a step's. prefill_ms: the prefill worker's queue and compute
-        times (the request's first stages). False if the request ended: gone (aborted meanwhile) or
-        finished at this token."""
+        times (the request's first stages). Nothing if the request is gone (aborted meanwhile)."""
         request = self.scheduler.awaiting_kv.get(request_id)
         if request is None:
-            return False
+            return
         request.append_output_token(token_id)
         now = time.monotonic()
         request.handoff_times = HandoffTimes(*prefill_ms, first_token_time=now)
@@ -344,7 +342,6 @@ class Engine:
             finished[request_id] = self._finished(request)
         lookup = {request_id: logprobs} if logprobs is not None else None
         self._emit(StepTokens([request], [token_id], finished, now, lookup))
-        return status is None
 
     def admit_transferred(self, request_id: str, num_held: int, write: Callable[[Sequence[int]], None]) -> bool:
         """Write the received KV (write(block_ids): the reserved blocks after the num_held already

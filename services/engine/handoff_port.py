@@ -217,9 +217,9 @@ class HandoffPort:
         logprobs: TokenLogprobs | None,
         sampler_state: bytes | None,
         prefill_ms: tuple[float, float],
-    ) -> bool:
-        """The token goes out like a step's; False if the request ended (gone, or finished at it)."""
-        return await self._async.call(
+    ) -> None:
+        """The token goes out like a step's (nothing happens if the request is gone)."""
+        await self._async.call(
             self._engine.accept_first_token,
             reservation.request.request_id,
             token_id,
