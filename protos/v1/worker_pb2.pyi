@@ -65,18 +65,28 @@ class EngineSamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "priority", "prefill_address", "params")
+    __slots__ = ("request_id", "prompt_token_ids", "priority", "prefill_address", "params", "continuation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     priority: int
     prefill_address: str
     params: EngineSamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ...) -> None: ...
+    continuation: Continuation
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., priority: _Optional[int] = ..., prefill_address: _Optional[str] = ..., params: _Optional[_Union[EngineSamplingParams, _Mapping]] = ..., continuation: _Optional[_Union[Continuation, _Mapping]] = ...) -> None: ...
+
+class Continuation(_message.Message):
+    __slots__ = ("output_token_ids", "num_text_chars")
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TEXT_CHARS_FIELD_NUMBER: _ClassVar[int]
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_text_chars: int
+    def __init__(self, output_token_ids: _Optional[_Iterable[int]] = ..., num_text_chars: _Optional[int] = ...) -> None: ...
 
 class KVChannel(_message.Message):
     __slots__ = ("store_address", "key", "secret", "backend")
@@ -141,20 +151,18 @@ class SendStarted(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
-    __slots__ = ("token_id", "logprobs", "sampler_state", "num_blocks", "queue_ms", "compute_ms")
+    __slots__ = ("token_id", "logprobs", "num_blocks", "queue_ms", "compute_ms")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    sampler_state: bytes
     num_blocks: int
     queue_ms: float
     compute_ms: float
-    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., sampler_state: _Optional[bytes] = ..., num_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., num_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
 
 class TransferDone(_message.Message):
     __slots__ = ("num_blocks", "num_bytes", "send_ms", "piece_checksums_xxh3")

@@ -1,6 +1,6 @@
 """What a worker's KV handoffs need inside its engine core process: a thread of
-their own with an asyncio loop, the core's step loop as HandoffPort drives it, the outputs of the
-prompts the core runs for itself.
+their own with an asyncio loop, and the outputs of the prompts the core runs for itself (the core's
+step loop, which HandoffPort drives, answers their calls between steps: StepLoop.call).
 
 A decode worker's core (services/disagg/decode.py CoreDecode) receives KV; a prefill worker's
 (services/disagg/prefill.py CorePrefill) computes prompts and sends theirs. Either way the KV moves in the process
@@ -14,24 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import torch
 
 from splitserve.common.tracing import remote_task_context
-from splitserve.services.disagg.rank_transfers import Endpoint, open_rank_endpoints
-from splitserve.services.engine.cpu_threads import serial_torch_ops
+from splitserve.services.disagg.rank_transfers import start_loop_thread
 from splitserve.services.engine.engine import Engine
-from splitserve.services.engine.handoff_port import HandoffPort
-from splitserve.services.engine.model_runner import bind_thread
 from splitserve.services.engine.output_processor import OutputProcessor
 from splitserve.services.engine.outputs import RequestOutput, StepTokens
 from splitserve.services.engine.request import Request
 from splitserve.services.engine.step_loop import StepLoop
-from splitserve.services.engine.streams import RequestFailed, answer_call, post_to_loop, set_exception, set_result
+from splitserve.services.engine.streams import RequestFailed, post_to_loop, set_exception, set_result
 
 log = logging.getLogger("splitserve.services.engine")
 
@@ -42,12 +38,24 @@ CLOSE_TASKS_TIMEOUT_S = 2.0  # a closing core's wait for its handoffs' tasks to 
 class CorePrompts:
     """Outputs of the prompts the core runs for itself (a prefill worker's): each step's tokens go
     through an output processor of their own on the step loop (PipeOutputs' tap), and a prompt's
-    final output resolves its waiter. Everything here runs on the step loop."""
+    final output resolves its waiter. Everything here but `run` runs on the step loop."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._processor = OutputProcessor(engine.tokenizer)
         self._waiters: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[RequestOutput]]] = {}
+
+    async def run(self, steps: StepLoop, request: Request) -> RequestOutput:
+        """From the handoff loop: add a validated request and return its final output (a prompt that
+        stops after its prefill has one); a cancel aborts it."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[RequestOutput] = loop.create_future()
+        steps.post(self.add, request, loop, future)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            steps.post(self.abort, request.request_id)
+            raise
 
     def add(self, request: Request, loop: asyncio.AbstractEventLoop, future: asyncio.Future[RequestOutput]) -> None:
         self._processor.add(request, time.monotonic())
@@ -78,38 +86,6 @@ class CorePrompts:
         return self._waiters.pop(request_id, None) is not None
 
 
-class CoreFront:
-    """The core's step loop as a HandoffPort drives it (services/engine/handoff_port.py EngineFront): calls
-    between steps, answered on the handoff thread's event loop; and, given CorePrompts, prompts run
-    to their first token (what services/disagg/prefill.py prefill_and_send reads)."""
-
-    def __init__(self, engine: Engine, steps: StepLoop, prompts: CorePrompts | None = None) -> None:
-        self.engine, self._steps, self._prompts = engine, steps, prompts
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._steps.post(answer_call, loop, future, fn, args)
-        return await future
-
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        self._steps.post(fn, *args)
-
-    async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """Add a validated request and yield its final output (a prompt that stops after its prefill
-        has one); leaving early aborts it."""
-        assert self._prompts is not None, "this core runs no prompts of its own"
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[RequestOutput] = loop.create_future()
-        self._steps.post(self._prompts.add, request, loop, future)
-        try:
-            out = await future
-        except asyncio.CancelledError:
-            self._steps.post(self._prompts.abort, request.request_id)
-            raise
-        yield out
-
-
 class CoreLoop:
     """The handoffs' thread and asyncio loop in the core, one task per request until the serving
     process is told how it went."""
@@ -118,16 +94,9 @@ class CoreLoop:
         """engine: it owns each task's end (an abort cancels it); device: the engine's, the thread is
         bound to it (pinned staging, side streams and NCCL groups are made here: unbound, they would
         make a CUDA context on device 0 too)."""
-        self.loop = asyncio.new_event_loop()
         self._engine = engine
         self._tasks: dict[str, asyncio.Task] = {}  # on the loop only
-        self._thread = threading.Thread(target=self._run, args=(device,), name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self, device: torch.device) -> None:
-        bind_thread(device)
-        serial_torch_ops()  # the cores belong to the step loop's forward (services/engine/cpu_threads.py)
-        self.loop.run_forever()
+        self.loop = start_loop_thread(name, device)
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """From another thread: run coroutine on the loop and wait for it."""
@@ -184,14 +153,3 @@ class CoreLoop:
         except Exception:  # the core is exiting either way
             log.exception("closing the core's handoffs failed")
         self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-async def open_endpoints(port: HandoffPort, endpoint: Endpoint, host: str, timeout_s: float) -> None:
-    """A tensor-parallel worker's follower ranks get their KV endpoints on the worker's host (once)."""
-    if port.tensor_parallel_size > 1:
-        await open_rank_endpoints(port, endpoint, host, timeout_s)
-        log.info(
-            "KV endpoints open on %d follower ranks (%s, in the engine core)",
-            port.tensor_parallel_size - 1,
-            endpoint.name.lower(),
-        )

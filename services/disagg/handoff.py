@@ -20,8 +20,8 @@ splitserve.v1 messages in prefill_client.py; unit tests pass them directly).
                                                       its own prefix cache) as a request that
                                                       finishes at its first token and keeps its
                                                       blocks (held, under a lease: leases.py)
-    5. first token -> to the client at once    <-- FirstToken (token, logprobs, seeded sampler
-       (sampler state carried over)                   state, number of blocks)
+    5. first token -> to the client at once    <-- FirstToken (token, logprobs, number of
+                                                      blocks)
                                                    6. send every piece from its rank (rank 0
     7. land     each receiving rank receives its       itself, a follower by SEND_KV), gathered
        pieces into a staging buffer; every           and checksummed chunk by chunk on the wire;
@@ -76,7 +76,6 @@ import grpc
 from splitserve.protos.v1 import worker_pb2 as pb
 from splitserve.services.disagg.plan import Piece
 from splitserve.services.disagg.transfer.base import ChannelSpec
-from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampler import TokenLogprobs
 
 
@@ -118,7 +117,6 @@ class FirstToken:
 
     token_id: int
     logprobs: TokenLogprobs | None
-    sampler_state: bytes | None  # seeded requests: the generator after this sample
     num_blocks: int  # blocks the transfer will carry
     queue_ms: float = 0.0  # the prompt's wait on the prefill worker
     compute_ms: float = 0.0  # from first scheduled there to this token
@@ -153,11 +151,9 @@ class PrefillClient(ABC):
     """How a decode worker reaches prefill workers (gRPC in production, direct calls in tests)."""
 
     @abstractmethod
-    def prefill(
-        self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None, job: HandoffJob
-    ) -> AsyncIterator[HandoffEvent]:
+    def prefill(self, peer: str, wire: pb.WorkerGenerateRequest, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
         """Stream FirstToken then TransferDone from the prefill worker at peer. wire is the request
-        as this worker received it (forwarded as is), when it came over gRPC."""
+        as this worker received it (forwarded as is)."""
 
     async def tensor_parallel_size(self, peer: str) -> int:
         """The ranks of the prefill worker at peer (what the plan of a handoff needs); a client that

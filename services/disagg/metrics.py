@@ -15,8 +15,8 @@ DIRECTIONS = {"prefill": "sent", "decode": "received"}  # role -> the direction 
 
 
 class KVTransferMetrics:
-    """What a prefill worker's sends (services/disagg/prefill.py SendMetrics) and a decode worker's
-    handoffs (services/disagg/decode.py HandoffMetrics) count."""
+    """What a prefill worker's sends (services/disagg/prefill.py) and a decode worker's handoffs
+    (services/disagg/decode.py) count, in the engine core."""
 
     def __init__(self, labels: Mapping[str, str], role: str, registry: CollectorRegistry) -> None:
         """labels: the worker's (model_name, role), on every series; role: what the worker does."""

@@ -35,7 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,12 +43,19 @@ from prometheus_client import CollectorRegistry
 
 from splitserve.common.tracing import stage, tracer
 from splitserve.protos.v1 import engine_core_pb2 as cpb
-from splitserve.services.disagg.core_handoffs import CoreFront, CoreLoop, CorePrompts, open_endpoints
+from splitserve.services.disagg.core_handoffs import CoreLoop, CorePrompts
 from splitserve.services.disagg.handoff import FirstToken, HandoffEvent, HandoffJob, SendStarted, TransferDone
 from splitserve.services.disagg.metrics import KVTransferMetrics
 from splitserve.services.disagg.plan import check_fits
 from splitserve.services.disagg.prefill_client import event_to_proto, job_from_proto
-from splitserve.services.disagg.rank_transfers import Endpoint, PieceReport, connect_piece, send_order, send_piece
+from splitserve.services.disagg.rank_transfers import (
+    Endpoint,
+    PieceReport,
+    connect_piece,
+    open_rank_endpoints,
+    send_order,
+    send_piece,
+)
 from splitserve.services.disagg.transfer.base import KVSender, TransferError, TransferFailure
 from splitserve.services.disagg.transfer.isolated import make_sender
 from splitserve.services.engine.core_process import Send, refusal
@@ -64,33 +71,23 @@ from splitserve.services.engine.streams import RequestFailed
 log = logging.getLogger("splitserve.prefill")
 
 
-class SendMetrics(Protocol):
-    """What a send counts (services/disagg/metrics.py KVTransferMetrics, in the engine core)."""
-
-    def observe_transfer(self, direction: str, num_blocks: int, num_bytes: int, seconds: float) -> None: ...
-
-    def observe_transfer_failure(self, reason: TransferFailure) -> None: ...
-
-    def observe_rank_bytes(self, direction: str, rank: int, num_bytes: int) -> None: ...
-
-    def observe_streamed_send(self) -> None: ...
-
-
 async def prefill_and_send(
-    engine: CoreFront,
+    steps: StepLoop,
+    prompts: CorePrompts,
     request: Request,
     sender: KVSender,
     job: HandoffJob,
-    metrics: SendMetrics | None = None,
+    metrics: KVTransferMetrics,
     send_delay_s: float = 0.0,
     stream: bool = False,
 ) -> AsyncIterator[HandoffEvent]:
-    """Yield FirstToken, then TransferDone. request comes from HandoffPort.make_prefill_request.
+    """Yield FirstToken, then TransferDone. request comes from HandoffPort.make_prefill_request; the
+    prompt runs on the core's step loop, its first token processed by prompts.
     stream: send the KV layer by layer while the step computing the prompt's last chunk runs (every
     rank its own pieces); SendStarted comes first then, as soon as that step is scheduled.
     Raises ValueError for a bad job, TransferError if the send fails. send_delay_s is a
     fault-injection hook for tests (a slow or stuck sender)."""
-    port = HandoffPort(engine)
+    port = HandoffPort(steps)
     _check_job(port, job)
     sender.use_device(port.device)  # an NCCL channel's group is built on it
     for piece in job.pieces:
@@ -106,7 +103,7 @@ async def prefill_and_send(
 
     streamed = _stream_from_step(port, job, request, send) if stream else asyncio.get_running_loop().create_future()
     started_ns = time.time_ns()
-    run = asyncio.ensure_future(_run_prompt(engine, request))
+    run = asyncio.ensure_future(prompts.run(steps, request))
     sending: asyncio.Task | None = None
     sent = False
     try:
@@ -126,9 +123,7 @@ async def prefill_and_send(
         queue_ms, ttft_ms = final.timings.queue_ms, final.timings.ttft_ms
         compute_ms = 0.0 if ttft_ms is None else ttft_ms - queue_ms
         num_blocks = len(final.handoff.block_ids[job.num_skip_blocks :])
-        yield FirstToken(
-            final.new_token_ids[0], logprobs, final.handoff.sampler_state, num_blocks, queue_ms, compute_ms
-        )
+        yield FirstToken(final.new_token_ids[0], logprobs, num_blocks, queue_ms, compute_ms)
         done = await asyncio.shield(sending)  # a cancel reaches the send below, where it waits
         sent = True
         yield done
@@ -213,30 +208,40 @@ def _consume_error(task: asyncio.Task) -> None:
         task.exception()
 
 
-async def _run_prompt(engine: CoreFront, request: Request) -> RequestOutput:
-    final = None
-    async for out in engine.generate_request(request):
-        final = out
-    assert final is not None and final.finished
-    return final
-
-
 async def _send(
     port: HandoffPort,
     sender: KVSender,
     job: HandoffJob,
     request_id: str,
     block_ids: Sequence[int],
-    metrics: SendMetrics | None,
+    metrics: KVTransferMetrics,
     send_delay_s: float,
     step: StreamedStep | None,
 ) -> TransferDone:
-    """The send under its span (a child of the Prefill call's: this task inherits its context)."""
+    """Sends the held blocks (a streamed send's were claimed when its step was scheduled), under its
+    span (a child of the Prefill call's: this task inherits its context)."""
     attributes = {"splitserve.num_blocks": len(block_ids), "splitserve.streamed": step is not None}
     with stage("prefill.kv_send", attributes) as span:
         started = time.monotonic()
         try:
-            done = await _send_held(port, sender, job, request_id, block_ids, metrics, send_delay_s, step)
+            if step is None and not await port.claim_held(request_id):
+                raise TransferError(
+                    TransferFailure.CLOSED,
+                    f"the KV of request {request_id} was released before its "
+                    "send started (its lease expired or it was aborted)",
+                )
+            try:
+                if send_delay_s:
+                    await asyncio.sleep(send_delay_s)
+                layers, streaming = (None, {}) if step is None else (step.layers, step.followers)
+                sends = (
+                    send_piece(port, sender, piece, block_ids, layers, streaming.get(i))
+                    for i, piece in enumerate(job.pieces)
+                )
+                results = await asyncio.gather(*sends, return_exceptions=True)
+            finally:  # every piece sent or failed; the decode worker gets TransferDone before the release is done
+                port.release_held_soon(request_id)
+            done = _observe_sent(job, block_ids, _reports(results, metrics), metrics, step is not None)
         except Exception as e:  # the decode worker recomputes; this side's log says why and how long it took
             elapsed = time.monotonic() - started
             log.warning("request %s: KV send failed after %.2f s (%s: %s)", request_id, elapsed, type(e).__name__, e)
@@ -245,58 +250,32 @@ async def _send(
     return done
 
 
-async def _send_held(
-    port: HandoffPort,
-    sender: KVSender,
-    job: HandoffJob,
-    request_id: str,
-    block_ids: Sequence[int],
-    metrics: SendMetrics | None,
-    send_delay_s: float,
-    step: StreamedStep | None,
+def _observe_sent(
+    job: HandoffJob, block_ids: Sequence[int], reports: list[PieceReport], metrics: KVTransferMetrics, streamed: bool
 ) -> TransferDone:
-    """Sends the held blocks (a streamed send's were claimed when its step was scheduled)."""
-    if step is None and not await port.claim_held(request_id):
-        raise TransferError(
-            TransferFailure.CLOSED,
-            f"the KV of request {request_id} was released before its "
-            "send started (its lease expired or it was aborted)",
-        )
-    try:
-        if send_delay_s:
-            await asyncio.sleep(send_delay_s)
-        layers, streaming = (None, {}) if step is None else (step.layers, step.followers)
-        sends = (
-            send_piece(port, sender, piece, block_ids, layers, streaming.get(i)) for i, piece in enumerate(job.pieces)
-        )
-        results = await asyncio.gather(*sends, return_exceptions=True)
-    finally:  # every piece sent or failed; the decode worker gets TransferDone before the release is done
-        port.release_held_soon(request_id)
-    reports = _reports(results, metrics)
+    """The sender's report of the pieces sent, counted."""
     done = TransferDone(
         len(block_ids),
         sum(r.num_bytes for r in reports),
         tuple(r.checksum for r in reports),
         max((r.seconds for r in reports), default=0.0),
     )
-    if metrics is not None:
-        metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, done.seconds)
-        if step is not None:
-            metrics.observe_streamed_send()
-        for piece, report in zip(job.pieces, reports):
-            metrics.observe_rank_bytes("sent", piece.piece.src_rank, report.num_bytes)
+    metrics.observe_transfer("sent", done.num_blocks, done.num_bytes, done.seconds)
+    if streamed:
+        metrics.observe_streamed_send()
+    for piece, report in zip(job.pieces, reports):
+        metrics.observe_rank_bytes("sent", piece.piece.src_rank, report.num_bytes)
     return done
 
 
-def _reports(results: list, metrics: SendMetrics | None) -> list[PieceReport]:
+def _reports(results: list, metrics: KVTransferMetrics) -> list[PieceReport]:
     """The pieces' reports, or the first failure raised (each counted once per handoff)."""
     for result in results:
         if isinstance(result, BaseException) and not isinstance(result, TransferError):
             raise result
     errors = [r for r in results if isinstance(r, TransferError)]
     if errors:
-        if metrics is not None:
-            metrics.observe_transfer_failure(errors[0].reason)
+        metrics.observe_transfer_failure(errors[0].reason)
         raise errors[0]
     return results
 
@@ -325,16 +304,15 @@ class CorePrefill:
     def __init__(
         self, setup: CorePrefillSetup, engine: Engine, steps: StepLoop, send: Send, metrics: KVTransferMetrics
     ) -> None:
-        self._prompts = CorePrompts(engine)
-        self._front = CoreFront(engine, steps, self._prompts)
-        port = HandoffPort(self._front)
+        self._steps, self._prompts = steps, CorePrompts(engine)
+        port = HandoffPort(steps)
         self._num_kv_heads = port.num_kv_heads
         self._setup, self._send = setup, send
         self._sender = setup.make_sender(port.device)
         self._metrics = metrics
         self._loop = CoreLoop("core-prefills", engine, port.device)
         # follower ranks (children of this core) send their own KV heads from endpoints of their own
-        self._loop.run(open_endpoints(port, Endpoint.SENDER, setup.host, setup.transfer_timeout_s))
+        self._loop.run(open_rank_endpoints(port, Endpoint.SENDER, setup.host, setup.transfer_timeout_s))
 
     def start(self, request: Request, add: cpb.CoreAddRequest) -> None:
         rid = request.request_id
@@ -359,9 +337,9 @@ class CorePrefill:
 
     # -- on the loop --------------------------------------------------------------------------------
     async def _prefill(self, request: Request, job: HandoffJob) -> None:
-        rid, setup = request.request_id, self._setup
+        rid, setup, steps, prompts = request.request_id, self._setup, self._steps, self._prompts
         events = prefill_and_send(
-            self._front, request, self._sender, job, self._metrics, setup.send_delay_s, setup.kv_streaming
+            steps, prompts, request, self._sender, job, self._metrics, setup.send_delay_s, setup.kv_streaming
         )
         try:
             async for event in events:

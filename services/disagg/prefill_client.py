@@ -26,7 +26,6 @@ from splitserve.services.disagg.handoff import (
 from splitserve.services.disagg.plan import Piece
 from splitserve.services.disagg.transfer.base import Backend, ChannelSpec
 from splitserve.services.engine.core_wire import logprobs_from_proto
-from splitserve.services.engine.request import Request
 
 PEER_TIMEOUT_S = 10.0  # GetLoad of a prefill worker (its size, once per peer)
 
@@ -95,7 +94,6 @@ def event_to_proto(event: HandoffEvent) -> pb.PrefillResponse:
             first_token=pb.FirstToken(
                 token_id=event.token_id,
                 logprobs=logprobs,
-                sampler_state=event.sampler_state or b"",
                 num_blocks=event.num_blocks,
                 queue_ms=event.queue_ms,
                 compute_ms=event.compute_ms,
@@ -119,7 +117,7 @@ def event_from_proto(msg: pb.PrefillResponse) -> HandoffEvent:
         f = msg.first_token
         logprobs = logprobs_from_proto(f.logprobs)
         first_logprobs = logprobs[0] if logprobs else None
-        return FirstToken(f.token_id, first_logprobs, f.sampler_state or None, f.num_blocks, f.queue_ms, f.compute_ms)
+        return FirstToken(f.token_id, first_logprobs, f.num_blocks, f.queue_ms, f.compute_ms)
     d = msg.transfer_done
     return TransferDone(d.num_blocks, d.num_bytes, tuple(d.piece_checksums_xxh3), d.send_ms / 1e3)
 
@@ -136,11 +134,7 @@ class GrpcPrefillClient(PrefillClient):
             self._channels[address] = self._channel(address, PEER_CHANNEL_OPTIONS)
         return pb_grpc.WorkerStub(self._channels[address])
 
-    async def prefill(
-        self, peer: str, request: Request, wire: pb.WorkerGenerateRequest | None, job: HandoffJob
-    ) -> AsyncIterator[HandoffEvent]:
-        if wire is None:
-            raise ValueError("the gRPC prefill client forwards the request as this worker received it; got none")
+    async def prefill(self, peer: str, wire: pb.WorkerGenerateRequest, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
         # Forwarded as received (the prefill worker validates it again, as it would any request).
         msg = job_to_proto(job, wire)
         # A child of the current span (the request's); ends at TransferDone, after which nobody reads on.

@@ -60,6 +60,7 @@ from splitserve.services.disagg.transfer.base import (
     TransferFailure,
 )
 from splitserve.services.disagg.transfer.isolated import make_receiver, make_sender
+from splitserve.services.engine.cpu_threads import serial_torch_ops
 from splitserve.services.engine.handoff_port import (
     HandoffPort,
     LandedPiece,
@@ -69,6 +70,7 @@ from splitserve.services.engine.handoff_port import (
 )
 from splitserve.services.engine.kv_cache.staging import Staging
 from splitserve.services.engine.layer_progress import LayerProgress
+from splitserve.services.engine.model_runner import bind_thread
 from splitserve.services.engine.ranks import Message, Op, RanksLost, Status, bytes_array, encode
 
 if TYPE_CHECKING:
@@ -145,12 +147,33 @@ async def _reply(rank: int, reply: Awaitable[Message]) -> list[np.ndarray]:
         raise TransferError(TransferFailure.PEER_LOST, f"rank {rank} of this worker is gone ({e})") from None
 
 
+def start_loop_thread(name: str, device: torch.device) -> asyncio.AbstractEventLoop:
+    """A new asyncio loop, run by a daemon thread of its own (stopped with loop.stop) bound to device,
+    the worker's KV cache's (pinned staging, side streams and NCCL groups are made there: unbound, they
+    would make a CUDA context on device 0 too). Its torch ops run serially: the cores belong to the
+    step loop's forward (services/engine/cpu_threads.py), no second OpenMP pool beside it."""
+    loop = asyncio.new_event_loop()
+
+    def run() -> None:
+        bind_thread(device)
+        serial_torch_ops()
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return loop
+
+
 # -- rank 0 ---------------------------------------------------------------------------------------------
 async def open_rank_endpoints(port: HandoffPort, endpoint: Endpoint, host: str, timeout_s: float) -> None:
-    """Give every follower rank its own transport endpoint on the worker's host (once, at start)."""
-    numbers, address = np.array([int(endpoint), round(timeout_s * 1e3)]), bytes_array(host.encode())
+    """Give every follower rank of a tensor-parallel worker its own transport endpoint on the
+    worker's host (once, at start; nothing to do for a single rank)."""
     size = port.tensor_parallel_size
+    if size == 1:
+        return
+    numbers, address = np.array([int(endpoint), round(timeout_s * 1e3)]), bytes_array(host.encode())
     await asyncio.gather(*(_ask(port, rank, Op.OPEN_KV, numbers, address) for rank in range(1, size)))
+    log.info("KV endpoints open on %d follower ranks (%s, in the engine core)", size - 1, endpoint.name.lower())
 
 
 def connect_piece(port: HandoffPort, sender: KVSender, job: PieceJob) -> None:
@@ -290,17 +313,7 @@ class RankAgent:
         self._lock = threading.Lock()
         self._landed: dict[int, Staging] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._loop = asyncio.new_event_loop()
-        threading.Thread(target=self._run, name="kv-rank-transfers", daemon=True).start()
-
-    def _run(self) -> None:
-        from splitserve.services.engine.cpu_threads import serial_torch_ops
-        from splitserve.services.engine.model_runner import bind_thread
-
-        bind_thread(self._runner.device)  # it reads and writes this rank's cache
-        serial_torch_ops()  # beside the follower's steps: no second OpenMP pool
-        asyncio.set_event_loop(self._loop)
-        self._loop.run_forever()
+        self._loop = start_loop_thread("kv-rank-transfers", runner.device)  # it reads and writes this rank's cache
 
     def submit(self, order: Message, layers: LayerProgress | None = None) -> None:
         self._loop.call_soon_threadsafe(self._start, order, layers)

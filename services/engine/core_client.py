@@ -276,9 +276,6 @@ class EngineCoreClient:
     def num_requests(self) -> int:
         return len(self._streams) + len(self._prefills)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._streams
-
     async def shutdown(self) -> None:
         """Stop the core after its current step (outputs computed are still delivered) and wait for
         it to exit; killed if it has not within SHUTDOWN_TIMEOUT_S. load() is then its final state."""

@@ -62,7 +62,6 @@ from splitserve.services.engine.core_pipe import PipeWriter
 from splitserve.services.engine.core_wire import load_to_proto, step_tokens_to_proto
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import engine_load
-from splitserve.services.engine.output_processor import OutputRequest, OutputSink
 from splitserve.services.engine.outputs import StepTokens
 from splitserve.services.engine.request import Request, RequestStatus
 from splitserve.services.engine.step_loop import StepLoop, load_engine
@@ -323,11 +322,12 @@ class EngineCore:
         return counts
 
 
-class PipeOutputs(OutputSink):
-    """The step tokens leave for the serving process, which processes them (services/engine/core_client.py)
-    and acknowledges each step with the requests to finish; the engine waits for an acknowledgement
-    only where a stop string must end its request within one step. The serving process tracks its
-    requests itself: add and abort have nothing to do here."""
+class PipeOutputs:
+    """The engine's output sink: the step tokens leave for the serving process, which processes them
+    (services/engine/core_client.py) and acknowledges each step with the requests to finish; the engine
+    waits for an acknowledgement only where a stop string must end its request within one step. The
+    serving process tracks its requests itself (their arrivals and aborts never come here). Calls
+    come from the step loop, in step order."""
 
     def __init__(
         self,
@@ -345,12 +345,6 @@ class PipeOutputs(OutputSink):
         self._closed = False
         self._changed = threading.Condition()
 
-    def add(self, request: OutputRequest, arrival: float) -> None:
-        pass
-
-    def abort(self, request_id: str) -> None:
-        pass  # aborts come from the serving process, which ended the stream
-
     def submit(self, step: StepTokens) -> int:
         """On the step loop: waits while the serving process is a queue's worth of events behind."""
         self._wait_for_room()
@@ -364,12 +358,13 @@ class PipeOutputs(OutputSink):
         self._send(pb.CoreEvent(step_tokens=msg))
         return self._num_submitted
 
-    def wait(self, ticket: int | None = None) -> None:
-        ticket = self._num_submitted if ticket is None else ticket
+    def wait(self, ticket: int) -> None:
+        """Until the step with this ticket went through (or the sink closed)."""
         with self._changed:
             self._changed.wait_for(lambda: self._num_processed >= ticket or self._closed)
 
     def close(self) -> None:
+        """Stop: a step loop waiting for an acknowledgement goes on (what is queued is on the pipe)."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()

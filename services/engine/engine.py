@@ -4,7 +4,7 @@ Lifecycle of a request (unified mode): waiting -> running -> finished (preempted
 Disaggregated tiers use the same engine: the prefill tier finishes a request at its first token
 and holds its blocks until sent (`held_blocks`, `release_held`); the decode tier reserves blocks,
 takes the first token from the prefill worker, then admits the request once its KV has landed
-(`reserve_for_transfer`, `accept_first_token`, `admit_transferred`, `recompute_locally`).
+(`queue_reservation`, `accept_first_token`, `admit_transferred`, `recompute_locally`).
 
 Output processing (detokenization, stop strings, logprobs formatting, the RequestOutputs) is
 services/engine/output_processor.py, fed with each step's token ids (StepTokens): inline, so that step()
@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -44,7 +44,7 @@ from splitserve.services.engine.kv_cache.manager import KVCacheManager
 from splitserve.services.engine.layer_progress import LayerProgress
 from splitserve.services.engine.leases import HeldLeases
 from splitserve.services.engine.model_runner import ModelRunner, WarmUpReport
-from splitserve.services.engine.output_processor import OutputProcessor, OutputSink, ProcessedStep
+from splitserve.services.engine.output_processor import OutputProcessor, ProcessedStep
 from splitserve.services.engine.outputs import (  # noqa: F401  (re-exported: the engine's public output types)
     Finish,
     PrefillHandoff,
@@ -61,6 +61,9 @@ from splitserve.services.engine.scheduler_output import SchedulerOutput
 from splitserve.services.engine.step_inputs import ForwardBatch
 from splitserve.services.engine.step_stats import StepStats
 from splitserve.services.model.loader import open_model
+
+if TYPE_CHECKING:
+    from splitserve.services.engine.core_process import PipeOutputs
 
 PromptInput = str | Sequence[int]
 log = logging.getLogger("splitserve.services.engine")
@@ -101,7 +104,7 @@ class Engine:
         self.stats = EngineStats()
         self.step_stats = StepStats()  # what each kind of step costs (the planner's refit)
         self._outputs = OutputProcessor(self.tokenizer)
-        self._sink: OutputSink | None = None  # where step tokens go when not processed inline
+        self._sink: PipeOutputs | None = None  # where step tokens go when not processed inline
         # Requests the output processor asks to finish (stop strings, failures), applied before a
         # schedule; appended from the sink's thread (deque appends are atomic).
         self._to_finish: deque[tuple[str, RequestStatus]] = deque()
@@ -250,7 +253,8 @@ class Engine:
             end()
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self._forget(request_id)
-        self._output_sink().abort(request_id)  # its stream ends (an inline caller gets nothing)
+        if self._sink is None:  # else its serving process ended the stream (an inline caller gets nothing)
+            self._outputs.abort(request_id)
         if request is None and self._release_unclaimed(request_id):  # finished and held, nobody sending yet
             return True
         return request is not None
@@ -292,18 +296,10 @@ class Engine:
         return sum(self.kv.num_blocks_of(rid) for rid in list(self.scheduler.held))
 
     # -- decode tier ----------------------------------------------------------------------------
-    def reserve_for_transfer(self, request: Request) -> int | None:
-        """Reserve the prompt's blocks; returns the number already held here, None when full."""
-        self._check_unused(request.request_id)
-        num_held = self.scheduler.reserve_for_transfer(request)
-        if num_held is not None:
-            self._track(request)
-        return num_held
-
     def queue_reservation(self, request: Request, reserved: Callable[[int], None]) -> None:
-        """reserve_for_transfer now, or once room is freed (reserve_queued, each turn of the step
-        loop), after those queued before it; reserved(num_held) runs on the step loop once made.
-        Its abort withdraws it."""
+        """Reserve the prompt's blocks (Scheduler.reserve_for_transfer) now, or once room is freed
+        (reserve_queued, each turn of the step loop), after those queued before it; reserved(num_held),
+        the number already held here, runs on the step loop once made. Its abort withdraws it."""
         self._check_unused(request.request_id)
 
         def made(num_held: int) -> None:
@@ -321,10 +317,9 @@ class Engine:
         request_id: str,
         token_id: int,
         logprobs: TokenLogprobs | None,
-        sampler_state: bytes | None,
         prefill_ms: tuple[float, float] = (0.0, 0.0),
     ) -> None:
-        """The prefill worker's first token: append it, carry the sampler over, check stops; the
+        """The prefill worker's first token: append it, check stops; the
         token goes to the outputs like a step's. prefill_ms: the prefill worker's queue and compute
         times (the request's first stages). Nothing if the request is gone (aborted meanwhile)."""
         request = self.scheduler.awaiting_kv.get(request_id)
@@ -333,8 +328,6 @@ class Engine:
         request.append_output_token(token_id)
         now = time.monotonic()
         request.handoff_times = HandoffTimes(*prefill_ms, first_token_time=now)
-        if sampler_state is not None:
-            self.sampler.set_state(request_id, sampler_state)
         finished = {}
         status = request.check_stop(self.runtime.max_model_len)
         if status is not None:
@@ -473,7 +466,7 @@ class Engine:
         rid = request.request_id
         handoff = None
         if request.stop_after_prefill and rid in self.scheduler.held:
-            handoff = PrefillHandoff(self.kv.block_ids(rid), self.sampler.get_state(rid))
+            handoff = PrefillHandoff(self.kv.block_ids(rid))
             if rid not in self._streaming:
                 self.leases.start(rid)
         self._forget(rid)
@@ -506,22 +499,16 @@ class Engine:
     def _track(self, request: Request) -> None:
         if request.sampling_params.stop:
             self._stop_string_ids.add(request.request_id)
-        arrival = time.monotonic()
-        self._output_sink().add(request, arrival)
+        if self._sink is None:  # else its serving process tracks it
+            self._outputs.add(request, time.monotonic())
 
     def _forget(self, request_id: str) -> None:
         """Engine-side state of a request that finished here (its outputs may still be in processing)."""
         self._stop_string_ids.discard(request_id)
         self._to_stream.discard(request_id)
-        self.sampler.release(request_id)
-
-    def _output_sink(self) -> OutputSink | OutputProcessor:
-        """Where a request's arrival and abort go: queued after the steps the sink still has, or the
-        inline processor now."""
-        return self._outputs if self._sink is None else self._sink
 
     # -- output sink ----------------------------------------------------------------------------
-    def start_output_sink(self, sink: OutputSink) -> None:
+    def start_output_sink(self, sink: PipeOutputs) -> None:
         """Hand every step's tokens to sink from now on (step() returns []): a serving process's
         processor across a pipe (services/engine/core_process.py)."""
         if self._sink is not None:

@@ -7,7 +7,7 @@ Decode side:
     reserve(request)            blocks for the whole prompt before any KV moves -> Reservation, or
                                 None while the pool cannot hold it; the reservation owns its
                                 blocks until it is landed, recomputed or the request ends
-    accept_first_token(...)     the prefill worker's first token (and sampler state)
+    accept_first_token(...)     the prefill worker's first token
     land(reservation, pieces)   write the received KV heads into each rank's cache (rank 0's
                                 here, a follower's by COMMIT_KV, ordered before the next step),
                                 admit the request to the batch
@@ -19,8 +19,8 @@ Prefill side:
                                 last chunk is scheduled, read layer by layer as it computes them
 
 Both: staging buffers for the pieces in flight, the follower ranks' orders (ask_rank / tell_rank:
-their KV transfers, services/disagg/rank_transfers.py). Every mutation runs on the engine loop between
-steps (EngineFront.call). What a worker reads of its engine (its load, sizes, KV events) comes from the
+their KV transfers, services/disagg/rank_transfers.py). Every mutation runs on the engine core's step loop
+between steps (StepLoop.call). What a worker reads of its engine (its load, sizes, KV events) comes from the
 engine core's client (services/engine/core_client.py).
 """
 
@@ -31,7 +31,7 @@ import contextvars
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -44,13 +44,12 @@ from splitserve.services.engine.layer_progress import LayerProgress
 from splitserve.services.engine.ranks import Followers, Message, Op, RanksLost, commit_to_wire
 from splitserve.services.engine.request import Request
 from splitserve.services.engine.sampler import TokenLogprobs
+from splitserve.services.engine.step_loop import StepLoop
 from splitserve.services.engine.step_stats import StepKind, StepTotals
 from splitserve.services.engine.streams import post_to_loop, set_result
 
 if TYPE_CHECKING:
     from splitserve.services.engine.model_runner import ModelRunner
-
-T = TypeVar("T")
 
 
 @dataclass(eq=False, slots=True)
@@ -94,24 +93,6 @@ class EngineLoad:
     num_failed_requests: int
     tensor_parallel_size: int
     steps: dict[StepKind, StepTotals]  # what the engine's steps cost so far, by kind
-
-    @property
-    def is_idle(self) -> bool:
-        return not (self.num_running or self.num_waiting or self.num_awaiting_kv or self.num_held_requests)
-
-
-class EngineFront(Protocol):
-    """What a HandoffPort drives the engine through: the step loop of a prefill or decode worker's
-    engine core (services/disagg/core_handoffs.py CoreFront)."""
-
-    engine: Engine
-
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) on the step loop, between steps."""
-        ...
-
-    def post(self, fn: Callable[..., Any], *args: Any) -> None:
-        """fn(*args) on the step loop, between steps, without waiting."""
 
 
 def engine_load(engine: Engine) -> EngineLoad:
@@ -188,9 +169,10 @@ def held_reader(
 
 
 class HandoffPort:
-    def __init__(self, engine: EngineFront) -> None:
-        self._async = engine
-        self._engine = engine.engine
+    def __init__(self, steps: StepLoop) -> None:
+        """steps: the step loop of a prefill or decode worker's engine core, which drives its engine."""
+        self._steps = steps
+        self._engine = steps.engine
 
     @property
     def kv_layout(self) -> str:
@@ -204,7 +186,7 @@ class HandoffPort:
         request's abort does."""
         loop = asyncio.get_running_loop()
         reserved: asyncio.Future[int] = loop.create_future()
-        await self._async.call(
+        await self._steps.call(
             self._engine.queue_reservation, request, lambda num_held: post_to_loop(loop, set_result, reserved, num_held)
         )
         num_held = await reserved
@@ -215,23 +197,21 @@ class HandoffPort:
         reservation: Reservation,
         token_id: int,
         logprobs: TokenLogprobs | None,
-        sampler_state: bytes | None,
         prefill_ms: tuple[float, float],
     ) -> None:
         """The token goes out like a step's (nothing happens if the request is gone)."""
-        await self._async.call(
+        await self._steps.call(
             self._engine.accept_first_token,
             reservation.request.request_id,
             token_id,
             logprobs,
-            sampler_state,
             prefill_ms,
         )
 
     async def land(self, reservation: Reservation, pieces: Sequence[LandedPiece]) -> bool:
         """Write every rank's pieces into the prompt's blocks after the held ones and admit the
         request. False, writing nothing, if the request is gone (the caller discards the pieces)."""
-        return await self._async.call(
+        return await self._steps.call(
             self._engine.admit_transferred,
             reservation.request.request_id,
             reservation.num_held_blocks,
@@ -259,7 +239,7 @@ class HandoffPort:
     def unpin_soon(self, reservation: Reservation) -> None:
         """Between steps, without waiting: parked blocks go back to the pool (they count as KV in
         flight, load().num_awaiting_kv, until then)."""
-        self._async.post(self._engine.unpin, reservation.request.request_id)
+        self._steps.post(self._engine.unpin, reservation.request.request_id)
 
     def row_writer(self, block_ids: Sequence[int], heads: range, piece: torch.Tensor) -> Callable[[slice], None]:
         """drain(rows) for a receive (services/disagg/transfer/base.py): rows [start, stop) of piece's
@@ -268,7 +248,7 @@ class HandoffPort:
 
     async def recompute(self, reservation: Reservation) -> bool:
         """The transfer failed: free the reservation and prefill here. False if the request is gone."""
-        return await self._async.call(self._engine.recompute_locally, reservation.request.request_id)
+        return await self._steps.call(self._engine.recompute_locally, reservation.request.request_id)
 
     # -- prefill side ---------------------------------------------------------------------------
     def stream_as_computed(
@@ -309,12 +289,12 @@ class HandoffPort:
         return held_reader(self._engine.runner, block_ids, heads, out, layers)
 
     async def release_held(self, request_id: str) -> bool:
-        return await self._async.call(self._engine.release_held, request_id)
+        return await self._steps.call(self._engine.release_held, request_id)
 
     def release_held_soon(self, request_id: str) -> None:
         """Release between steps without waiting: the step thread may be a whole prefill forward away,
         and the sent KV need not wait for its blocks to be freed."""
-        self._async.post(self._engine.release_held, request_id)
+        self._steps.post(self._engine.release_held, request_id)
 
     # -- both -----------------------------------------------------------------------------------
     @property

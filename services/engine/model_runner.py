@@ -193,14 +193,6 @@ class ModelRunner:
 
         return write
 
-    def read_blocks(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every KV head this rank holds of these blocks (a single rank's whole blocks), on the host."""
-        return self.read_heads(block_ids, self.tp.kv_head_range(self.arch.num_kv_heads), out)
-
-    def write_blocks(self, block_ids: Sequence[int], blocks: torch.Tensor) -> None:
-        """Inverse of read_blocks."""
-        self.write_heads(block_ids, self.tp.kv_head_range(self.arch.num_kv_heads), blocks)
-
     def _num_kv_blocks(self, config: EngineConfig, max_model_len: int, before_load: MemorySnapshot | None) -> int:
         budget, source = self._kv_cache_bytes(config, max_model_len, before_load)
         per_block = kv_block_bytes(self.arch, self.block_size, self.dtype, self.num_local_kv_heads)

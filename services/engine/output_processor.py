@@ -5,8 +5,8 @@ RequestOutput itself. OutputProcessor keeps its own per-request state and is fed
 (`add` when a request arrives, `process` after each step, `abort` when one is aborted). It runs
 inline (a bare Engine.step returns its outputs: LLM) or in the serving process of an engine core
 (services/engine/core_client.py, as vLLM v1's frontend and SGLang's detokenizer manager run apart
-from their schedulers), behind an OutputSink: the step loop hands over the token ids and starts the
-next step at once.
+from their schedulers), behind the core's pipe: the step loop hands over the token ids and starts
+the next step at once.
 
 Stop strings are found here, after the engine may have moved on: `process` returns the requests
 to finish (ProcessedStep.to_finish) and the engine finishes them before its next schedule; behind
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -73,9 +72,6 @@ class OutputProcessor:
         tokens the engine computed for it meanwhile are dropped."""
         t = self._tracked.pop(request_id, None)
         return None if t is None else _ended(t)
-
-    def num_tracked(self) -> int:
-        return len(self._tracked)
 
     def process(self, step: StepTokens, pause: Callable[[], None] | None = None) -> ProcessedStep:
         """The step's outputs; pause() is called between runs of requests (a core client's reader
@@ -178,36 +174,5 @@ def _timings(t: _Tracked) -> RequestTimings:
     return timings
 
 
-_CLOSE = object()
-
-
 def yield_gil() -> None:
     time.sleep(0)  # releases the GIL: a waiting step loop takes it now, not after the switch interval
-
-
-class OutputSink(ABC):
-    """Where an engine's step tokens go when it does not process them inline (Engine.step then
-    returns as soon as the sampled ids are known). Calls come from the step loop, in step order;
-    the requests to finish (stop strings, failed processing) come back to the engine through the
-    `report` callback its implementations are given, before the matching ticket is done."""
-
-    @abstractmethod
-    def add(self, request: OutputRequest, arrival: float) -> None:
-        """A request arrived: its outputs will be asked for."""
-
-    @abstractmethod
-    def abort(self, request_id: str) -> None:
-        """A request was aborted: its final output (finish reason abort) is delivered after what is
-        queued; later tokens of it are dropped."""
-
-    @abstractmethod
-    def submit(self, step: StepTokens) -> int:
-        """Queue a step's tokens; returns its ticket for wait()."""
-
-    @abstractmethod
-    def wait(self, ticket: int | None = None) -> None:
-        """Until the step with this ticket (default: every step so far) went through."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Finish what is queued (deliver it), then stop."""

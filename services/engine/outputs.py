@@ -25,7 +25,6 @@ class PrefillHandoff:
     """What a prefill-tier request leaves for its decode worker (its blocks are held until sent)."""
 
     block_ids: Sequence[int]  # the prompt's blocks, in order
-    sampler_state: bytes | None  # the request's seeded generator after the first sample
 
 
 @dataclass(slots=True)

@@ -3,8 +3,9 @@
 A batch of plain greedy requests (no penalties, logprobs or min_tokens) is one argmax. Otherwise
 one pass over the requests gathers their parameters on the host (the per-request isolation
 boundary); then the whole batch is processed by a fixed number of tensor ops on the logits' device
-(services/engine/sampling_ops.py). The only per-row work left is drawing a seeded request's noise from its
-own torch.Generator, so its tokens do not depend on what else is batched. Logprobs are computed for
+(services/engine/sampling_ops.py). The only per-row work left is drawing a seeded request's noise from a
+generator keyed by (seed, position), so its tokens depend neither on what else is batched nor on
+which worker samples them: a stream moved to another worker continues on the same draws. Logprobs are computed for
 the whole step at once (LogprobsRows) and formatted per request later, off the step loop, by the
 output processor.
 """
@@ -74,16 +75,15 @@ class SampleResult:
 
 
 class Generators:
-    """Owns the seeded requests' generators and one shared generator per device for the others.
-
-    A request's generator is made on the device of the first logits it samples; a state handed
-    over from another process (set_state) waits until then, as CPU and CUDA states differ."""
+    """The sampler's generators: one shared per device for the unseeded requests, and one per device
+    that a seeded request's row is re-keyed on before each draw (ops.noise_seed), so its noise is a
+    function of (seed, position) alone: any worker, any batch, any process draws the same numbers for
+    the same token, and a request carries no generator state between steps or workers."""
 
     def __init__(self, seed: int) -> None:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
-        self._by_request: dict[str, torch.Generator] = {}
-        self._pending: dict[str, bytes] = {}  # states set before the request's first sample
+        self._keyed: dict[torch.device, torch.Generator] = {}
 
     def shared(self, device: torch.device) -> torch.Generator:
         gen = self._shared.get(device)
@@ -91,31 +91,12 @@ class Generators:
             gen = self._shared[device] = torch.Generator(device=device).manual_seed(self._seed)
         return gen
 
-    def for_request(self, request_id: str, seed: int, device: torch.device) -> torch.Generator:
-        gen = self._by_request.get(request_id)
+    def keyed(self, device: torch.device, seed: int, position: int) -> torch.Generator:
+        """The device's keyed generator, set for the token at `position` of a request seeded `seed`."""
+        gen = self._keyed.get(device)
         if gen is None:
-            gen = torch.Generator(device=device)
-            state = self._pending.pop(request_id, None)
-            if state is None:
-                gen.manual_seed(seed)
-            else:
-                gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-            self._by_request[request_id] = gen
-        return gen
-
-    def get_state(self, request_id: str) -> bytes | None:
-        gen = self._by_request.get(request_id)
-        if gen is None:
-            return self._pending.get(request_id)
-        return bytes(gen.get_state().numpy().tobytes())
-
-    def set_state(self, request_id: str, state: bytes) -> None:
-        self._by_request.pop(request_id, None)
-        self._pending[request_id] = state
-
-    def release(self, request_id: str) -> None:
-        self._by_request.pop(request_id, None)
-        self._pending.pop(request_id, None)
+            gen = self._keyed[device] = torch.Generator(device=device)
+        return gen.manual_seed(ops.noise_seed(seed, position))
 
 
 @dataclass(slots=True)
@@ -174,14 +155,14 @@ class _Plan:
     greedy_rows: list[int] = field(default_factory=list)
     unseeded_rows: list[int] = field(default_factory=list)
     seeded_rows: list[int] = field(default_factory=list)
-    generators: list[torch.Generator] = field(default_factory=list)  # one per seeded row
+    keys: list[tuple[int, int]] = field(default_factory=list)  # (seed, position) of each seeded row
 
     @property
     def changes_logits(self) -> bool:
         """Whether penalties or min_tokens change some logits."""
         return bool(self.repetition.rows or self.output.rows or self.blocked.rows)
 
-    def add(self, request: Request, blocked: list[int], generator: torch.Generator | None) -> None:
+    def add(self, request: Request, blocked: list[int]) -> None:
         row = len(self.requests)
         self.requests.append(request)
         params = request.sampling_params
@@ -193,37 +174,27 @@ class _Plan:
             self.blocked.add(row, blocked)
         if params.greedy:
             self.greedy_rows.append(row)
-        elif generator is None:
+        elif params.seed is None:
             self.unseeded_rows.append(row)
         else:
             self.seeded_rows.append(row)
-            self.generators.append(generator)
+            self.keys.append((params.seed, request.num_tokens))  # the position of the token it samples
 
 
 class Sampler:
     def __init__(self, seed: int) -> None:
         self._generators = Generators(seed)
 
-    def release(self, request_id: str) -> None:
-        self._generators.release(request_id)
-
-    def get_state(self, request_id: str) -> bytes | None:
-        """A seeded request's generator state (to continue it in another process), else None."""
-        return self._generators.get_state(request_id)
-
-    def set_state(self, request_id: str, state: bytes) -> None:
-        self._generators.set_state(request_id, state)
-
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         """logits: [num_requests, vocab] float32, one row per request.
 
         A request whose own parameters fail (e.g. a stop id outside the vocabulary) is left out
-        (in `errors`) before any generator is drawn from, so the others sample exactly as they
+        (in `errors`) before the shared generator is drawn from, so the others sample exactly as they
         would have without it.
         """
         if all(r.plain_greedy for r in requests):
             return SampleResult(ops.argmax_rows(logits).tolist())
-        plan, errors = self._plan(requests, logits.shape[-1], logits.device)
+        plan, errors = _plan(requests, logits.shape[-1])
         if errors:
             failed = {id(r) for r, _ in errors}
             logits = logits[[row for row, r in enumerate(requests) if id(r) not in failed]]
@@ -238,25 +209,6 @@ class Sampler:
             rows.positions = [index_of[i] for i in rows.positions]
         return SampleResult([None if i is None else token_ids[i] for i in positions], rows, errors)
 
-    def _plan(
-        self, requests: list[Request], vocab: int, device: torch.device
-    ) -> tuple[_Plan, list[tuple[Request, Exception]]]:
-        plan = _Plan()
-        errors: list[tuple[Request, Exception]] = []
-        for request in requests:
-            params = request.sampling_params
-            try:
-                blocked = _blocked_token_ids(request, vocab)
-                generator = None
-                if params.seed is not None and not params.greedy:
-                    generator = self._generators.for_request(request.request_id, params.seed, device)
-            except Exception as e:  # isolation boundary: this request's parameters, not the batch
-                log.exception("sampling setup failed for request %s", request.request_id)
-                errors.append((request, e))
-                continue
-            plan.add(request, blocked, generator)
-        return plan, errors
-
     def _sample_plan(self, logits: torch.Tensor, plan: _Plan) -> list[int]:
         if len(plan.greedy_rows) == len(plan.requests) and not plan.changes_logits:
             return ops.argmax_rows(logits).tolist()
@@ -267,26 +219,40 @@ class Sampler:
         token_ids = ops.argmax_rows(logits[num_sampled:])
         if num_sampled:
             params = [plan.requests[row].sampling_params for row in order[:num_sampled]]
-            generators = [None] * len(plan.unseeded_rows) + plan.generators
-            token_ids = torch.cat([self._sample_rows(logits[:num_sampled], params, generators), token_ids])
+            token_ids = torch.cat([self._sample_rows(logits[:num_sampled], params, plan.keys), token_ids])
         # Back to plan order: token_ids[i] belongs to plan row order[i].
         order_t = torch.tensor(order, device=token_ids.device)
         return torch.empty_like(token_ids).index_copy_(0, order_t, token_ids).tolist()
 
     def _sample_rows(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self, logits: torch.Tensor, params: list[SamplingParams], keys: list[tuple[int, int]]
     ) -> torch.Tensor:
-        """logits [s, vocab] (overwritten) -> [s] token ids. Each row's exponential noise comes from
-        its generator, None (leading rows) for the shared one: one draw for them all, on CPU the
-        same numbers as one draw per row."""
+        """logits [s, vocab] (overwritten) -> [s] token ids; keys: the (seed, position) of the last
+        len(keys) rows, the seeded ones. The leading unseeded rows' exponential noise is one draw from
+        the shared generator (on CPU the same numbers as one draw per row); each seeded row's comes
+        from its key."""
         probs = _filtered_probs(logits, params)
         noise = torch.empty_like(probs)
-        num_unseeded = generators.count(None)
+        num_unseeded = len(params) - len(keys)
         if num_unseeded:
             noise[:num_unseeded].exponential_(generator=self._generators.shared(probs.device))
-        for row in range(num_unseeded, len(generators)):
-            noise[row].exponential_(generator=generators[row])
+        for row, (seed, position) in enumerate(keys, num_unseeded):
+            noise[row].exponential_(generator=self._generators.keyed(probs.device, seed, position))
         return ops.sample_from(probs, noise)
+
+
+def _plan(requests: list[Request], vocab: int) -> tuple[_Plan, list[tuple[Request, Exception]]]:
+    plan = _Plan()
+    errors: list[tuple[Request, Exception]] = []
+    for request in requests:
+        try:
+            blocked = _blocked_token_ids(request, vocab)
+        except Exception as e:  # isolation boundary: this request's parameters, not the batch
+            log.exception("sampling setup failed for request %s", request.request_id)
+            errors.append((request, e))
+            continue
+        plan.add(request, blocked)
+    return plan, errors
 
 
 def _blocked_token_ids(request: Request, vocab: int) -> list[int]:

@@ -152,23 +152,35 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def noise_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for its token at `position` (0-based index in
+    prompt + output): SplitMix64's output for the counter `position` of a stream keyed by `seed`, so
+    nearby positions and seeds give unrelated streams. Any uint64 seed; the values are pinned by a
+    test, as every worker must draw the same numbers for the same token."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 # -- the per-row reference ----------------------------------------------------------------------
 
 
 class RefGenerators:
-    """The per-row reference sampler's generators: one per seeded request, one shared for the rest."""
+    """The per-row reference sampler's generators: one shared for the unseeded requests; a seeded
+    request's draw comes from a generator keyed by (seed, position), as the batched sampler's."""
 
     def __init__(self, seed: int) -> None:
         self.shared = torch.Generator().manual_seed(seed)  # on CPU: the reference samples there
-        self.by_request: dict[str, torch.Generator] = {}
 
     def __call__(self, request: Request) -> torch.Generator:
         seed = request.sampling_params.seed
         if seed is None:
             return self.shared
-        if request.request_id not in self.by_request:
-            self.by_request[request.request_id] = torch.Generator().manual_seed(seed)
-        return self.by_request[request.request_id]
+        return torch.Generator().manual_seed(noise_seed(seed, request.num_tokens))
 
 
 def sample_tokens_ref(

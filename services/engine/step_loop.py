@@ -4,27 +4,34 @@ The engine core's (services/engine/core_process.py: in its process, or on a thre
 EngineCoreClient.in_process). Each step's tokens leave through the output sink the core gives (its
 pipe to the serving process).
 
-Commands come from any thread and must not raise (a front that wants an answer catches in the
-command and forwards it). If a step raises, the loop ends: the engine's state can no longer be
-trusted, so the commands still queued are dropped and the core's client fails its streams and callers.
+Commands come from any thread and must not raise (`call`, for a caller on an event loop that wants
+an answer, catches in the command and forwards the error). If a step raises, the loop ends: the
+engine's state can no longer be trusted, so the commands still queued are dropped and the core's
+client fails its streams and callers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from splitserve.services.engine.config import EngineConfig
 from splitserve.services.engine.cpu_threads import on_passing_thread
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.model_runner import bind_thread
-from splitserve.services.engine.output_processor import OutputSink
+from splitserve.services.engine.streams import answer_call
+
+if TYPE_CHECKING:
+    from splitserve.services.engine.core_process import PipeOutputs
 
 log = logging.getLogger("splitserve.services.engine")
+
+T = TypeVar("T")
 
 
 class EngineDead(RuntimeError):
@@ -59,6 +66,14 @@ class StepLoop:
         self._commands.append((fn, args))
         self._wakeup.set()
 
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """From an event loop: fn(*args) on the step loop, between steps; its result (or error) is
+        answered on the caller's loop."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self.post(answer_call, loop, future, fn, args)
+        return await future
+
     def wake(self) -> None:
         self._wakeup.set()
 
@@ -66,7 +81,7 @@ class StepLoop:
         """From any thread: the loop raises error at its next turn (it dies); wakes it if idle."""
         self.post(_raise, error)
 
-    def run(self, closing: threading.Event, outputs: OutputSink) -> EngineDead | None:
+    def run(self, closing: threading.Event, outputs: PipeOutputs) -> EngineDead | None:
         """Step until closing is set, on this thread (bound to the engine's device: Triton launches on
         the calling thread's current CUDA device). Returns the error if the loop died. outputs: where
         the step tokens go (a core's pipe)."""
@@ -77,7 +92,7 @@ class StepLoop:
                 self._commands.clear()
             return error
 
-    def _step_until_closed(self, closing: threading.Event, outputs: OutputSink) -> EngineDead | None:
+    def _step_until_closed(self, closing: threading.Event, outputs: PipeOutputs) -> EngineDead | None:
         engine, error = self.engine, None
         engine.start_output_sink(outputs)
         try:

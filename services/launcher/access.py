@@ -18,7 +18,12 @@ from pathlib import Path
 
 from splitserve.common.security import ClusterSecurity
 
-JOIN_SECRET_FILE = "join-secret"
+# The files of a secrets folder (a `splitserve certs` bundle), in SecureBundle's field order.
+FILE_NAMES = (
+    "ca.pem", "ca-key.pem", "gateway.pem", "gateway-key.pem", "cluster.pem", "cluster-key.pem",
+    "client.pem", "client-key.pem", "api-keys", "join-secret",
+)  # fmt: skip
+PRIVATE_NAMES = frozenset(n for n in FILE_NAMES if n.endswith("-key.pem")) | {"api-keys", "join-secret"}
 
 
 class InsecureSecrets(ValueError):
@@ -60,7 +65,7 @@ def check_private(folder: Path) -> None:
 
 
 def _is_private(name: str) -> bool:
-    return name == JOIN_SECRET_FILE or name.endswith("-key.pem") or name == "api-keys"
+    return name in PRIVATE_NAMES or name.endswith("-key.pem")  # any key, not only the bundle's
 
 
 def _check_owned(path: Path) -> None:

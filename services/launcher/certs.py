@@ -19,7 +19,6 @@ import ipaddress
 import os
 import secrets
 import shlex
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -32,17 +31,12 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from splitserve.common.security import CLUSTER_TLS_NAME, ClusterSecurity, TlsIdentity
-from splitserve.services.launcher.cli import DEFAULT_HOSTS, add_certs_args
+from splitserve.services.launcher.access import FILE_NAMES, PRIVATE_NAMES
+from splitserve.services.launcher.cli import DEFAULT_HOSTS
 
 VALID_FOR = timedelta(days=365)
 CLOCK_SKEW = timedelta(hours=1)  # valid from an hour ago, for hosts whose clocks run a little behind
 API_KEY_PREFIX = "sk-splitserve-"
-# The files of a bundle, in SecureBundle's field order.
-FILE_NAMES = (
-    "ca.pem", "ca-key.pem", "gateway.pem", "gateway-key.pem", "cluster.pem", "cluster-key.pem",
-    "client.pem", "client-key.pem", "api-keys", "join-secret",
-)  # fmt: skip
-PRIVATE_NAMES = frozenset(n for n in FILE_NAMES if n.endswith("-key.pem")) | {"api-keys", "join-secret"}
 
 Key = ec.EllipticCurvePrivateKey
 
@@ -236,17 +230,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"gateway flags: {shlex.join(bundle.gateway_argv())}")
     print(f"worker flags:  {shlex.join(bundle.worker_argv())}")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="splitserve certs", description="write a throwaway CA, certificates and keys")
-    add_certs_args(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except ValueError as e:
-        print(f"splitserve certs: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

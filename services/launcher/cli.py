@@ -6,8 +6,9 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from splitserve.common.roles import MODES, Role
 from splitserve.common.security_args import (
@@ -21,7 +22,9 @@ from splitserve.services.engine.arg_utils import add_engine_args, engine_config_
 from splitserve.services.launcher.lifeline import hold_lifeline
 
 if TYPE_CHECKING:
-    from splitserve.services.launcher.autoscale import UpPlanner
+    from _typeshed import DataclassInstance
+
+D = TypeVar("D", bound="DataclassInstance")
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -117,20 +120,13 @@ def _worker(a: argparse.Namespace) -> int:
         torch.set_num_threads(a.num_threads or len(cores))
     elif a.num_threads:
         torch.set_num_threads(a.num_threads)
-    config = WorkerConfig(
+    config = _from_args(
+        WorkerConfig,
+        a,
         engine=engine_config_from_args(a),
-        host=a.host,
-        port=a.port,
-        metrics_port=a.metrics_port,
-        gateway=a.gateway,
-        mode=a.mode,
-        advertise_host=a.advertise_host,
         kv_transfer_timeout_s=a.kv_transfer_timeout,
-        kv_streaming=a.kv_streaming,
-        vllm_metric_names=a.vllm_metric_names,
         engine_stall_timeout_s=a.engine_stall_timeout,
         cluster=cluster_from_args(a),
-        otlp_traces_endpoint=a.otlp_traces_endpoint,
     )
     try:
         asyncio.run(serve_worker(config))
@@ -150,28 +146,15 @@ def _gateway(a: argparse.Namespace) -> int:
     from splitserve.gateway.validation import RequestLimits
 
     tracing = setup_tracing("gateway", a.otlp_traces_endpoint)  # logging too: lines name their request and trace
-    limits = RequestLimits(
-        max_prompt_bytes=a.max_prompt_bytes,
-        max_stop_bytes=a.max_stop_bytes,
-        max_stop_total_bytes=a.max_stop_total_bytes,
-        max_stops=a.max_stops,
-    )
-    config = GatewayConfig(
-        model=a.model,
-        host=a.host,
-        port=a.port,
-        metrics_port=a.metrics_port,
+    config = _from_args(
+        GatewayConfig,
+        a,
         workers=tuple(a.worker or ()),
-        max_pending=a.max_pending,
-        router=a.router,
         forget_unhealthy_after_s=a.forget_unhealthy_after,
-        redis_url=a.redis_url,
-        limits=limits,
-        max_streams_per_connection=a.max_streams_per_connection,
+        limits=_from_args(RequestLimits, a),
         security=gateway_security_from_args(a),
-        http_port=_http_port(a),
+        http_port=http_port_from_args(a),
         http_cors_origins=tuple(a.http_cors_origin),
-        internal_port=a.internal_port,
     )
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
@@ -181,7 +164,15 @@ def _gateway(a: argparse.Namespace) -> int:
     return 0
 
 
-def _http_port(a: argparse.Namespace) -> int | None:
+def _from_args(cls: type[D], a: argparse.Namespace, **given: Any) -> D:
+    """cls with given, and each other field from the option of the same name where a has one (the rest
+    keep cls's defaults; the flags keep their own)."""
+    named = {f.name: getattr(a, f.name) for f in fields(cls) if f.name not in given and f.name in vars(a)}
+    return cls(**named, **given)
+
+
+def http_port_from_args(a: argparse.Namespace) -> int | None:
+    """The gateway's HTTP port (0: a free one); None: no HTTP API (--no-http, or --http-port -1)."""
     return None if a.no_http or a.http_port < 0 else a.http_port
 
 
@@ -192,48 +183,6 @@ def _event_loop_factory():
     except ImportError:
         return None
     return uvloop.new_event_loop
-
-
-def _up(a: argparse.Namespace, engine_argv: list[str]) -> int:
-    from pathlib import Path
-
-    from splitserve.services.launcher.access import prepare_access
-    from splitserve.services.launcher.launcher import parse_devices, run_up
-
-    workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
-    gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
-    gateway_argv += [arg for flag in _LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
-    traces = ["--otlp-traces-endpoint", a.otlp_traces_endpoint] if a.otlp_traces_endpoint else []
-    return run_up(
-        workers,
-        engine_argv + traces,
-        a.host,
-        a.port,
-        a.prefill,
-        a.decode,
-        gateway_argv + traces,
-        a.admin_port or a.port + 1,
-        parse_devices(a.devices),
-        prepare_access(Path(a.secrets_dir), a.secure, a.host),
-        _http_port(a),
-        {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size},
-        _up_planner(a) if a.autoscale else None,
-        ready_timeout_s=a.ready_timeout,
-        internal_port=a.internal_port or a.port + 2,
-    )
-
-
-def _up_planner(a: argparse.Namespace) -> UpPlanner:
-    """`up --autoscale`: the planner's settings; its tiers are those `up` starts (unified, or prefill and decode)."""
-    from pathlib import Path
-
-    from splitserve.services.launcher.autoscale import AutoscaleSettings, UpPlanner
-
-    colocated = not (a.prefill or a.decode)
-    if a.colocated and not colocated:
-        raise ValueError("--colocated plans unified workers: start them with --workers N, not --prefill/--decode")
-    log = None if a.planner_log == "-" else Path(a.planner_log or Path(a.secrets_dir) / "planner-decisions.jsonl")
-    return UpPlanner(AutoscaleSettings.from_args(a, colocated), log, a.planner_metrics_port)
 
 
 def _health(a: argparse.Namespace) -> int:
@@ -453,8 +402,12 @@ def add_commands(sub) -> None:
     add_cluster_args(scale)
     scale.set_defaults(func=_scale)
 
+    # `splitserve certs`'s flags are here, not beside it, because its module needs cryptography.
     certs = sub.add_parser("certs", help="write a throwaway CA, certificates, an API key and a join secret")
-    add_certs_args(certs)
+    certs.add_argument("--out", required=True, type=Path, help="folder for the bundle (made 0700)")
+    hosts = f"a name or IP clients and workers dial the gateway by (repeatable; default: {' '.join(DEFAULT_HOSTS)})"
+    certs.add_argument("--host", action="append", dest="hosts", help=hosts)
+    certs.add_argument("--overwrite", action="store_true", help="replace a complete bundle already in --out")
     certs.set_defaults(func=_certs)
 
     from splitserve.services.planner.cli import add_planner_args, add_policy_args, add_profile_args
@@ -545,7 +498,7 @@ def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-metrics-port", type=int, default=0, help="the planner's /metrics port (0: a free one)")
 
 
-_LIMIT_FLAGS = ("--max-prompt-bytes", "--max-stop-bytes", "--max-stop-total-bytes", "--max-stops")
+LIMIT_FLAGS = ("--max-prompt-bytes", "--max-stop-bytes", "--max-stop-total-bytes", "--max-stops")
 
 
 def _add_limit_args(p: argparse.ArgumentParser) -> None:
@@ -602,21 +555,15 @@ def _add_server_args(p: argparse.ArgumentParser) -> None:
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")  # the names a `splitserve certs` gateway certificate holds by default
 
 
-def add_certs_args(p: argparse.ArgumentParser) -> None:
-    """The flags of `splitserve certs` (services/launcher/certs.py; here because that module needs cryptography)."""
-    p.add_argument("--out", required=True, type=Path, help="folder for the bundle (made 0700)")
-    hosts = f"a name or IP clients and workers dial the gateway by (repeatable; default: {' '.join(DEFAULT_HOSTS)})"
-    p.add_argument("--host", action="append", dest="hosts", help=hosts)
-    p.add_argument("--overwrite", action="store_true", help="replace a complete bundle already in --out")
-
-
 def main(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> int:
     hold_lifeline()  # started by `up` (or a launcher): die with it
     argv = sys.argv[1:] if argv is None else argv
     args, extra = (parser or build_parser()).parse_known_args(argv)
     try:
         if args.command == "up":  # the rest of the arguments go to every worker
-            return _up(args, extra)
+            from splitserve.services.launcher.launcher import run_up
+
+            return run_up(args, extra)
         if extra:
             raise SystemExit(f"splitserve: error: unrecognized arguments: {' '.join(extra)}")
         return args.func(args)

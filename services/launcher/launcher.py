@@ -10,6 +10,7 @@ shape of the system (the supervisor).
 
 from __future__ import annotations
 
+import argparse
 import errno
 import os
 import re
@@ -22,6 +23,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
@@ -29,7 +31,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.security import OPEN_CLUSTER, ClusterSecurity
 from splitserve.common.serving import free_port
-from splitserve.services.launcher.access import UpAccess
 from splitserve.services.launcher.lifeline import parent_lifeline
 
 if TYPE_CHECKING:
@@ -333,24 +334,11 @@ def spawn_worker(
     """Start one worker process with tp tensor-parallel ranks (1: argv decides). device (e.g. "cuda:3",
     or "cuda:0,cuda:1" for 2 ranks; "" keeps argv's --device) binds it for life: see child_device."""
     device_arg, env = child_device(device, env or dict(os.environ, PYTHONUNBUFFERED="1"))
-    full = [
-        "worker",
-        "--mode",
-        mode,
-        "--host",
-        host,
-        "--port",  # 0: it binds a free port and says which in its ready line (argv may name one instead)
-        "0",
-        "--metrics-port",
-        "0",
-        "--gateway",
-        gateway,
-        "--num-threads",
-        str(threads),
-        *argv,
-        *(["--device", device_arg] if device_arg else []),
-        *(["--tensor-parallel-size", str(tp)] if tp > 1 else []),
-    ]
+    # --port 0: it binds a free port and says which in its ready line (argv may name one instead)
+    full = ["worker", "--mode", mode, "--host", host, "--port", "0", "--metrics-port", "0", "--gateway", gateway]
+    full += ["--num-threads", str(threads), *argv]
+    full += ["--device", device_arg] if device_arg else []
+    full += ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     log: deque[str] = deque(maxlen=500)
     announcement = _Announcement()
     proc = _spawn(name, full, env, log, announcement.read)
@@ -428,40 +416,36 @@ def _model_argv(engine_argv: list[str]) -> list[str]:
     return []
 
 
-def run_up(
-    num_workers: int,
-    engine_argv: list[str],
-    host: str,
-    port: int,
-    num_prefill: int = 0,
-    num_decode: int = 0,
-    gateway_argv: list[str] | None = None,
-    admin_port: int = 0,
-    devices: list[str] | None = None,
-    access: UpAccess | None = None,
-    http_port: int | None = None,
-    tp_sizes: dict[str, int] | None = None,
-    planner: UpPlanner | None = None,
-    ready_timeout_s: float = READY_TIMEOUT_S,
-    internal_port: int = 0,
-) -> int:
-    """planner: run the SLO planner in this process too (`--autoscale`; services/launcher/autoscale.py);
-    ready_timeout_s: how long each child may take to come up (at start, and when scaled or restarted);
-    internal_port: the gateway's port for members (mTLS), when access gives the cluster certificates."""
+def run_up(a: argparse.Namespace, engine_argv: list[str]) -> int:
+    """`splitserve up` with its flags a; engine_argv, the rest of its command line, goes to every worker.
+    --autoscale runs the SLO planner in this process too (services/launcher/autoscale.py); --ready-timeout
+    bounds how long each child may take to come up (at start, and when scaled or restarted); the gateway
+    serves members (mTLS) on --internal-port with the cluster certificates of the secrets folder."""
+    from splitserve.services.launcher.access import prepare_access
+    from splitserve.services.launcher.cli import LIMIT_FLAGS, http_port_from_args
     from splitserve.services.launcher.supervisor import Supervisor, serve_launcher
 
-    check_ports_free(host, port, http_port, admin_port, internal_port)  # before starting anything
-    access = access or UpAccess([], [], OPEN_CLUSTER, [], lambda address: "")
-    engine_argv = engine_argv + access.worker_argv
+    num_workers = 0 if (a.prefill or a.decode) and a.workers is None else (a.workers or 1)
+    gateway_argv = ["--router", a.router] + (["--redis-url", a.redis_url] if a.redis_url else [])
+    gateway_argv += [arg for flag in LIMIT_FLAGS for arg in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
+    traces = ["--otlp-traces-endpoint", a.otlp_traces_endpoint] if a.otlp_traces_endpoint else []
+    admin_port, internal_port = a.admin_port or a.port + 1, a.internal_port or a.port + 2
+    devices = parse_devices(a.devices)
+    access = prepare_access(Path(a.secrets_dir), a.secure, a.host)
+    http_port = http_port_from_args(a)
+    tp_sizes = {mode: size for mode, size in (("prefill", a.prefill_tp), ("decode", a.decode_tp)) if size}
+    planner = _up_planner(a) if a.autoscale else None
+    check_ports_free(a.host, a.port, http_port, admin_port, internal_port)  # before starting anything
+    engine_argv = engine_argv + traces + access.worker_argv
     children = start_cluster(
         num_workers,
         engine_argv,
-        host,
-        port,
-        timeout_s=ready_timeout_s,
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        gateway_argv=(gateway_argv or []) + access.gateway_argv,
+        a.host,
+        a.port,
+        timeout_s=a.ready_timeout,
+        num_prefill=a.prefill,
+        num_decode=a.decode,
+        gateway_argv=gateway_argv + traces + access.gateway_argv,
         devices=devices,
         cluster=access.cluster,
         http_port=http_port,
@@ -471,13 +455,13 @@ def run_up(
     supervisor = Supervisor(
         children,
         engine_argv,
-        host,
-        start_timeout_s=ready_timeout_s,
+        a.host,
+        start_timeout_s=a.ready_timeout,
         devices=devices,
         cluster=access.cluster,
         tp_sizes=tp_sizes,
     )
-    admin = serve_launcher(supervisor, host, admin_port or free_port(host), access.cluster)
+    admin = serve_launcher(supervisor, a.host, admin_port or free_port(a.host), access.cluster)
     print(
         f"\nsplitserve is up: gateway grpc {children[0].address} "
         f"(metrics http://{children[0].metrics}/metrics); launcher control {supervisor.admin_address}",
@@ -489,7 +473,7 @@ def run_up(
     if planner is not None:
         from splitserve.services.launcher.autoscale import RunningPlanner
 
-        running = RunningPlanner.start(planner, supervisor, children[0], access.cluster, host)
+        running = RunningPlanner.start(planner, supervisor, children[0], access.cluster, a.host)
         print(running.describe(), flush=True)
     operator = " ".join(access.operator_argv)
     if children[0].http:
@@ -519,3 +503,14 @@ def run_up(
         running.close()  # a Scale in flight fails fast now ...
         stop_cluster(supervisor.children)  # ... and any worker it started meanwhile stops too
     return 0
+
+
+def _up_planner(a: argparse.Namespace) -> UpPlanner:
+    """`up --autoscale`: the planner's settings; its tiers are those `up` starts (unified, or prefill and decode)."""
+    from splitserve.services.launcher.autoscale import AutoscaleSettings, UpPlanner
+
+    colocated = not (a.prefill or a.decode)
+    if a.colocated and not colocated:
+        raise ValueError("--colocated plans unified workers: start them with --workers N, not --prefill/--decode")
+    log = None if a.planner_log == "-" else Path(a.planner_log or Path(a.secrets_dir) / "planner-decisions.jsonl")
+    return UpPlanner(AutoscaleSettings.from_args(a, colocated), log, a.planner_metrics_port)

@@ -127,18 +127,7 @@ class Supervisor:
         for _ in range(n):
             device = pick_devices(self.devices, tp, self._device_use()) if self.devices else ""
             wait_for_gpu_peer(new, device, self.start_timeout_s, self.cluster)  # one at a time per GPU
-            new.append(
-                spawn_worker(
-                    f"{mode}-{next(self._ids[mode])}",
-                    mode,
-                    self.children[0].registry,
-                    self.engine_argv,
-                    self.host,
-                    threads,
-                    device=device,
-                    tp=tp,
-                )
-            )
+            new.append(self._spawn(f"{mode}-{next(self._ids[mode])}", mode, threads, device))
             self.children.append(new[-1])
         for child in new:
             wait_ready(child, self.start_timeout_s, self.cluster)
@@ -164,19 +153,15 @@ class Supervisor:
             if code in (None, 0) or since_restart < RESTART_BACKOFF_S:
                 continue
             print(f"{child.name} exited with code {code}; starting it again", flush=True)
-            self.children[i] = spawn_worker(
-                child.name,
-                child.mode,
-                self.children[0].registry,
-                self.engine_argv,
-                self.host,
-                threads_per_worker(self._num_ranks()),
-                device=child.device,
-                tp=self.tp_sizes.get(child.mode, 1),
-            )
+            self.children[i] = self._spawn(child.name, child.mode, threads_per_worker(self._num_ranks()), child.device)
             self._restarted_at[child.name] = now
             restarted.append(self.children[i])
         return restarted
+
+    def _spawn(self, name: str, mode: str, threads: int, device: str) -> Child:
+        """A worker of mode, with the mode's tensor-parallel ranks, that registers with the gateway."""
+        tp, gateway = self.tp_sizes.get(mode, 1), self.children[0].registry
+        return spawn_worker(name, mode, gateway, self.engine_argv, self.host, threads, device=device, tp=tp)
 
     def _device_use(self) -> Counter[str]:
         """How many live workers' ranks run on each device."""

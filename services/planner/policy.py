@@ -206,6 +206,7 @@ class Policy(ABC):
 
     def __init__(self, config: PlannerConfig) -> None:
         self.config = config
+        self._changed_at = dict.fromkeys(config.tiers, -math.inf)  # the time_s each tier's size last changed
 
     @abstractmethod
     def decide(self, obs: Observation) -> Decision: ...
@@ -215,7 +216,14 @@ class Policy(ABC):
     ) -> Decision:
         self.config.bounds.fit(wanted, reasons)
         tiers = tuple(TierDecision(t, obs.workers.get(t, 0), wanted[t], reasons[t]) for t in self.config.tiers)
+        for d in tiers:
+            if d.desired != d.current:
+                self._changed_at[d.tier] = obs.time_s
+                self._changed(d.tier)
         return Decision(self.config.mode, obs, tiers, inputs)
+
+    def _changed(self, tier: Role) -> None:
+        """This decision changes tier's size: forget what led up to it (streaks, pending steps down)."""
 
 
 def _ttft_p90(obs: Observation) -> float | None:
@@ -233,7 +241,6 @@ class ReactivePolicy(Policy):
         super().__init__(config)
         self._over = dict.fromkeys(config.tiers, 0)  # intervals in a row over a target
         self._under = dict.fromkeys(config.tiers, 0)  # intervals in a row well under
-        self._changed_at = dict.fromkeys(config.tiers, -math.inf)
 
     def decide(self, obs: Observation) -> Decision:
         faults, unders = self._faults(obs), self._unders(obs)
@@ -248,11 +255,10 @@ class ReactivePolicy(Policy):
             wanted[tier], reasons[tier] = obs.workers.get(tier, 0) + step, reason
         self._rebalance(obs, wanted, reasons)
         t = self.config.targets
-        decision = self._decision(obs, wanted, reasons, {"ttft_target_s": t.ttft_s, "itl_target_s": t.itl_s})
-        for d in decision.tiers:
-            if d.desired != d.current:
-                self._changed_at[d.tier], self._over[d.tier], self._under[d.tier] = obs.time_s, 0, 0
-        return decision
+        return self._decision(obs, wanted, reasons, {"ttft_target_s": t.ttft_s, "itl_target_s": t.itl_s})
+
+    def _changed(self, tier: Role) -> None:
+        self._over[tier], self._under[tier] = 0, 0
 
     def _step(self, tier: Role, fault: Reason | None, current: int) -> tuple[int, Reason]:
         if fault is not None:
@@ -328,7 +334,6 @@ class PredictivePolicy(Policy):
         self.profile = RefinedProfile(profile)
         self.forecaster = LoadForecaster(config.smoothing, config.trend_smoothing)
         self._fewer = {t: deque[int](maxlen=config.down_intervals) for t in config.tiers}
-        self._changed_at = dict.fromkeys(config.tiers, -math.inf)
 
     def decide(self, obs: Observation) -> Decision:
         self.profile.add(obs.prefill_points, obs.decode_points)
@@ -345,12 +350,10 @@ class PredictivePolicy(Policy):
         inputs["forecast_output_tokens"] = load.output_tokens
         inputs |= {f"{tier.value}_{k}": v for tier, need in needs.items() for k, v in need.inputs.items()}
         inputs |= {f"{tier.value}_needed": float(need.workers) for tier, need in needs.items()}
-        decision = self._decision(obs, wanted, reasons, inputs)
-        for d in decision.tiers:
-            if d.desired != d.current:
-                self._changed_at[d.tier] = obs.time_s
-                self._fewer[d.tier].clear()
-        return decision
+        return self._decision(obs, wanted, reasons, inputs)
+
+    def _changed(self, tier: Role) -> None:
+        self._fewer[tier].clear()
 
     def _forecast(self, obs: Observation) -> Load:
         """The load a lead time ahead, its rate never below the smoothed rate now (a fall must be seen first)."""

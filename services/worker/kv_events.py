@@ -91,18 +91,15 @@ class KVEventPublisher:
             self.seq += 1
             request.seq = self.seq
             self._last_sent = asyncio.get_running_loop().time()
-            await self._call(stub, request)
-
-    async def _call(self, stub: pb_grpc.RegistryStub, request: pb.PublishKVEventsRequest) -> None:
-        try:
-            reply = await stub.PublishKVEvents(request, timeout=2.0)
-        except grpc.aio.AioRpcError as e:  # this batch is lost: the index must resync
-            log.debug("publishing KV events to %s failed: %s", self.gateway, e.code().name)
-            self._need_snapshot = True
-            return
-        if reply.resync:
-            log.info("prefix index asked for a snapshot (batch %d)", request.seq)
-            self._need_snapshot = True
-        if reply.register:
-            log.info("gateway %s does not know this worker (restarted?); registering again", self.gateway)
-            await self.register()
+            try:
+                reply = await stub.PublishKVEvents(request, timeout=2.0)
+            except grpc.aio.AioRpcError as e:  # this batch is lost: the index must resync
+                log.debug("publishing KV events to %s failed: %s", self.gateway, e.code().name)
+                self._need_snapshot = True
+                return
+            if reply.resync:
+                log.info("prefix index asked for a snapshot (batch %d)", request.seq)
+                self._need_snapshot = True
+            if reply.register:
+                log.info("gateway %s does not know this worker (restarted?); registering again", self.gateway)
+                await self.register()

@@ -53,7 +53,7 @@ class EngineSnapshot:
 
     num_running: int
     num_waiting: int
-    kv_cache_usage: float  # 0..1
+    kv_usage: float  # 0..1
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
@@ -61,8 +61,30 @@ class EngineSnapshot:
     num_held_blocks: int = 0  # prefill tier: blocks kept for finished prompts until sent
     num_lease_expiries: int = 0  # prefill tier: held blocks released because nobody claimed them
     num_failed_requests: int = 0  # requests a failed engine step stopped (the worker went on)
-    num_kv_blocks: int = 0  # KV blocks this worker sized its cache to
+    num_total_blocks: int = 0  # KV blocks this worker sized its cache to
     steps: Mapping[StepKind, StepTotals] = field(default_factory=dict)  # by kind; a kind left out: none yet
+
+
+# (name, help, the EngineSnapshot field), in the order they are exported
+_ENGINE_GAUGES = (
+    ("num_requests_running", "Requests in the running batch.", "num_running"),
+    ("num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+    ("num_requests_awaiting_kv", "Decode tier: requests whose KV is in flight.", "num_awaiting_kv"),
+    ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", "kv_usage"),
+    ("num_kv_blocks", "KV blocks in this worker's cache (chosen at start).", "num_total_blocks"),
+    ("num_held_kv_blocks", "Prefill tier: KV blocks held for finished prompts until sent.", "num_held_blocks"),
+)
+_ENGINE_COUNTERS = (
+    (
+        "kv_lease_expiries",
+        "Prefill tier: held prompts released because no sender claimed them in time.",
+        "num_lease_expiries",
+    ),
+    ("engine_failed_requests", "Requests stopped with an error by a failed engine step.", "num_failed_requests"),
+    ("num_preemptions", "Preemptions (recompute) so far.", "num_preemptions"),
+    ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+)
 
 
 class _EngineCollector:
@@ -73,52 +95,11 @@ class _EngineCollector:
     def collect(self):
         s = self._snapshot()
         names, values = list(self._labels), list(self._labels.values())
-        for name, doc, value, family in (
-            ("num_requests_running", "Requests in the running batch.", s.num_running, GaugeMetricFamily),
-            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting, GaugeMetricFamily),
-            (
-                "num_requests_awaiting_kv",
-                "Decode tier: requests whose KV is in flight.",
-                s.num_awaiting_kv,
-                GaugeMetricFamily,
-            ),
-            ("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s.kv_cache_usage, GaugeMetricFamily),
-            (
-                "num_kv_blocks",
-                "KV blocks in this worker's cache (chosen at start).",
-                s.num_kv_blocks,
-                GaugeMetricFamily,
-            ),
-            (
-                "num_held_kv_blocks",
-                "Prefill tier: KV blocks held for finished prompts until sent.",
-                s.num_held_blocks,
-                GaugeMetricFamily,
-            ),
-            (
-                "kv_lease_expiries",
-                "Prefill tier: held prompts released because no sender claimed them in time.",
-                s.num_lease_expiries,
-                CounterMetricFamily,
-            ),
-            (
-                "engine_failed_requests",
-                "Requests stopped with an error by a failed engine step.",
-                s.num_failed_requests,
-                CounterMetricFamily,
-            ),
-            ("num_preemptions", "Preemptions (recompute) so far.", s.num_preemptions, CounterMetricFamily),
-            (
-                "prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                s.prefix_cache_queries,
-                CounterMetricFamily,
-            ),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits, CounterMetricFamily),
-        ):
-            metric = family(PREFIX + name, doc, labels=names)
-            metric.add_metric(values, value)
-            yield metric
+        for family, table in ((GaugeMetricFamily, _ENGINE_GAUGES), (CounterMetricFamily, _ENGINE_COUNTERS)):
+            for name, doc, attribute in table:
+                metric = family(PREFIX + name, doc, labels=names)
+                metric.add_metric(values, getattr(s, attribute))
+                yield metric
         yield from _step_families(s.steps, names, values)
 
 

@@ -92,10 +92,6 @@ class WorkerConfig:
 CORE_METRICS_TIMEOUT_S = 2.0  # a scrape's wait for the core's own metrics (a stalled core's are left out)
 
 
-def _send_delay_s() -> float:
-    return float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
-
-
 class EngineDied(RuntimeError):
     """The engine loop raised, or its core died or made no progress; the worker left the cluster and
     must exit non-zero (to be restarted)."""
@@ -112,7 +108,7 @@ def _start_engine(config: WorkerConfig) -> EngineCoreClient:
         reserve_s = config.kv_reserve_timeout_s
         handoffs = CoreDecodeSetup(config.public_host, timeout_s, reserve_s, config.cluster, labels)
     elif config.role is Role.PREFILL:
-        delay_s = _send_delay_s()
+        delay_s = float(os.environ.get(SEND_DELAY_ENV, "0") or 0)
         handoffs = CorePrefillSetup(config.public_host, timeout_s, config.kv_streaming, delay_s, labels)
     traces = CoreTraces(config.mode, config.otlp_traces_endpoint)  # the core's spans: its handoffs'
     stall_s = config.engine_stall_timeout_s  # the watchdog: a hung or wedged core ends as a dead one

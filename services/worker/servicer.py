@@ -4,6 +4,7 @@ core)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
@@ -35,21 +36,8 @@ from splitserve.services.worker.metrics import EngineSnapshot, RequestTiming, Wo
 
 
 def engine_snapshot(port: EngineCoreClient) -> EngineSnapshot:
-    load = port.load()
-    return EngineSnapshot(
-        num_running=load.num_running,
-        num_waiting=load.num_waiting,
-        kv_cache_usage=load.kv_usage,
-        num_preemptions=load.num_preemptions,
-        prefix_cache_queries=load.prefix_cache_queries,
-        prefix_cache_hits=load.prefix_cache_hits,
-        num_awaiting_kv=load.num_awaiting_kv,
-        num_held_blocks=load.num_held_blocks,
-        num_lease_expiries=load.num_lease_expiries,
-        num_failed_requests=load.num_failed_requests,
-        num_kv_blocks=load.num_total_blocks,
-        steps=load.steps,
-    )
+    load = port.load()  # every field of EngineSnapshot is one of EngineLoad's, by the same name
+    return EngineSnapshot(**{f.name: getattr(load, f.name) for f in dataclasses.fields(EngineSnapshot)})
 
 
 WORKER_SERVICE = pb.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -206,19 +194,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(aborted=self.engine.abort_label(request.request_id) > 0)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context) -> pb.LoadReport:
-        load = self.engine.load()
-        return pb.LoadReport(
-            num_running=load.num_running,
-            num_waiting=load.num_waiting,
-            num_free_blocks=load.num_free_blocks,
-            num_total_blocks=load.num_total_blocks,
-            block_size=load.block_size,
-            num_awaiting_kv=load.num_awaiting_kv,
-            role=self.role.proto,
-            num_held_blocks=load.num_held_blocks,
-            num_held_requests=load.num_held_requests,
-            tensor_parallel_size=load.tensor_parallel_size,
-        )
+        load = self.engine.load()  # every field of LoadReport but role is one of EngineLoad's, by the same name
+        fields = {f.name: getattr(load, f.name) for f in pb.LoadReport.DESCRIPTOR.fields if f.name != "role"}
+        return pb.LoadReport(role=self.role.proto, **fields)
 
 
 def add_worker_service(servicer: WorkerServicer, server: grpc.aio.Server) -> None:

@@ -161,6 +161,3 @@ class KVCacheManager:
 
     def holds(self, request_id: str) -> bool:
         return request_id in self._blocks
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)

@@ -38,7 +38,6 @@ from splitserve.services.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import HandoffPort, engine_load
 from splitserve.services.engine.llm import LLM
-from splitserve.services.engine.request import Request
 from splitserve.services.engine.step_loop import EngineDead
 from splitserve.services.worker.server import _moving_kv
 
@@ -61,7 +60,7 @@ class DirectClient(PrefillClient):
         self.fail_before_first = False
         self.before_failing: Callable[[], Awaitable[None]] | None = None  # awaited before failing
 
-    async def prefill(self, peer: str, request: Request, wire, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+    async def prefill(self, peer: str, wire, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
         self.jobs.append(job)
         if self.fail_before_first:
             if self.before_failing is not None:
@@ -150,11 +149,7 @@ class Tiers:
     decode: EngineCoreClient
     client: DirectClient
     hub: Hub
-    handoff_core: CoreDecode
-
-    @property
-    def handoff(self):  # the decode core's DecodeHandoff
-        return self.handoff_core.handoff
+    handoff: CoreDecode  # the decode core's handoffs
 
     async def close(self) -> None:
         await self.decode.shutdown()
@@ -337,8 +332,8 @@ class MiscountingClient(PrefillClient):
     def __init__(self, inner: PrefillClient) -> None:
         self.inner = inner
 
-    async def prefill(self, peer: str, request: Request, wire, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
-        async for event in self.inner.prefill(peer, request, wire, job):
+    async def prefill(self, peer: str, wire, job: HandoffJob) -> AsyncIterator[HandoffEvent]:
+        async for event in self.inner.prefill(peer, wire, job):
             yield (
                 dataclasses.replace(event, num_blocks=event.num_blocks + 1) if isinstance(event, FirstToken) else event
             )
@@ -352,7 +347,7 @@ def test_a_streamed_handoff_whose_counts_disagree_recomputes_and_releases_what_l
     params = SamplingParams(temperature=0.0, max_tokens=6)
     want = LLM(_config(tiny_llama_dir)).generate([PROMPTS[3]], params)[0].token_ids
     staged: list[int] = []
-    port = HandoffPort  # counted on the class: DecodeHandoff's port and its RankReceivers' are one object
+    port = HandoffPort  # counted on the class: CoreDecode's port and its RankReceivers' are one object
     acquire, release = port.acquire_staging, port.release_staging
     monkeypatch.setattr(port, "acquire_staging", lambda self, *a: staged.append(1) or acquire(self, *a))
     monkeypatch.setattr(port, "release_staging", lambda self, s: staged.append(-1) or release(self, s))
@@ -430,7 +425,7 @@ def test_a_failed_asks_reservation_is_kv_in_flight_until_freed(engines):
             opened.wait(30)
 
         async def block_decode_steps() -> None:
-            tiers.handoff.engine.post(long_step)
+            tiers.handoff.steps.post(long_step)
             await asyncio.to_thread(busy.wait, 10)
 
         tiers.client.fail_before_first, tiers.client.before_failing = True, block_decode_steps
@@ -545,7 +540,8 @@ def test_received_blocks_are_bit_identical(engines):
     runner = prefill_engine.runner
     with torch.no_grad():
         runner.kv_cache[:, :, 3:6].normal_()
-    sent = runner.read_blocks([3, 4, 5])
+    heads = range(runner.arch.num_kv_heads)  # every head: whole blocks
+    sent = runner.read_heads([3, 4, 5], heads)
 
     async def main():
         hub = Hub()
@@ -556,16 +552,16 @@ def test_received_blocks_are_bit_identical(engines):
         return buffer
 
     received = asyncio.run(main())
-    decode_engine.runner.write_blocks([7, 9, 11], received)
-    assert torch.equal(decode_engine.runner.read_blocks([7, 9, 11]), sent)
+    decode_engine.runner.write_heads([7, 9, 11], heads, received)
+    assert torch.equal(decode_engine.runner.read_heads([7, 9, 11], heads), sent)
     assert checksum(received) == checksum(sent)
     # the blocks written here may have held cached prefixes: forget them, or later tests read garbage
     assert prefill_engine.kv.pool.reset_prefix_cache() and decode_engine.kv.pool.reset_prefix_cache()
 
 
-class _StuckFront:
-    """An engine whose step thread is in a long step (a prefill forward, seconds on a CPU): calls
-    between steps never come back."""
+class _StuckSteps:
+    """The step loop of an engine whose step thread is in a long step (a prefill forward, seconds on
+    a CPU): calls between steps never come back."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -587,7 +583,7 @@ def test_the_sender_claims_held_blocks_while_a_step_runs(tiny_llama_dir):
     engine.add_request(request)
     while engine.has_unfinished_requests():
         engine.step()  # finished at its first token, blocks held under a lease
-    port = HandoffPort(_StuckFront(engine))
+    port = HandoffPort(_StuckSteps(engine))  # type: ignore[arg-type]
 
     async def main() -> None:
         assert await asyncio.wait_for(port.claim_held(request.request_id), 5)
@@ -665,7 +661,7 @@ def _fill(engine: Engine) -> list[str]:
     while True:
         i = len(ids)
         filler = engine.make_request([i % 300 + 1, i // 300 + 1, *range(2, 8)], SamplingParams(max_tokens=1))
-        if engine.reserve_for_transfer(filler) is None:
+        if engine.scheduler.reserve_for_transfer(filler) is None:
             return ids
         ids.append(filler.request_id)
 
@@ -688,7 +684,7 @@ def test_a_handoff_without_room_waits_in_the_scheduler_until_blocks_are_freed(en
     async def main():
         tiers = _tiers(engines)
         try:
-            fillers = await tiers.handoff.engine.call(_fill, decode_engine)
+            fillers = await tiers.handoff.steps.call(_fill, decode_engine)
             run = asyncio.ensure_future(_run(tiers, PROMPTS[2], params, "q"))
             await _until(lambda: "q" in decode_engine.scheduler.awaiting_room)
             assert not tiers.client.jobs  # no Prefill call before the blocks are reserved
@@ -710,7 +706,7 @@ def test_a_reservation_that_never_gets_room_is_refused_and_leaves_the_queue(engi
     async def main():
         tiers = _tiers(engines, reserve_timeout_s=0.5)
         try:
-            fillers = await tiers.handoff.engine.call(_fill, decode_engine)
+            fillers = await tiers.handoff.steps.call(_fill, decode_engine)
             with pytest.raises(CoreRefused) as info:
                 await _run(tiers, PROMPTS[2], SamplingParams(max_tokens=4), "never")
             await tiers.decode.drain_kv_events()  # a query after the handoff's end: its abort has run

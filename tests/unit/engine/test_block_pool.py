@@ -12,7 +12,7 @@ from suites import examples
 from splitserve.common.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
 from splitserve.common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from splitserve.services.engine.kv_cache.block_pool import BlockId, BlockPool, FreeBlockQueue, KVBlock
-from splitserve.services.engine.kv_cache.manager import KVCacheManager
+from splitserve.services.engine.kv_cache.manager import KVCacheManager, cdiv
 
 BS = 4
 
@@ -338,7 +338,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_free = self.kv.num_free_blocks
         if _admit(self.kv, request):
             self.live[rid] = request
-            assert self.kv.num_blocks_of(rid) == self.kv.blocks_needed(request.num_tokens)
+            assert self.kv.num_blocks_of(rid) == cdiv(request.num_tokens, self.kv.block_size)
         else:
             assert not self.kv.holds(rid) and self.kv.num_free_blocks == num_free
 
@@ -381,7 +381,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         for request in self.live.values():
             ids = self.kv.block_ids(request.request_id)
-            assert len(ids) >= self.kv.blocks_needed(request.num_computed_tokens)
+            assert len(ids) >= cdiv(request.num_computed_tokens, self.kv.block_size)
             assert len(set(ids)) == len(ids)
             for i, block_id in enumerate(ids[: request.num_computed_tokens // BS]):
                 block = pool.blocks[block_id]

@@ -321,7 +321,7 @@ def _penalised(params: SamplingParams, row: torch.Tensor, prompt: list[int], out
     for t in output:
         request.append_output_token(t)
     plan = _Plan()
-    plan.add(request, [], None)
+    plan.add(request, [])
     batched = penalised_batch(row[None], plan, [0])[0]
     reference = row.clone()
     apply_penalties_ref(reference, request)

@@ -200,10 +200,14 @@ def test_an_engine_core_s_handoff_thread_is_bound_to_the_engine_s_device(monkeyp
     """A prefill or decode worker's core runs its KV handoffs on a thread of its own (pinned staging,
     side streams, NCCL groups): bound to the engine's device, or on a multi-GPU host every core would
     also make a CUDA context on device 0."""
-    from splitserve.services.disagg import core_handoffs
+    from splitserve.services.disagg import core_handoffs, rank_transfers
 
     bound = []
-    monkeypatch.setattr(core_handoffs, "bind_thread", lambda device: bound.append((threading.current_thread(), device)))
+
+    def record(device: torch.device) -> None:
+        bound.append((threading.current_thread(), device))
+
+    monkeypatch.setattr(rank_transfers, "bind_thread", record)  # the loop thread's setup (start_loop_thread)
 
     async def where() -> threading.Thread:
         return threading.current_thread()

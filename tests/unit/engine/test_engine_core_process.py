@@ -284,13 +284,15 @@ def test_a_handed_off_requests_stages_have_one_owner_the_step_loop(tiny_llama_di
     engine.start_output_sink(PipeOutputs(events.append, engine.finish_for_outputs))
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     request = engine.make_request([1, 2, 3, 4, 5], params)
-    assert engine.reserve_for_transfer(request) == 0
+    reserved: list[int] = []
+    engine.queue_reservation(request, reserved.append)
+    assert reserved == [0]  # made at once: the pool has room
     record = _Record(request.request_id, params, [1, 2, 3, 4, 5], 5)
     serving = SimpleNamespace(_records={record.request_id: record})  # what EngineCoreClient._requests reads
     processor = OutputProcessor(engine.tokenizer)
     processor.add(record, 0.0)
 
-    engine.accept_first_token(request.request_id, 9, None, None, (1.5, 20.0))
+    engine.accept_first_token(request.request_id, 9, None, (1.5, 20.0))
     if lands:
         assert engine.admit_transferred(request.request_id, 0, lambda block_ids: None)
     else:

@@ -47,6 +47,7 @@ class Reader:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.block_ids: list[int] = []
+        self.heads = range(engine.runner.arch.num_kv_heads)  # every head: whole blocks
         self.seen_done: list[int] = []
         self.error: BaseException | None = None
         self.thread: threading.Thread | None = None
@@ -55,8 +56,8 @@ class Reader:
     def __call__(self, block_ids: list[int], layers: LayerProgress) -> None:  # on the step thread
         runner = self.engine.runner
         self.block_ids = block_ids
-        self.out = torch.empty_like(runner.read_blocks(block_ids))
-        fill = held_reader(runner, block_ids, range(runner.arch.num_kv_heads), self.out, layers)
+        self.out = torch.empty_like(runner.read_heads(block_ids, self.heads))
+        fill = held_reader(runner, block_ids, self.heads, self.out, layers)
         self.thread = threading.Thread(target=self._read, args=(fill, layers))
         self.thread.start()
 
@@ -107,7 +108,7 @@ def test_each_layer_is_read_as_soon_as_written_and_equals_the_cache(engine, monk
     assert reader.error is None and len(reader.seen_done) == num_layers
     assert reader.seen_done[0] < num_layers, "layer 0 was read only after the whole forward"
     assert out.handoff is not None and list(out.handoff.block_ids) == reader.block_ids
-    assert torch.equal(reader.out, engine.runner.read_blocks(reader.block_ids))
+    assert torch.equal(reader.out, engine.runner.read_heads(reader.block_ids, reader.heads))
     # The sender owns the blocks: no lease to claim, and they stay out of the pool until it releases.
     assert not engine.claim_held(rid) and engine.num_held_blocks() == len(reader.block_ids)
     assert not engine.abort_request(rid) and engine.num_held_blocks() == len(reader.block_ids)
@@ -144,7 +145,7 @@ def test_a_prompt_ending_on_a_one_token_step_is_streamed_too(engine):
     _step_to_the_end(engine)
     reader.join()
     assert reader.error is None and len(reader.block_ids) == 5
-    assert torch.equal(reader.out, engine.runner.read_blocks(reader.block_ids))
+    assert torch.equal(reader.out, engine.runner.read_heads(reader.block_ids, reader.heads))
     assert engine.release_held(rid) and _all_free(engine)
 
 

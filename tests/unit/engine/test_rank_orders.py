@@ -49,7 +49,7 @@ def test_a_rank_reads_and_writes_slices_of_its_kv_heads(tiny_llama_dir):
     assert not runner.read_heads([5, 9, 2], range(0, 1)).any()  # head 0 untouched
     staging = runner.acquire_piece(3, 1)
     assert torch.equal(runner.read_heads([2], range(1, 2), staging.tensor[:, :, :1]), piece[:, :, 2:3])
-    assert runner.read_blocks([9]).shape == (2, 2, 1, 8, 2, 16)
+    assert runner.read_heads([9], range(0, 2)).shape == (2, 2, 1, 8, 2, 16)  # every head: whole blocks
     with pytest.raises(ValueError, match="holds KV heads"):
         runner.read_heads([5], range(1, 3))
     # As a receive writes it, a range of rows (layer and K/V) at a time: head 0 of other blocks.

@@ -1,8 +1,8 @@
 """The batched sampler against the per-row reference it replaced (sampling_ops.sample_tokens_ref).
 
 Token for token over random mixed batches (greedy, seeded, unseeded from the same shared seed,
-every filter and penalty, min_tokens), over several steps so that generator states carry on; plus
-generator state handed from one Sampler to another, and a failing request left out.
+every filter and penalty, min_tokens), over several steps; plus a seeded stream continued by another
+Sampler from its tokens alone (the draws keyed by seed and position), and a failing request left out.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from splitserve.services.engine.sampling_ops import (
     apply_top_p_min_p,
     block_stop_tokens_ref,
     filtered_probs_ref,
+    noise_seed,
     sample_tokens_ref,
 )
 
@@ -91,7 +92,7 @@ def test_processed_logits_and_probabilities_are_bit_identical(batch):
             request.append_output_token(token)
     plan = _Plan()
     for request in requests:
-        plan.add(request, _blocked_token_ids(request, vocab), None)
+        plan.add(request, _blocked_token_ids(request, vocab))
     logits = steps[0]
     processed = _penalised(logits, plan, list(range(len(requests))))
     reference = logits.clone()
@@ -149,33 +150,39 @@ def _flat_logits(num_steps: int, vocab: int = 64) -> torch.Tensor:
     return torch.randn(num_steps, 1, vocab, generator=torch.Generator().manual_seed(5)) * 0.3
 
 
-def test_generator_state_moves_to_another_sampler_and_continues():
-    params = SamplingParams(temperature=1.0, seed=1234, top_p=0.9)
+def test_noise_seed_is_splitmix64_of_seed_and_position():
+    # Pinned: every worker (any process, any version) must key the same token's draw the same way.
+    # noise_seed(0, 0) is SplitMix64's first output for state 0 (0xE220A8397B1DCDAF).
+    assert noise_seed(0, 0) == 0xE220A8397B1DCDAF
+    assert noise_seed(1234, 7) == 4199148429166567583
+    assert noise_seed(2**64 - 1, 5000) == 12922035877463709129  # the whole uint64 range
+    assert len({noise_seed(seed, position) for seed in range(8) for position in range(64)}) == 8 * 64
+
+
+def test_a_seeded_stream_continues_on_another_sampler_from_its_tokens_alone():
+    # What a migrated stream relies on: the draw for a position depends on (seed, position) only, so
+    # another sampler (another worker, another shared seed, other neighbours in the batch) given the
+    # tokens so far samples the rest exactly. Penalties see the same output tokens.
+    params = SamplingParams(temperature=1.0, seed=2**64 - 3, top_p=0.9, presence_penalty=0.5, repetition_penalty=1.1)
     steps = _flat_logits(12)
     whole = Sampler(seed=0)
     one = make_request("r", params, [1, 2])
-    expected = [whole.sample(logits, [one]).token_ids[0] for logits in steps]
+    expected = []
+    for logits in steps:
+        expected.append(whole.sample(logits, [one]).token_ids[0])
+        one.append_output_token(expected[-1])
 
-    prefill, decode = Sampler(seed=0), Sampler(seed=1)  # the shared seed does not matter to it
-    other = make_request("r", params, [1, 2])
-    tokens = [prefill.sample(logits, [other]).token_ids[0] for logits in steps[:4]]
-    state = prefill.get_state("r")
-    assert state is not None
-    decode.set_state("r", state)
-    assert decode.get_state("r") == state  # handed on again before its first sample: unchanged
-    tokens += [decode.sample(logits, [other]).token_ids[0] for logits in steps[4:]]
-    assert tokens == expected
+    elsewhere = Sampler(seed=1)
+    moved = make_request("moved", params, [1, 2])
+    for token in expected[:5]:
+        moved.append_output_token(token)
+    neighbour = make_request("n", SamplingParams(temperature=1.0, seed=9), [3])
+    rest = []
+    for logits in steps[5:]:
+        rest.append(elsewhere.sample(torch.cat([logits, logits]), [neighbour, moved]).token_ids[1])
+        moved.append_output_token(rest[-1])
+    assert rest == expected[5:]
     assert len(set(expected)) > 1  # it really sampled
-
-
-def test_greedy_and_unseeded_requests_have_no_state():
-    sampler = Sampler(seed=0)
-    requests = [
-        make_request("g", SamplingParams(temperature=0.0, seed=3), [1]),
-        make_request("u", SamplingParams(temperature=1.0), [1]),
-    ]
-    sampler.sample(_flat_logits(1)[0].expand(2, -1), requests)
-    assert sampler.get_state("g") is None and sampler.get_state("u") is None
 
 
 def test_a_failing_request_is_left_out_before_any_draw():

@@ -6,7 +6,7 @@ import pytest
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
-from splitserve.services.engine.kv_cache.manager import KVCacheManager
+from splitserve.services.engine.kv_cache.manager import KVCacheManager, cdiv
 from splitserve.services.engine.request import FinishReason, Request, RequestId, RequestStatus
 from splitserve.services.engine.scheduler import Scheduler, SchedulerOutput
 
@@ -68,7 +68,7 @@ def check_output(sched: Scheduler, out: SchedulerOutput) -> None:
         r = s.request
         assert s.num_new_tokens >= 1
         assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
-        assert len(s.block_ids) >= sched.kv.blocks_needed(r.num_computed_tokens + s.num_new_tokens)
+        assert len(s.block_ids) >= cdiv(r.num_computed_tokens + s.num_new_tokens, sched.kv.block_size)
         assert s.block_ids == sched.kv.block_ids(r.request_id)
     for r in out.preempted:
         assert r not in [s.request for s in out.scheduled]

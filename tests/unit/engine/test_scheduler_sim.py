@@ -22,7 +22,7 @@ from test_scheduler import check_output
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.config import RuntimeInfo, SchedulerConfig
-from splitserve.services.engine.kv_cache.manager import KVCacheManager
+from splitserve.services.engine.kv_cache.manager import KVCacheManager, cdiv
 from splitserve.services.engine.request import Request, RequestId, RequestStatus
 from splitserve.services.engine.scheduler import Scheduler
 
@@ -208,7 +208,7 @@ class Sim:
 
     def check_queues(self) -> None:
         """Every unfinished request sits in exactly the queue its status names."""
-        sched = self.sched
+        sched, kv = self.sched, self.sched.kv
         waiting, running, awaiting = list(sched.waiting), sched.running, sched.awaiting_kv
         assert len(waiting) + len(running) + len(awaiting) == len(sched.requests)
         for request in sched.requests.values():
@@ -220,7 +220,7 @@ class Sim:
             }[request.status]
             assert in_queue, f"{request} is not in its queue"
             if request.status == RequestStatus.RUNNING:
-                assert sched.kv.num_blocks_of(request.request_id) >= sched.kv.blocks_needed(request.num_computed_tokens)
+                assert kv.num_blocks_of(request.request_id) >= cdiv(request.num_computed_tokens, kv.block_size)
         assert len(running) <= sched.config.max_num_seqs
 
 

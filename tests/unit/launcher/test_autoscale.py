@@ -21,8 +21,8 @@ from splitserve.experiments.fleet import AutoscaledFleet, FleetRun, WorkerTimeli
 from splitserve.experiments.stats import SLO, RequestRecord, Window, run_stats
 from splitserve.experiments.workload import WorkloadConfig, arrival_offsets
 from splitserve.services.launcher.autoscale import AutoscaleSettings, SupervisorScaler
-from splitserve.services.launcher.cli import _up_planner, build_parser
-from splitserve.services.launcher.launcher import Child
+from splitserve.services.launcher.cli import build_parser
+from splitserve.services.launcher.launcher import Child, _up_planner
 from splitserve.services.planner.capacity import SloTargets
 from splitserve.services.planner.cli import policy_args_from_table
 from splitserve.services.planner.loop import ScaleFailed

@@ -15,7 +15,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.common.security import CLUSTER_TLS_NAME
-from splitserve.services.launcher.certs import FILE_NAMES, PRIVATE_NAMES, SecureBundle, main, make_bundle
+from splitserve.services.launcher import cli
+from splitserve.services.launcher.certs import FILE_NAMES, PRIVATE_NAMES, SecureBundle, make_bundle
 
 SERVER_AUTH, CLIENT_AUTH = ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH
 
@@ -113,12 +114,12 @@ def test_an_existing_bundle_is_reused(tmp_path: Path) -> None:
     assert remade.join_secret.exists() and remade.ca_cert.read_bytes() != renewed_ca_pem
 
 
-def test_main_writes_a_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--out", str(tmp_path / "s"), "--host", "gateway", "--host", "localhost"]) == 0
+def test_certs_command_writes_a_bundle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["certs", "--out", str(tmp_path / "s"), "--host", "gateway", "--host", "localhost"]) == 0
     out = capsys.readouterr().out
     assert str(tmp_path / "s") in out and "--join-secret-file" in out
     assert san_names(load(tmp_path / "s" / "gateway.pem")) == {"gateway", "localhost", CLUSTER_TLS_NAME}
-    assert main(["--out", str(tmp_path / "s"), "--host", "elsewhere"]) == 2
+    assert cli.main(["certs", "--out", str(tmp_path / "s"), "--host", "elsewhere"]) == 2
     assert "--overwrite" in capsys.readouterr().err
 
 
