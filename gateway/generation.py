@@ -4,8 +4,12 @@
 Both public APIs call it: the gRPC Generation servicer (server.py) and the OpenAI HTTP API (http/).
 A request that fails before any token went out runs again on another plan that avoids every worker
 blamed so far, up to MAX_ATTEMPTS plans (two workers draining at once, or a dead decode worker and
-then a dead prefill worker, cost it nothing); after that, or once tokens went out, it ends with
-Abort(UNAVAILABLE).
+then a dead prefill worker, cost it nothing); after that it ends with Abort(UNAVAILABLE).
+A stream whose worker fails after tokens went out migrates (Migration): the gateway sends the prompt
+and what the client already has (a Continuation) to another worker, which computes the prompt and
+those tokens itself and streams on from the exact point of failure, on the same random draws
+(a sampled request's draws are keyed by its seed and position; an unseeded one gets a seed here), up
+to `migration_limit` times a stream.
 Closing or cancelling the stream cancels the worker call, which the worker treats as an abort: the
 request's KV blocks go back to the pool on every tier.
 An HTTP request's n samples of one prompt are n generations of one SharedPrompt: it is validated
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -25,10 +30,11 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
+from splitserve.common.sampling_params import GREEDY_TEMPERATURE
 from splitserve.common.tokenizer import Tokenizer
 from splitserve.common.tracing import Context, SpanKind, fail, request_context, stage, steps_in, tracer
 from splitserve.gateway.metrics import GatewayMetrics
-from splitserve.gateway.planner import Planner
+from splitserve.gateway.planner import Plan, Planner
 from splitserve.gateway.proxy import Abort, Proxy, WorkerFailed
 from splitserve.gateway.validation import InvalidRequest, RequestLimits, RequestValidator
 from splitserve.protos.v1 import generation_pb2 as gen_pb
@@ -44,6 +50,47 @@ NO_WORKER = (
 
 
 MAX_ATTEMPTS = 3  # plans per request while no token went out
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationConfig:
+    """limit: migrations per stream (0: off); max_tokens: the longest stream (prompt + output tokens)
+    the gateway tracks for one, so a stream's memory here stays bounded."""
+
+    limit: int = 3
+    max_tokens: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or self.max_tokens < 1:
+            raise ValueError(f"migration limit must be >= 0 and max tokens >= 1, got {self.limit}, {self.max_tokens}")
+
+
+class _Sent:
+    """What the client has of one stream: its output tokens and text length, while tracked."""
+
+    def __init__(self, max_tokens: int, num_prompt_tokens: int) -> None:
+        self.room = max_tokens - num_prompt_tokens  # output tokens tracked before giving up
+        self.token_ids: list[int] | None = []  # None: too long to track
+        self.num_text_chars = 0
+        self.first_token_at: float | None = None
+
+    def add(self, response: gen_pb.GenerateResponse) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if self.token_ids is None:
+            return
+        if len(self.token_ids) + len(response.token_ids) > self.room:
+            self.token_ids = None
+            return
+        self.token_ids.extend(response.token_ids)
+        self.num_text_chars += len(response.text)
+
+    def continuation(self, request: pb.WorkerGenerateRequest) -> pb.WorkerGenerateRequest:
+        """The request, carrying what the client has (only while tracked: _migrate checks)."""
+        moved = _copy(request)
+        moved.continuation.output_token_ids[:] = self.token_ids or ()
+        moved.continuation.num_text_chars = self.num_text_chars
+        return moved
 
 
 class Refused(Abort):
@@ -97,6 +144,13 @@ class Choice:
     seed: int | None  # the proto's uint64; None: unseeded
 
 
+_NOT_MOVED = "the stream could not move to another worker (the gateway's --migration-limit or --migration-max-tokens)"
+
+
+def _greedy(params: pb.EngineSamplingParams) -> bool:
+    return params.HasField("temperature") and params.temperature < GREEDY_TEMPERATURE
+
+
 def _copy(request: pb.WorkerGenerateRequest) -> pb.WorkerGenerateRequest:
     copy = pb.WorkerGenerateRequest()
     copy.CopyFrom(request)
@@ -118,9 +172,10 @@ class GenerationCore:
         planner: Planner,
         proxy: Proxy,
         metrics: GatewayMetrics,
+        migration: MigrationConfig = MigrationConfig(),
     ) -> None:
         self.max_pending, self.validator, self.planner, self.proxy = max_pending, validator, planner, proxy
-        self.metrics = metrics
+        self.metrics, self.migration = metrics, migration
         self.num_pending = 0
 
     @property
@@ -200,32 +255,69 @@ class GenerationCore:
                 f"the gateway already has {self.max_pending} requests in flight; "
                 "retry later or start it with a higher --max-pending",
             )
+        if not worker_request.params.HasField("seed") and not _greedy(worker_request.params):
+            worker_request.params.seed = secrets.randbits(64)  # so that a migrated stream keeps its draws
         avoid: set[str] = set()  # addresses of the workers blamed for a failed attempt
-        for attempt in range(MAX_ATTEMPTS):
-            with stage("gateway.plan", {"splitserve.attempt": attempt}):
-                plan = await self.planner.plan(worker_request.prompt_token_ids, avoid, retry=attempt > 0)
-            if plan is None:
-                raise Abort(grpc.StatusCode.UNAVAILABLE, NO_WORKER)
-            worker_request.prefill_address = plan.prefill.worker.address if plan.prefill else ""
-            started = False
+        sent = _Sent(self.migration.max_tokens, len(worker_request.prompt_token_ids))
+        num_retries = num_migrations = 0
+        while True:
+            call = worker_request if sent.first_token_at is None else sent.continuation(worker_request)
+            plan = await self._plan(call, avoid, num_retries + num_migrations)
+            call.prefill_address = plan.prefill.worker.address if plan.prefill else ""
             try:
-                async with aclosing(self.proxy.stream(plan, worker_request, deadline, arrival)) as responses:
+                async with aclosing(self.proxy.stream(plan, call, deadline, arrival, sent.first_token_at)) as responses:
                     async for response in responses:
-                        started = True
+                        sent.add(response)
                         yield response
                 return
             except WorkerFailed as e:
-                if started or attempt == MAX_ATTEMPTS - 1:
-                    raise Abort(grpc.StatusCode.UNAVAILABLE, e.message) from None
                 avoid.add(e.worker.address)
-                self.metrics.retries.labels(role=e.worker.role_name).inc()
-                log.warning(
-                    "request %s: %s; retrying elsewhere (attempt %d of %d)",
-                    worker_request.request_id,
-                    e.message,
-                    attempt + 2,
-                    MAX_ATTEMPTS,
-                )
+                if sent.first_token_at is None:
+                    num_retries += 1
+                    self._retry(request_id, e, num_retries)
+                else:
+                    num_migrations += 1
+                    self._migrate(request_id, e, sent, num_migrations)
+
+    async def _plan(self, call: pb.WorkerGenerateRequest, avoid: set[str], attempt: int) -> Plan:
+        """The attempt's plan: a migrated stream's (a continuation) goes to one worker that computes
+        its prompt and tokens so far itself."""
+        moving = call.HasField("continuation")
+        with stage("gateway.plan", {"splitserve.attempt": attempt, "splitserve.migrated": moving}):
+            prompt = [*call.prompt_token_ids, *call.continuation.output_token_ids]
+            plan = await self.planner.plan(prompt, avoid, retry=attempt > 0, local=moving)
+        if moving:
+            self.metrics.migrations.labels(outcome="resumed" if plan else "no_worker").inc()
+        if plan is None:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, NO_WORKER)
+        return plan
+
+    def _retry(self, request_id: str, error: WorkerFailed, num_retries: int) -> None:
+        """Before any token went out: again on another plan, up to MAX_ATTEMPTS plans."""
+        if num_retries == MAX_ATTEMPTS:
+            raise Abort(grpc.StatusCode.UNAVAILABLE, error.message) from None
+        self.metrics.retries.labels(role=error.worker.role_name).inc()
+        log.warning(
+            "request %s: %s; retrying elsewhere (attempt %d of %d)",
+            request_id,
+            error.message,
+            num_retries + 1,
+            MAX_ATTEMPTS,
+        )
+
+    def _migrate(self, request_id: str, error: WorkerFailed, sent: _Sent, num_migrations: int) -> None:
+        """After tokens went out: the stream moves on, up to the migration limit, while tracked."""
+        if sent.token_ids is None or num_migrations > self.migration.limit:
+            self.metrics.migrations.labels(outcome="too_long" if sent.token_ids is None else "limit").inc()
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"{error.message}; {_NOT_MOVED}") from None
+        log.warning(
+            "request %s: %s; moving its stream after %d tokens elsewhere (migration %d of %d)",
+            request_id,
+            error.message,
+            len(sent.token_ids),
+            num_migrations,
+            self.migration.limit,
+        )
 
     async def _validate(self, request: gen_pb.GenerateRequest | Choice, request_id: str) -> pb.WorkerGenerateRequest:
         try:

@@ -27,6 +27,7 @@ HTTP_ROUTES = (
     "/metrics",
 )
 HTTP_OTHER_ROUTE = "other"  # a path the API does not serve: one label value, whatever the path
+MIGRATION_OUTCOMES = ("resumed", "limit", "too_long", "no_worker")  # splitserve_gateway_migrations' labels
 _GENERATION_STATUSES = ("200", "400", "401", "404", "429", "500", "503")
 
 
@@ -55,6 +56,16 @@ class GatewayMetrics:
         )
         for role in Role:  # at zero from the start: a retry is rare, and rate() needs a series to see one
             self.retries.labels(role=role.value)
+        self.migrations = Counter(
+            "splitserve_gateway_migrations",
+            "Streams whose worker failed after tokens went out, by outcome: resumed on another worker, or "
+            "ended UNAVAILABLE (limit: the stream's migrations were used up; too_long: longer than the gateway "
+            "tracks; no_worker: no healthy worker left to take it).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome=outcome)
         self.denied = Counter(
             "splitserve_gateway_denied_calls",
             "Calls refused before any servicer saw them, by plane (public, internal) and gRPC code.",

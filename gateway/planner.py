@@ -42,11 +42,12 @@ class Planner:
         self.model_name, self.workers, self.router, self.prefix = model_name, workers, router, prefix
         self.routed = routed  # decisions by worker and reason (the routing-decisions metric)
 
-    async def plan(self, prompt: Sequence[int], avoid: set[str], *, retry: bool) -> Plan | None:
-        """A plan among the healthy workers not in avoid (addresses), or None when none can serve."""
+    async def plan(self, prompt: Sequence[int], avoid: set[str], *, retry: bool, local: bool = False) -> Plan | None:
+        """A plan among the healthy workers not in avoid (addresses), or None when none can serve.
+        local: one worker runs the whole request (a migrated stream's), never a (prefill, decode) pair."""
         healthy = [w for w in self.workers.healthy(self.model_name) if w.address not in avoid]
         route = await self._route_input(prompt, healthy)
-        plan = self._pick(route, healthy)
+        plan = self._pick(route, healthy, local)
         if plan is not None:
             for d in plan.decisions:
                 self.routed.labels(worker=d.worker.worker_id, reason=d.reason + ("+retry" if retry else "")).inc()
@@ -56,8 +57,8 @@ class Planner:
         """Whether plan() would find workers now: a healthy one that streams tokens (not prefill only)."""
         return any(w.role is not Role.PREFILL for w in self.workers.healthy(self.model_name))
 
-    def _pick(self, route: RouteInput, healthy: list[WorkerHandle]) -> Plan | None:
-        prefills = [w for w in healthy if w.role is Role.PREFILL]
+    def _pick(self, route: RouteInput, healthy: list[WorkerHandle], local: bool) -> Plan | None:
+        prefills = [w for w in healthy if w.role is Role.PREFILL and not local]
         decodes = [w for w in healthy if w.role is Role.DECODE]
         if prefills and decodes:
             prefill, decode = self.router.pick(prefills, route, "prefill"), self.router.pick(decodes, route, "decode")

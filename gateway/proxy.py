@@ -50,26 +50,32 @@ class Proxy:
         self.workers = workers
 
     async def stream(
-        self, plan: Plan, req: pb.WorkerGenerateRequest, deadline: float | None, arrival: float
+        self,
+        plan: Plan,
+        req: pb.WorkerGenerateRequest,
+        deadline: float | None,
+        arrival: float,
+        first_token_at: float | None = None,
     ) -> AsyncGenerator[gen_pb.GenerateResponse, None]:
-        """deadline: time.monotonic() by which the worker call must end (None: no timeout). The attempt's
-        span is a child of the current one (the request's); the worker's spans are its children."""
+        """deadline: time.monotonic() by which the worker call must end (None: no timeout); first_token_at:
+        when the stream's first token went out, for a migrated stream (its time to first token). The
+        attempt's span is a child of the current one (the request's); the worker's spans are its children."""
         worker, prefill = plan.target.worker, plan.prefill_worker
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         span = tracer.start_span("gateway.attempt", kind=SpanKind.CLIENT, attributes=_attributes(plan))
         with ended(span), self.workers.lease(*(d.worker for d in plan.decisions)) as lease:
             sent_at = time.monotonic()
             call = worker.stub.Generate(req, timeout=timeout, metadata=trace_metadata(span))
-            first_token_at = None
+            first: float | None = None  # this attempt's first token
             try:
                 async for chunk in call:
                     now = time.monotonic()
-                    if first_token_at is None:
-                        first_token_at = now
+                    if first is None:
+                        first = now
                         span.add_event("first token")
                         if prefill is not None:  # its part is done
                             lease.release(prefill)
-                    yield _response(req.request_id, chunk, (arrival, sent_at, first_token_at, now))
+                    yield _response(req.request_id, chunk, (arrival, sent_at, first_token_at or first, now))
             except grpc.aio.AioRpcError as e:
                 raise self._failure(e, worker, prefill) from None
             finally:

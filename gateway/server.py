@@ -27,7 +27,7 @@ from splitserve.common.serving import start_metrics_server
 from splitserve.common.tokenizer import load_tokenizer
 from splitserve.common.tracing import context_from_metadata
 from splitserve.gateway.auth import ApiKeys, PublicAccess
-from splitserve.gateway.generation import Abort, GenerationCore
+from splitserve.gateway.generation import Abort, GenerationCore, MigrationConfig
 from splitserve.gateway.http.server import HttpApi, HttpSettings
 from splitserve.gateway.metrics import GatewayMetrics
 from splitserve.gateway.planner import Planner
@@ -67,6 +67,7 @@ class GatewayConfig:
     # The Registry's own port (0: a free one), served over the cluster's mTLS only, so members never meet
     # the gateway on its public port; None: the Registry shares the public port (and its transport).
     internal_port: int | None = None
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # streams moved off a failed worker
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -207,7 +208,7 @@ async def serve_gateway(config: GatewayConfig) -> None:
     prefix = PrefixIndex(name, config.redis_url, metrics.prefix, config.index_heartbeat_ttl_s)
     validator = RequestValidator(config.limits, load_tokenizer(config.model), name, workers)
     planner = Planner(name, workers, make_router(config.router), prefix, metrics.routed)
-    core = GenerationCore(config.max_pending, validator, planner, Proxy(workers), metrics)
+    core = GenerationCore(config.max_pending, validator, planner, Proxy(workers), metrics, config.migration)
     public = security.public_access()
     registry = RegistryServicer(workers, prefix)
     on_public = None if config.internal_port is not None else registry

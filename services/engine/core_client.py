@@ -202,8 +202,10 @@ class EngineCoreClient:
         self.start()
         await self._admit()
         self._streams.open(request_id, call.request_id)
-        record = _Record(request_id, params, list(call.prompt_token_ids), len(call.prompt_token_ids))
-        self._track(record)
+        so_far = call.continuation  # a migrated stream's: what its client already has
+        tokens = [*call.prompt_token_ids, *so_far.output_token_ids]
+        record = _Record(request_id, params, tokens, len(call.prompt_token_ids))
+        self._track(record, so_far.num_text_chars)
         self._send(pb.CoreCommand(add=add))
         decoding: Span | None = None  # a handed-off request's decode.decode span, from its landing to its end
         outputs = self._streams.read(request_id)
@@ -341,10 +343,10 @@ class EngineCoreClient:
             self._replies.pop(call_id, None)
 
     # -- output processing ----------------------------------------------------------------------------
-    def _track(self, record: _Record) -> None:
+    def _track(self, record: _Record, num_text_chars_sent: int = 0) -> None:
         self._records[record.request_id] = record
         with self._processing:
-            self._processor.add(record, time.monotonic())
+            self._processor.add(record, time.monotonic(), num_text_chars_sent)
 
     def _untrack(self, request_id: str) -> RequestOutput | None:
         """Stop processing a request's tokens; its final output, if it had none yet."""
@@ -512,7 +514,7 @@ class _Record:
 
     request_id: str
     sampling_params: SamplingParams
-    all_token_ids: list[int]  # the prompt
+    all_token_ids: list[int]  # the prompt, then a migrated stream's tokens so far
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # set from its first step
     first_scheduled_time: float | None = None

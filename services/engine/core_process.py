@@ -264,9 +264,16 @@ class EngineCore:
                 call.priority,
                 stop_after_prefill=prefill,  # it keeps its blocks for the decode worker
                 label=call.request_id,
+                output_token_ids=call.continuation.output_token_ids,
             )
         except ValueError as e:
             self._refuse(add.request_id, str(e))
+            return None
+        except Exception as e:  # a bug: this request ends, the reader reads on (else every stream would wait)
+            log.exception("request %s: the engine core could not take it", add.request_id)
+            self._send(
+                refusal(add.request_id, f"the engine core could not take it ({type(e).__name__}: {e})", "INTERNAL")
+            )
             return None
 
     def _refuse(self, request_id: str, message: str) -> None:

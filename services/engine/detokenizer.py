@@ -55,6 +55,12 @@ class IncrementalDetokenizer:
                 return matched
         return None
 
+    def resume(self, token_ids: list[int], num_chars_sent: int) -> None:
+        """Continue a stream another detokenizer began: decode its tokens (none of which stopped it)
+        as it did, one at a time, and count the first num_chars_sent characters as streamed."""
+        self.add_tokens(token_ids)
+        self._sent = min(num_chars_sent, len(self.text))
+
     def flush(self) -> None:
         """At the end of the request, release what waited for more bytes."""
         if not self._stopped:

@@ -139,11 +139,14 @@ class Engine:
         priority: int = 0,
         stop_after_prefill: bool = False,
         label: str = "",
+        output_token_ids: Sequence[int] = (),
     ) -> Request:
         """Validate a request without touching engine state (safe from any thread).
 
         request_id None (what servers pass) names it `req-N`; an in-process caller's own id must
         not be in use when the request is added. label is the client's id, echoed in logs only.
+        output_token_ids: a migrated stream's tokens so far (splitserve.v1.Continuation), computed here
+        with the prompt and counted as its output.
         """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -163,8 +166,9 @@ class Engine:
                 f"cache of {rt.kv_capacity_tokens} tokens; lower max_tokens or raise --kv-cache-bytes"
             )
         self._check_schedulable(len(token_ids) + (1 if stop_after_prefill else max_tokens))
+        self._check_continuation(output_token_ids, max_tokens)
         rid = RequestId(request_id if request_id is not None else f"req-{next(self._ids)}")
-        return Request(
+        request = Request(
             rid,
             token_ids,
             params,
@@ -175,6 +179,20 @@ class Engine:
             stop_after_prefill=stop_after_prefill,
             label=label,
         )
+        for token_id in output_token_ids:
+            request.append_output_token(token_id)
+        return request
+
+    def _check_continuation(self, output_token_ids: Sequence[int], max_tokens: int) -> None:
+        if len(output_token_ids) >= max_tokens:
+            raise ValueError(
+                f"the stream to continue already has {len(output_token_ids)} output tokens, "
+                f"as many as its max_tokens ({max_tokens}); it has nothing left to generate"
+            )
+        vocab = self.runner.arch.vocab_size
+        bad = [t for t in output_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"continuation token ids must be in [0, {vocab}); got {bad[:5]}")
 
     def _check_schedulable(self, max_num_tokens: int) -> None:
         """Without chunked prefill a request (recomputed after preemption: prompt and output) must fit

@@ -61,11 +61,16 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._tracked: dict[str, _Tracked] = {}
 
-    def add(self, request: OutputRequest, arrival: float) -> None:
-        """Track a request that has no output token yet (its prompt never changes, whatever thread reads it)."""
-        prompt = request.all_token_ids[: request.num_prompt_tokens]
-        detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling_params, prompt)
-        self._tracked[request.request_id] = _Tracked(request, detokenizer, arrival)
+    def add(self, request: OutputRequest, arrival: float, num_text_chars_sent: int = 0) -> None:
+        """Track a request before its first step (its tokens then never change, whatever thread reads
+        them). Output tokens it already has are a migrated stream's: their text is decoded here, and
+        what follows the num_text_chars_sent characters its client has goes out with the next token."""
+        tokens, num_prompt = request.all_token_ids, request.num_prompt_tokens
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.sampling_params, tokens[:num_prompt])
+        tracked = self._tracked[request.request_id] = _Tracked(request, detokenizer, arrival)
+        if len(tokens) > num_prompt:
+            detokenizer.resume(tokens[num_prompt:], num_text_chars_sent)
+            tracked.num_output_tokens = len(tokens) - num_prompt
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """An aborted request's final output (finish reason abort), or None if it already had one;

@@ -95,7 +95,7 @@ class OutputRequest(Protocol):
     @property
     def sampling_params(self) -> SamplingParams: ...
     @property
-    def all_token_ids(self) -> list[int]: ...  # read up to num_prompt_tokens only
+    def all_token_ids(self) -> list[int]: ...  # read before its first step only (prompt, a migrated stream's tokens)
     @property
     def num_prompt_tokens(self) -> int: ...
     @property

@@ -142,6 +142,7 @@ def _gateway(a: argparse.Namespace) -> int:
     import asyncio
 
     from splitserve.common.tracing import setup_tracing
+    from splitserve.gateway.generation import MigrationConfig
     from splitserve.gateway.server import GatewayConfig, serve_gateway
     from splitserve.gateway.validation import RequestLimits
 
@@ -155,6 +156,7 @@ def _gateway(a: argparse.Namespace) -> int:
         security=gateway_security_from_args(a),
         http_port=http_port_from_args(a),
         http_cors_origins=tuple(a.http_cors_origin),
+        migration=MigrationConfig(a.migration_limit, a.migration_max_tokens),
     )
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
@@ -349,6 +351,20 @@ def add_commands(sub) -> None:
     gateway.add_argument("--model", default=None, help="the served model (its tokenizer); default: bundled SmolLM2")
     gateway.add_argument("--worker", action="append", help="worker HOST:PORT known at start (repeatable)")
     gateway.add_argument("--max-pending", type=int, default=256)
+    gateway.add_argument(
+        "--migration-limit",
+        type=int,
+        default=3,
+        help="times one stream may move to another worker when its worker fails mid-stream (0: never; "
+        "the stream then ends UNAVAILABLE)",
+    )
+    gateway.add_argument(
+        "--migration-max-tokens",
+        type=int,
+        default=32768,
+        help="the longest stream (prompt + output tokens) the gateway tracks so that it can move; longer "
+        "ones end UNAVAILABLE if their worker fails",
+    )
     gateway.add_argument(
         "--router",
         default="kv-aware",

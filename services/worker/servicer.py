@@ -116,6 +116,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 "this worker is not a decode worker; "
                 "send requests with a prefill_address to one started with --mode decode",
             )
+        if request.prefill_address and request.HasField("continuation"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "a continued stream (continuation) is computed here with its tokens so far; "
+                "send it without a prefill_address",
+            )
         if not request.prefill_address and self.role is Role.PREFILL:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -7,11 +7,14 @@ of an engine core (here in process).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 
 from splitserve.common.sampling_params import SamplingParams
+from splitserve.common.wire import params_to_proto
+from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from splitserve.services.engine.core_client import EngineCoreClient
 from splitserve.services.engine.engine import Engine, RequestOutput
@@ -247,4 +250,81 @@ def test_an_engine_serves_a_new_core_after_the_last_one_stopped(engine):
     first = asyncio.run(tokens())
     assert asyncio.run(tokens()) == first and len(first) == MAX_TOKENS
     assert [t for out in _inline(engine, [_greedy()] * len(PROMPTS))[0] for t in out.new_token_ids] == first
+    assert _all_free(engine)
+
+
+def _logprobs(outputs: list[RequestOutput]) -> list:
+    return [lp for o in outputs for lp in (o.new_logprobs or ())]
+
+
+def _sampled(**kwargs) -> SamplingParams:
+    return SamplingParams(
+        temperature=0.9,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.02,
+        seed=2**64 - 7,
+        repetition_penalty=1.3,
+        presence_penalty=0.4,
+        frequency_penalty=0.3,
+        max_tokens=MAX_TOKENS,
+        logprobs=2,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("kind", ["greedy-stop-string", "seeded-penalties-logprobs"])
+def test_a_migrated_stream_continues_exactly_where_the_client_left_it(engine, kind):
+    """A Generate call with a Continuation (the gateway moved the stream after its worker failed) goes on
+    from the client's tokens and text: the same tokens, text, logprobs, stop and usage as the stream
+    that never moved, whatever token it was cut at (also inside text held back for a stop string)."""
+    if kind == "greedy-stop-string":
+        params = [dataclasses.replace(p, min_tokens=3) for p in _stop_strings(engine)]
+    else:
+        params = [_sampled() for _ in PROMPTS]
+    want = _inline(engine, params)
+
+    cases = [(i, cut) for i in range(len(PROMPTS)) for cut in sorted({1, 3, len(want[i]) // 2, len(want[i]) - 1})]
+    cases = [(i, cut) for i, cut in cases if 0 < cut < len(want[i])]
+
+    async def continued() -> list[list[RequestOutput]]:
+        client = EngineCoreClient.in_process(engine)  # one worker takes every moved stream, one at a time
+        got = []
+        for i, cut in cases:
+            had = want[i][:cut]  # what the client received before the worker failed (one token each inline)
+            call = wpb.WorkerGenerateRequest(request_id=f"moved-{i}", prompt_token_ids=PROMPTS[i])
+            call.params.CopyFrom(params_to_proto(params[i]))
+            call.continuation.output_token_ids[:] = _tokens(had)
+            call.continuation.num_text_chars = len(_text(had))
+            got.append([out async for out in client.generate_call(call, params[i])])
+        await client.shutdown()
+        return got
+
+    for (i, cut), got in zip(cases, asyncio.run(continued())):
+        whole = want[i]
+        assert _tokens(got) == _tokens(whole[cut:]), (i, cut)
+        assert _text(whole[:cut]) + _text(got) == _text(whole), (i, cut)
+        # The moved stream's prompt and tokens so far are computed in one pass, not token by token, so
+        # logits may differ in the last float32 bits: logprobs close, token ids the same.
+        for moved, unmoved in zip(_logprobs(got), _logprobs(whole[cut:]), strict=True):
+            assert moved.token_id == unmoved.token_id and [t for t, _ in moved.top] == [t for t, _ in unmoved.top]
+            assert moved.logprob == pytest.approx(unmoved.logprob, abs=1e-4), (i, cut)
+        final, expected = got[-1], whole[-1]
+        assert (final.finish_reason, final.stop_reason) == (expected.finish_reason, expected.stop_reason)
+        assert (final.num_prompt_tokens, final.num_output_tokens) == (len(PROMPTS[i]), expected.num_output_tokens)
+    assert len(cases) >= 12 and _all_free(engine)
+
+
+def test_a_continuation_with_nothing_left_to_generate_is_refused(engine):
+    async def main():
+        client = EngineCoreClient.in_process(engine)
+        call = wpb.WorkerGenerateRequest(prompt_token_ids=PROMPTS[0], params=params_to_proto(_greedy()))
+        call.continuation.output_token_ids[:] = [5] * MAX_TOKENS
+        try:
+            return [out async for out in client.generate_call(call, _greedy())]
+        finally:
+            await client.shutdown()
+
+    with pytest.raises(ValueError, match="nothing left to generate"):
+        asyncio.run(main())
     assert _all_free(engine)

@@ -25,7 +25,7 @@ from splitserve.services.disagg.prefill import CorePrefillSetup
 from splitserve.services.disagg.prefill_client import job_to_proto
 from splitserve.services.disagg.transfer.base import ChannelSpec, Fill, KVSender, Moved
 from splitserve.services.engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from splitserve.services.engine.core_client import EngineCoreClient
+from splitserve.services.engine.core_client import CoreRefused, EngineCoreClient
 from splitserve.services.engine.detokenizer import IncrementalDetokenizer
 from splitserve.services.engine.engine import Engine
 from splitserve.services.engine.handoff_port import EngineLoad
@@ -156,18 +156,22 @@ def _skip_validation(engine: Engine, monkeypatch, skipped_label: str) -> None:
     request carrying this label skips those checks, as one that a bug or a new parameter lets through."""
     make_request = engine.make_request
 
-    def maybe_unvalidated(prompt, params, request_id=None, priority=0, stop_after_prefill=False, label=""):
+    def maybe_unvalidated(prompt, params, request_id=None, priority=0, stop_after_prefill=False, label="", **more):
         if label == skipped_label:
             return _unvalidated(engine, params, prompt, request_id)
-        return make_request(prompt, params, request_id, priority, stop_after_prefill, label)
+        if label == "breaks-validation":  # a bug in the checks themselves
+            raise KeyError("a bug")
+        return make_request(prompt, params, request_id, priority, stop_after_prefill, label, **more)
 
     monkeypatch.setattr(engine, "make_request", maybe_unvalidated)
 
 
 def test_a_core_refuses_or_fails_a_bad_request_and_keeps_serving(engine, monkeypatch):
     """Through the serving path (an engine core and its client): a request whose parameters the core
-    validates is refused with ValueError; one that got past validation fails in the step, and ends
-    with RequestFailed; either way the core serves the next request as before and frees every block."""
+    validates is refused with ValueError; one whose validation itself raises (a bug) is refused
+    INTERNAL, not left waiting by a dead command reader; one that got past validation fails in the
+    step, and ends with RequestFailed; either way the core serves the next request as before and
+    frees every block."""
     _skip_validation(engine, monkeypatch, "unvalidated")
     bad = SamplingParams(temperature=0.0, max_tokens=5, min_tokens=2, stop_token_ids=[10**9])
     good = SamplingParams(temperature=0.0, max_tokens=5)
@@ -177,6 +181,10 @@ def test_a_core_refuses_or_fails_a_bad_request_and_keeps_serving(engine, monkeyp
         with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 320\)"):
             async for _ in client.generate(PROMPT, bad):
                 pass
+        with pytest.raises(CoreRefused, match="KeyError") as broken:
+            async for _ in client.generate(PROMPT, good, label="breaks-validation"):
+                pass
+        assert broken.value.code == "INTERNAL"
         with pytest.raises(RequestFailed, match="IndexError.*the worker goes on"):
             async for _ in client.generate(PROMPT, bad, label="unvalidated"):
                 pass

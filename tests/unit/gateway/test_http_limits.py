@@ -46,7 +46,7 @@ class Proxy:
         self.started, self.release = asyncio.Event(), asyncio.Event()
         self.release.set()
 
-    async def stream(self, plan, request, deadline, arrival):
+    async def stream(self, plan, request, deadline, arrival, first_token_at=None):
         self.started.set()
         for i in range(2):
             await self.release.wait()

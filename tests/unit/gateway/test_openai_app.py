@@ -45,7 +45,7 @@ class Workers:
 
 
 class Planner:
-    async def plan(self, prompt, avoid, *, retry):
+    async def plan(self, prompt, avoid, *, retry, local=False):
         return SimpleNamespace(prefill=None)
 
     def can_serve(self) -> bool:
@@ -59,7 +59,7 @@ class Proxy:
         self.requests: list = []
         self.on_stream = lambda: None
 
-    async def stream(self, plan, request, deadline, arrival):
+    async def stream(self, plan, request, deadline, arrival, first_token_at=None):
         self.requests.append(request)
         self.on_stream()
         for i in range(NUM_TOKENS):
