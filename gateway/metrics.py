@@ -27,6 +27,7 @@ HTTP_ROUTES = (
     "/metrics",
 )
 HTTP_OTHER_ROUTE = "other"  # a path the API does not serve: one label value, whatever the path
+LOCAL_PREFILL_REASONS = ("short_prompt", "prefill_queue", "no_prefill_worker", "migration")  # and their labels
 MIGRATION_OUTCOMES = ("resumed", "limit", "too_long", "no_worker")  # splitserve_gateway_migrations' labels
 _GENERATION_STATUSES = ("200", "400", "401", "404", "429", "500", "503")
 
@@ -66,6 +67,16 @@ class GatewayMetrics:
         )
         for outcome in MIGRATION_OUTCOMES:
             self.migrations.labels(outcome=outcome)
+        self.local_prefills = Counter(
+            "splitserve_gateway_local_prefills",
+            "Requests a decode worker computes whole (its own prefill) in a disaggregated deployment, by reason: "
+            "short_prompt and prefill_queue (--local-prefill-max-tokens, --local-prefill-queue), no_prefill_worker "
+            "(none healthy), migration (a stream moved off a failed worker).",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in LOCAL_PREFILL_REASONS:
+            self.local_prefills.labels(reason=reason)
         self.denied = Counter(
             "splitserve_gateway_denied_calls",
             "Calls refused before any servicer saw them, by plane (public, internal) and gRPC code.",

@@ -2,7 +2,10 @@
 
 With healthy prefill and decode workers, a (prefill, decode) pair: the decode worker gets the
 request with the prefill worker's address and runs the handoff. Otherwise one worker that runs
-whole requests (unified, or decode when no prefill worker is up). The router (router.py) picks
+whole requests (unified, or decode when no prefill worker is up). A decode worker also computes the
+prompt itself (local prefill, counted by reason) for a migrated stream, and, where LocalPrefill's rules
+are on (conditional disaggregation, as Dynamo's disaggregated router), for a prompt short enough that
+the transfer would not pay or while every prefill worker's queue is long. The router (router.py) picks
 within a tier; the planner looks the prompt up in the prefix index first, and afterwards notes
 where the prompt's blocks went, so requests sharing a prefix follow before the worker publishes.
 """
@@ -17,8 +20,23 @@ from prometheus_client import Counter
 from splitserve.common.block_hash import hash_block_tokens
 from splitserve.common.roles import Role
 from splitserve.gateway.prefix import PrefixIndex
-from splitserve.gateway.router import Decision, RouteInput, Router
+from splitserve.gateway.router import Decision, RouteInput, Router, load
 from splitserve.gateway.workers import WorkerHandle, WorkerSet
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPrefill:
+    """When a decode worker computes a prompt itself although prefill workers are up (0: rule off).
+
+    max_tokens: prompts with at most this many tokens the decode worker does not already hold;
+    min_queue: while every healthy prefill worker has at least this many requests running or queued."""
+
+    max_tokens: int = 0
+    min_queue: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0 or self.min_queue < 0:
+            raise ValueError(f"local prefill thresholds must be >= 0, got {self.max_tokens}, {self.min_queue}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,17 +55,25 @@ class Plan:
 
 class Planner:
     def __init__(
-        self, model_name: str, workers: WorkerSet, router: Router, prefix: PrefixIndex, routed: Counter
+        self,
+        model_name: str,
+        workers: WorkerSet,
+        router: Router,
+        prefix: PrefixIndex,
+        routed: Counter,
+        local_prefills: Counter,
+        local: LocalPrefill = LocalPrefill(),
     ) -> None:
         self.model_name, self.workers, self.router, self.prefix = model_name, workers, router, prefix
         self.routed = routed  # decisions by worker and reason (the routing-decisions metric)
+        self.local_prefills, self.local = local_prefills, local  # by reason (metrics.LOCAL_PREFILL_REASONS)
 
     async def plan(self, prompt: Sequence[int], avoid: set[str], *, retry: bool, local: bool = False) -> Plan | None:
         """A plan among the healthy workers not in avoid (addresses), or None when none can serve.
         local: one worker runs the whole request (a migrated stream's), never a (prefill, decode) pair."""
         healthy = [w for w in self.workers.healthy(self.model_name) if w.address not in avoid]
         route = await self._route_input(prompt, healthy)
-        plan = self._pick(route, healthy, local)
+        plan = self._pick(route, healthy, migrated=local)
         if plan is not None:
             for d in plan.decisions:
                 self.routed.labels(worker=d.worker.worker_id, reason=d.reason + ("+retry" if retry else "")).inc()
@@ -57,10 +83,11 @@ class Planner:
         """Whether plan() would find workers now: a healthy one that streams tokens (not prefill only)."""
         return any(w.role is not Role.PREFILL for w in self.workers.healthy(self.model_name))
 
-    def _pick(self, route: RouteInput, healthy: list[WorkerHandle], local: bool) -> Plan | None:
-        prefills = [w for w in healthy if w.role is Role.PREFILL and not local]
+    def _pick(self, route: RouteInput, healthy: list[WorkerHandle], migrated: bool) -> Plan | None:
+        prefills = [w for w in healthy if w.role is Role.PREFILL]
         decodes = [w for w in healthy if w.role is Role.DECODE]
-        if prefills and decodes:
+        reason = self._local_reason(route, prefills, decodes, migrated)
+        if reason is None:
             prefill, decode = self.router.pick(prefills, route, "prefill"), self.router.pick(decodes, route, "decode")
             assert prefill is not None and decode is not None  # pick returns None only without candidates
             self._observe_match(route, prefill)
@@ -70,8 +97,27 @@ class Planner:
         target = self.router.pick([w for w in healthy if w.role is not Role.PREFILL], route, "prefill")
         if target is None:
             return None
+        if reason and target.worker.role is Role.DECODE:
+            self.local_prefills.labels(reason=reason).inc()
         self._observe_match(route, target)
         return Plan(target)
+
+    def _local_reason(
+        self, route: RouteInput, prefills: list[WorkerHandle], decodes: list[WorkerHandle], migrated: bool
+    ) -> str | None:
+        """Why one worker runs the whole request ("" for a unified deployment), None for a pair."""
+        if not decodes:
+            return ""
+        if migrated:
+            return "migration"
+        if not prefills:
+            return "no_prefill_worker"
+        rules = self.local
+        if rules.max_tokens and _uncached_tokens(route, decodes) <= rules.max_tokens:
+            return "short_prompt"
+        if rules.min_queue and min(load(w) for w in prefills) >= rules.min_queue:
+            return "prefill_queue"
+        return None
 
     async def _route_input(self, prompt: Sequence[int], workers: list[WorkerHandle]) -> RouteInput:
         block_size = next((w.block_size for w in workers if w.block_size), 0)
@@ -86,3 +132,9 @@ class Planner:
             return
         self.prefix.metrics.matched.observe(route.matched.get(decision.worker.address, 0))
         self.prefix.note_routed(route.block_hashes, decision.worker.address)
+
+
+def _uncached_tokens(route: RouteInput, decodes: list[WorkerHandle]) -> int:
+    """Prompt tokens that the decode worker holding most of the prompt would still compute."""
+    held = max((route.matched or {}).get(w.address, 0) * w.block_size for w in decodes)
+    return len(route.prompt_token_ids) - held

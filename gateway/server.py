@@ -30,7 +30,7 @@ from splitserve.gateway.auth import ApiKeys, PublicAccess
 from splitserve.gateway.generation import Abort, GenerationCore, MigrationConfig
 from splitserve.gateway.http.server import HttpApi, HttpSettings
 from splitserve.gateway.metrics import GatewayMetrics
-from splitserve.gateway.planner import Planner
+from splitserve.gateway.planner import LocalPrefill, Planner
 from splitserve.gateway.prefix import PrefixIndex
 from splitserve.gateway.proxy import Proxy
 from splitserve.gateway.router import make_router
@@ -68,6 +68,7 @@ class GatewayConfig:
     # the gateway on its public port; None: the Registry shares the public port (and its transport).
     internal_port: int | None = None
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # streams moved off a failed worker
+    local_prefill: LocalPrefill = field(default_factory=LocalPrefill)  # conditional disaggregation (off)
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -207,7 +208,8 @@ async def serve_gateway(config: GatewayConfig) -> None:
     metrics = GatewayMetrics()
     prefix = PrefixIndex(name, config.redis_url, metrics.prefix, config.index_heartbeat_ttl_s)
     validator = RequestValidator(config.limits, load_tokenizer(config.model), name, workers)
-    planner = Planner(name, workers, make_router(config.router), prefix, metrics.routed)
+    router = make_router(config.router)
+    planner = Planner(name, workers, router, prefix, metrics.routed, metrics.local_prefills, config.local_prefill)
     core = GenerationCore(config.max_pending, validator, planner, Proxy(workers), metrics, config.migration)
     public = security.public_access()
     registry = RegistryServicer(workers, prefix)

@@ -143,6 +143,7 @@ def _gateway(a: argparse.Namespace) -> int:
 
     from splitserve.common.tracing import setup_tracing
     from splitserve.gateway.generation import MigrationConfig
+    from splitserve.gateway.planner import LocalPrefill
     from splitserve.gateway.server import GatewayConfig, serve_gateway
     from splitserve.gateway.validation import RequestLimits
 
@@ -157,6 +158,7 @@ def _gateway(a: argparse.Namespace) -> int:
         http_port=http_port_from_args(a),
         http_cors_origins=tuple(a.http_cors_origin),
         migration=MigrationConfig(a.migration_limit, a.migration_max_tokens),
+        local_prefill=LocalPrefill(a.local_prefill_max_tokens, a.local_prefill_queue),
     )
     try:
         with asyncio.Runner(loop_factory=_event_loop_factory()) as runner:
@@ -364,6 +366,20 @@ def add_commands(sub) -> None:
         default=32768,
         help="the longest stream (prompt + output tokens) the gateway tracks so that it can move; longer "
         "ones end UNAVAILABLE if their worker fails",
+    )
+    gateway.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="a decode worker computes prompts with at most this many tokens it does not hold itself, "
+        "without a prefill worker (conditional disaggregation); default 0: off",
+    )
+    gateway.add_argument(
+        "--local-prefill-queue",
+        type=int,
+        default=0,
+        help="a decode worker computes the prompt itself while every prefill worker has at least this many "
+        "requests running or queued; default 0: off",
     )
     gateway.add_argument(
         "--router",
