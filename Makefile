@@ -7,7 +7,7 @@ WORKERS ?= 1
 PREFILL ?= 1
 DECODE ?= 1
 
-.PHONY: install serve serve-disagg generate lint test unit security-check bench bench-quick bench-serving bench-transfer bench-disagg bench-prefix bench-tp experiment experiment-distserve bench-kernels gpu-check soak clean
+.PHONY: install serve serve-disagg generate lint test unit security-check bench bench-quick bench-serving bench-transfer bench-disagg bench-migration bench-prefix bench-tp experiment experiment-distserve bench-kernels gpu-check soak clean
 
 install: $(VENV)/.installed
 
@@ -68,6 +68,9 @@ bench-transfer: install
 
 bench-disagg: install
 	$(PY) benchmarks/disagg.py latency
+
+bench-migration: install
+	$(PY) benchmarks/migration.py
 
 bench-prefix: install
 	$(PY) benchmarks/prefix_routing.py

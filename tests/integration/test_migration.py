@@ -3,15 +3,17 @@ the middle of a stream, and the client's stream goes on from another decode work
 tokens the stream would have had, greedy or seeded with every filter and penalty; what the killed
 worker held is freed on every survivor.
 
-The cluster is 1P3D with a prefill worker that waits 3 s before each send (and 1.5 s transfer
-timeouts): a stream's first token is out while its decode worker still waits for the KV, so the kill
-lands mid-stream, after a token went out, whatever the machine's speed."""
+The cluster is 1P4D (a decode worker killed per test, and one left) with a prefill worker that waits
+3 s before each send (and 1.5 s transfer timeouts): a stream's first token is out while its decode
+worker still waits for the KV, so the kill lands mid-stream, after a token went out, whatever the
+machine's speed."""
 
 from __future__ import annotations
 
 import signal
 import time
 
+import openai
 import pytest
 from cluster_helpers import engine_argv, greedy_request, load, metric, stub, wait_all_free
 
@@ -41,7 +43,7 @@ def moving(tiny_llama_dir):
         0,
         engine_argv(tiny_llama_dir),
         num_prefill=1,
-        num_decode=3,
+        num_decode=4,
         worker_argv=["--kv-transfer-timeout", "1.5"],
         env={SEND_DELAY_ENV: "3"},
     )
@@ -51,9 +53,9 @@ def moving(tiny_llama_dir):
         stop_cluster(children)
 
 
-def _unmoved(folder, params: SamplingParams) -> list[int]:
+def _unmoved(folder, params: SamplingParams):
     cache = CacheConfig(block_size=8, kv_cache_bytes=4 * 1024**2)
-    return LLM(EngineConfig(model=str(folder), max_model_len=256, cache=cache)).generate([PROMPT], params)[0].token_ids
+    return LLM(EngineConfig(model=str(folder), max_model_len=256, cache=cache)).generate([PROMPT], params)[0]
 
 
 def _busy_decode(children):
@@ -71,7 +73,7 @@ def _busy_decode(children):
 def test_a_stream_moves_off_a_killed_decode_worker_with_exactly_its_tokens(moving, tiny_llama_dir, kind):
     gateway = moving[0]
     sampling = {"temperature": 0.0} if kind == "greedy" else SEEDED
-    want = _unmoved(tiny_llama_dir, SamplingParams(max_tokens=60, **sampling))
+    want = _unmoved(tiny_llama_dir, SamplingParams(max_tokens=60, **sampling)).token_ids
     resumed = metric(gateway.metrics, "splitserve_gateway_migrations_total", outcome="resumed")
     stream = stub(gateway.address).Generate(greedy_request(PROMPT, 60, **sampling), timeout=60)
     got = list(next(stream).token_ids)  # the prefill worker's first token; the KV waits in its delay
@@ -84,3 +86,31 @@ def test_a_stream_moves_off_a_killed_decode_worker_with_exactly_its_tokens(movin
     assert metric(gateway.metrics, "splitserve_gateway_migrations_total", outcome="resumed") == resumed + 1
     survivors = [c.address for c in moving[1:] if c.proc.poll() is None]
     assert victim.address not in survivors and wait_all_free(survivors)
+
+
+def test_an_http_stream_moves_too(moving, tiny_llama_dir):
+    """The OpenAI API streams through the same migration: text and usage as unmoved (seeded, with filters
+    and penalties the HTTP API takes as vLLM's extra parameters)."""
+    gateway = moving[0]
+    client = openai.OpenAI(base_url=f"http://{gateway.http}/v1", api_key="unused", max_retries=0, timeout=60)
+    sampling = dict(SEEDED, seed=12345)
+    want = _unmoved(tiny_llama_dir, SamplingParams(max_tokens=40, ignore_eos=True, **sampling))
+    extra = {k: sampling[k] for k in ("top_k", "min_p", "repetition_penalty")} | {"ignore_eos": True}
+    stream = client.completions.create(
+        model=client.models.list().data[0].id,
+        prompt=PROMPT,
+        max_tokens=40,
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        seed=sampling["seed"],
+        presence_penalty=sampling["presence_penalty"],
+        frequency_penalty=sampling["frequency_penalty"],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
+    chunks = [next(stream)]  # the prefill worker's first token; the KV waits in its delay
+    _busy_decode(moving).proc.send_signal(signal.SIGKILL)
+    chunks += list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids) == 40

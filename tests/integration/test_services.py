@@ -16,7 +16,8 @@ from cluster_helpers import (
     collect,
     engine_argv,
     greedy_request,
-    kill_engine_core_mid_stream,
+    kill_engine_core,
+    metric,
     stub,
     tokens,
     wait_all_free,
@@ -216,18 +217,20 @@ def test_abort_by_the_clients_id_ends_the_workers_stream(cluster):
     assert wait_all_free([worker.address])
 
 
-def test_killed_worker_fails_in_flight_requests_and_traffic_moves(tiny_llama_dir):
+def test_killed_worker_moves_its_in_flight_stream_and_traffic_moves(tiny_llama_dir):
+    """SIGKILL the worker streaming a request: the client's stream goes on from the other worker
+    (the gateway moves it with the tokens so far) and ends with exactly the unfaulted tokens."""
     children = start_cluster(2, _engine_argv(tiny_llama_dir))
     try:
         stub = _stub(children[0].address)
-        stream = stub.Generate(_greedy_request([4] * 20, 200), timeout=60)
-        next(stream)
+        request = _greedy_request([4] * 20, 200)
+        stream = stub.Generate(request, timeout=60)
+        got = list(next(stream).token_ids)
         busy = next(w for w in children[1:] if not _all_blocks_free(w.address))
         busy.proc.send_signal(signal.SIGKILL)
-        with pytest.raises(grpc.RpcError) as err:
-            for _ in stream:
-                pass
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        got += [t for chunk in stream for t in chunk.token_ids]
+        assert got == tokens(stub, request)  # the same request again, unfaulted, on the survivor
+        assert metric(children[0].metrics, "splitserve_gateway_migrations_total", outcome="resumed") == 1
         for _ in range(4):  # new requests go to the surviving worker
             assert _num_tokens(stub, _greedy_request([1, 2, 3], 4)) == 4
     finally:
@@ -235,14 +238,16 @@ def test_killed_worker_fails_in_flight_requests_and_traffic_moves(tiny_llama_dir
 
 
 def test_a_killed_engine_core_takes_its_worker_down_cleanly(tiny_llama_dir):
-    """SIGKILL the engine core of a worker, mid-request: the request gets
-    UNAVAILABLE, the worker leaves the gateway and exits 3 (what `up` restarts); traffic moves."""
+    """SIGKILL the engine core of a worker, mid-request: its stream moves to the other worker (the
+    client sees every token once), the worker leaves the gateway and exits 3 (what `up` restarts);
+    traffic moves."""
     children = start_cluster(2, _engine_argv(tiny_llama_dir))
     try:
         gateway, workers = children[0], children[1:]
         stub = _stub(gateway.address)
-        stream = stub.Generate(_greedy_request([4] * 20, 200), timeout=60)
-        next(stream)
+        request = _greedy_request([4] * 20, 200)
+        stream = stub.Generate(request, timeout=60)
+        got = list(next(stream).token_ids)
         busy: list = []
         for _ in range(100):  # the load came with the first token's step (the loop is only a margin)
             busy = [w for w in workers if not _all_blocks_free(w.address)]
@@ -251,10 +256,13 @@ def test_a_killed_engine_core_takes_its_worker_down_cleanly(tiny_llama_dir):
             time.sleep(0.05)
         (victim,) = busy
         survivor = next(w for w in workers if w is not victim)
-        kill_engine_core_mid_stream(victim, stream)
+        kill_engine_core(victim)
+        got += [t for chunk in stream for t in chunk.token_ids]
+        assert victim.proc.wait(30) == 3
         registry = wpb_grpc.RegistryStub(grpc.insecure_channel(gateway.address))
         listed = [w.address for w in registry.ListWorkers(wpb.ListWorkersRequest(), timeout=5).workers]
         assert listed == [survivor.address]  # it deregistered before exiting
+        assert got == tokens(stub, request)
         assert _num_tokens(stub, _greedy_request([1, 2, 3], 4)) == 4
     finally:
         stop_cluster(children)
