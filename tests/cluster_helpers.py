@@ -28,6 +28,7 @@ from splitserve.services.launcher.launcher import (
     stop_cluster,
     threads_per_worker,
 )
+from splitserve.services.worker.server import SEND_DELAY_ENV
 
 KV_BYTES = 4 * 1024**2
 
@@ -95,6 +96,19 @@ def metric(metrics_address: str, name: str, **labels: str) -> float:
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 total += float(line.rsplit(" ", 1)[-1])
     return total
+
+
+def slow_sender_cluster(folder, num_decode: int) -> list[Child]:
+    """1P(num_decode)D whose prefill worker waits 3 s before each send, with 1.5 s transfer timeouts: a
+    stream's first token is out while its decode worker still waits for the KV (a fault lands then)."""
+    return start_cluster(
+        0,
+        engine_argv(folder),
+        num_prefill=1,
+        num_decode=num_decode,
+        worker_argv=["--kv-transfer-timeout", "1.5"],
+        env={SEND_DELAY_ENV: "3"},
+    )
 
 
 def engine_config(folder):

@@ -14,6 +14,7 @@ from cluster_helpers import (
     greedy_request,
     kill_engine_core_mid_stream,
     metric,
+    slow_sender_cluster,
     stub,
     tokens,
     wait_all_free,
@@ -27,7 +28,6 @@ from splitserve.protos.v1 import worker_pb2_grpc as wpb_grpc
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.llm import LLM
 from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-from splitserve.services.worker.server import SEND_DELAY_ENV
 
 PROMPTS = [[(7 * i + j) % 300 + 1 for j in range(4 + 13 * i)] for i in range(6)]  # 4..69 tokens
 SEEDED = dict(temperature=0.8, top_p=0.95, seed=1234)
@@ -127,15 +127,7 @@ def test_2p2d_concurrent_requests_equal_in_process_engine(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def faulty(tiny_llama_dir):
-    """1P2D whose prefill worker waits 3 s before each send, with 1.5 s transfer timeouts."""
-    children = start_cluster(
-        0,
-        engine_argv(tiny_llama_dir),
-        num_prefill=1,
-        num_decode=2,
-        worker_argv=["--kv-transfer-timeout", "1.5"],
-        env={SEND_DELAY_ENV: "3"},
-    )
+    children = slow_sender_cluster(tiny_llama_dir, num_decode=2)
     try:
         yield children
     finally:

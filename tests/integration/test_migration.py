@@ -15,13 +15,12 @@ import time
 
 import openai
 import pytest
-from cluster_helpers import engine_argv, greedy_request, load, metric, stub, wait_all_free
+from cluster_helpers import greedy_request, load, metric, slow_sender_cluster, stub, wait_all_free
 
 from splitserve.common.sampling_params import SamplingParams
 from splitserve.services.engine.config import CacheConfig, EngineConfig
 from splitserve.services.engine.llm import LLM
-from splitserve.services.launcher.launcher import start_cluster, stop_cluster
-from splitserve.services.worker.server import SEND_DELAY_ENV
+from splitserve.services.launcher.launcher import stop_cluster
 
 PROMPT = [(5 * j) % 300 + 1 for j in range(37)]
 # Exact in float32 (the public API's type), so the in-process run gets the very same values.
@@ -39,14 +38,7 @@ SEEDED = dict(
 
 @pytest.fixture(scope="module")
 def moving(tiny_llama_dir):
-    children = start_cluster(
-        0,
-        engine_argv(tiny_llama_dir),
-        num_prefill=1,
-        num_decode=4,
-        worker_argv=["--kv-transfer-timeout", "1.5"],
-        env={SEND_DELAY_ENV: "3"},
-    )
+    children = slow_sender_cluster(tiny_llama_dir, num_decode=4)
     try:
         yield children
     finally:
