@@ -144,7 +144,7 @@ class Choice:
     seed: int | None  # the proto's uint64; None: unseeded
 
 
-_NOT_MOVED = "the stream could not move to another worker (the gateway's --migration-limit or --migration-max-tokens)"
+NOT_MOVED = "the stream could not move to another worker (the gateway's --migration-limit or --migration-max-tokens)"
 
 
 def _greedy(params: pb.EngineSamplingParams) -> bool:
@@ -309,7 +309,7 @@ class GenerationCore:
         """After tokens went out: the stream moves on, up to the migration limit, while tracked."""
         if sent.token_ids is None or num_migrations > self.migration.limit:
             self.metrics.migrations.labels(outcome="too_long" if sent.token_ids is None else "limit").inc()
-            raise Abort(grpc.StatusCode.UNAVAILABLE, f"{error.message}; {_NOT_MOVED}") from None
+            raise Abort(grpc.StatusCode.UNAVAILABLE, f"{error.message}; {NOT_MOVED}") from None
         log.warning(
             "request %s: %s; moving its stream after %d tokens elsewhere (migration %d of %d)",
             request_id,

@@ -7,8 +7,10 @@ Afterwards (settle_and_check):
   - every stream ended OK with exactly the in-process engine's tokens for its request, or with a
     status its client can act on: UNAVAILABLE or RESOURCE_EXHAUSTED; CANCELLED only if it cancelled;
     DEADLINE_EXCEEDED only if its deadline was short. Tokens streamed before an error are a prefix of
-    the expected ones; no stream ran past its deadline; no worker error (UNKNOWN, INTERNAL) reached a
-    client, not even wrapped in the gateway's UNAVAILABLE message;
+    the expected ones; a stream that had tokens ends UNAVAILABLE only where the gateway says it could
+    not move it (migration spent, or no healthy worker left), else it moved and completed; no stream
+    ran past its deadline; no worker error (UNKNOWN, INTERNAL) reached a client, not even wrapped in
+    the gateway's UNAVAILABLE message;
   - no worker exited unless killed here, and every restarted one came back;
   - every live worker's KV pool is all free with nothing running, waiting, awaiting KV or held, and
     the gateway has no request outstanding on any worker;

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 import grpc
 from cluster_helpers import load_is_idle, metric
 
+from splitserve.gateway.generation import NO_WORKER, NOT_MOVED
 from splitserve.protos.v1 import worker_pb2 as wpb
 from splitserve.services.launcher.launcher import wait_healthy
 
@@ -91,6 +92,8 @@ def check_outcomes(report: Report, want: list[list[int]], outcomes: list[Outcome
             report.failures.append(f"status {o.status} not allowed for a {o.kind} request: {_describe(o)}")
         elif o.status == "UNAVAILABLE" and any(code in o.details for code in WORKER_BUGS):
             report.failures.append(f"a worker error reached the client as UNAVAILABLE: {_describe(o)}")
+        elif o.status == "UNAVAILABLE" and o.tokens and not any(why in o.details for why in (NOT_MOVED, NO_WORKER)):
+            report.failures.append(f"a stream failed after tokens without moving (gateway migration): {_describe(o)}")
         if o.elapsed_s > o.deadline_s + DEADLINE_SLACK_S:
             report.failures.append(f"ran {o.elapsed_s:.1f} s past its {o.deadline_s} s deadline: {_describe(o)}")
 
@@ -184,6 +187,9 @@ def counters(cluster, workers: list) -> dict[str, float]:
         "lease expiries (live workers)": total("splitserve_kv_lease_expiries_total", workers),
         "engine failed requests (live workers)": total("splitserve_engine_failed_requests_total", workers),
         "gateway retries": total("splitserve_gateway_retries_total", [cluster.gateway]),
+        "streams moved (migrations)": total(
+            "splitserve_gateway_migrations_total", [cluster.gateway], outcome="resumed"
+        ),
     }
     for code in ("UNKNOWN", "INTERNAL"):
         info[f"gateway replies {code}"] = total("splitserve_gateway_requests_total", [cluster.gateway], code=code)
