@@ -73,10 +73,12 @@ class _Sent:
         self.token_ids: list[int] | None = []  # None: too long to track
         self.num_text_chars = 0
         self.first_token_at: float | None = None
+        self.finished = False  # its last response went out (a failure after it ends nothing)
 
     def add(self, response: gen_pb.GenerateResponse) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        self.finished = response.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED
         if self.token_ids is None:
             return
         if len(self.token_ids) + len(response.token_ids) > self.room:
@@ -271,6 +273,8 @@ class GenerationCore:
                         yield response
                 return
             except WorkerFailed as e:
+                if sent.finished:  # the worker died after the stream's last response: the client has it all
+                    return
                 avoid.add(e.worker.address)
                 if sent.first_token_at is None:
                     num_retries += 1

@@ -150,3 +150,20 @@ def test_an_unseeded_sampled_request_gets_a_seed_here_and_a_greedy_one_none():
     kept = _Proxy(num_failing=0)
     _run(_Planner(1), kept, validator=_Validator(pb.EngineSamplingParams(temperature=0.7, seed=2**64 - 1)))
     assert kept.requests[0].params.seed == 2**64 - 1
+
+
+class _FailsAfterItsEnd(_Proxy):
+    """Streams a whole answer (its last response finished), then the call fails (the worker died
+    before the call's status reached the gateway)."""
+
+    async def stream(self, plan, request, deadline, arrival, first_token_at=None):
+        self.requests.append(request)
+        yield gen_pb.GenerateResponse(token_ids=[7])
+        yield gen_pb.GenerateResponse(token_ids=[8], finish_reason=gen_pb.FINISH_REASON_STOP)
+        raise WorkerFailed(plan.target.worker, "connection reset")
+
+
+def test_a_stream_whose_worker_fails_after_its_last_response_is_complete_not_moved():
+    planner, proxy, metrics = _Planner(3), _FailsAfterItsEnd(num_failing=0), GatewayMetrics()
+    assert _run(planner, proxy, metrics=metrics) == [7, 8]  # nothing generated past its stop
+    assert len(proxy.requests) == 1 and not any(_migrations(metrics).values())
