@@ -12,12 +12,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from splitserve.services.launcher.launcher import _spawn
 
 _SUBNET = "10.77"  # 10.77.<net>.0/24, one /24 per Hosts (net: from the pid, so runs side by side differ)
 
@@ -85,28 +84,11 @@ class Hosts:
             _ip("ip", "link", "set", "eth0", "up", netns=host.netns)
 
     def spawn(self, host: str, name: str, argv: list[str], on_line=None) -> subprocess.Popen:
-        """`splitserve ARGV` (the launcher's CLI) on host; its output echoed with [name]."""
-        cmd = ["ip", "netns", "exec", self.hosts[host].netns, sys.executable, "-m", "splitserve.services.launcher.cli"]
-        proc = subprocess.Popen(
-            cmd + argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-            start_new_session=True,
-        )
+        """`splitserve ARGV` (the launcher's CLI) on host, as the launcher starts its children (it dies
+        with this process); its output echoed with [name]."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = _spawn(name, argv, env, on_line=on_line, prefix=["ip", "netns", "exec", self.hosts[host].netns])
         self.procs.append(proc)
-
-        def echo() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                if on_line is not None:
-                    on_line(line)
-                sys.stdout.write(f"[{name}] {line}")
-                sys.stdout.flush()
-
-        threading.Thread(target=echo, daemon=True).start()
         return proc
 
     def cut(self, host: str) -> None:
@@ -123,8 +105,7 @@ class Hosts:
 
     def close(self) -> None:
         for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            proc.kill()  # ip netns exec became the process itself
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(10)

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -115,10 +115,12 @@ def _spawn(
     env: dict[str, str],
     log: deque[str] | None = None,
     on_line: Callable[[str], None] | None = None,
+    prefix: Sequence[str] = (),
 ) -> subprocess.Popen:
+    """prefix: what runs the command (e.g. `ip netns exec NS`: an emulated host, tests/netns_hosts.py)."""
     lifeline = parent_lifeline()  # the child dies with this process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.services.launcher.cli", *argv],
+        [*prefix, sys.executable, "-m", "splitserve.services.launcher.cli", *argv],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
