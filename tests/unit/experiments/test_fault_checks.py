@@ -11,6 +11,14 @@ from fault_report import (
     traceback_summary,
 )
 
+from splitserve.gateway.generation import NOT_MOVED
+
+# What the gateway says of a worker that failed (here: killed) during a request.
+KILLED = (
+    "decode worker w1 failed during the request (UNAVAILABLE: failed "
+    "to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused)"
+)
+
 
 def _outcome(kind: str, status: str, tokens: list[int], details: str = "", elapsed_s: float = 0.1) -> Outcome:
     deadline_s = 1.0 if kind == "deadline" else 30.0
@@ -24,20 +32,16 @@ def test_the_checks_flag_what_they_must_and_nothing_else():
         _outcome("cancel", "CANCELLED", [5, 6]),
         _outcome("deadline", "DEADLINE_EXCEEDED", []),
         _outcome("normal", "RESOURCE_EXHAUSTED", []),
-        _outcome(
-            "normal",
-            "UNAVAILABLE",
-            [5],
-            "decode worker w1 failed during the request (UNAVAILABLE: failed "
-            "to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:1: Connection refused)",
-        ),
+        _outcome("normal", "UNAVAILABLE", [], KILLED),  # before any token: its retries were spent
+        _outcome("normal", "UNAVAILABLE", [5], f"{KILLED}; {NOT_MOVED}"),  # its migrations were spent
     ]
     report = Report("unit", {})
     check_outcomes(report, want, fine)
     assert report.failures == [] and report.wrong_tokens == 0
     bad = [
         _outcome("normal", "OK", [5, 6, 7, 9]),
-        _outcome("normal", "UNAVAILABLE", [6]),
+        _outcome("normal", "UNAVAILABLE", [6], NOT_MOVED),
+        _outcome("normal", "UNAVAILABLE", [5], KILLED),  # tokens went out, and the stream did not move
         _outcome("normal", "CANCELLED", []),
         _outcome("normal", "DEADLINE_EXCEEDED", []),
         _outcome("cancel", "UNKNOWN", []),
