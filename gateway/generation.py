@@ -288,8 +288,8 @@ class GenerationCore:
         its prompt and tokens so far itself."""
         moving = call.HasField("continuation")
         with stage("gateway.plan", {"splitserve.attempt": attempt, "splitserve.migrated": moving}):
-            prompt = [*call.prompt_token_ids, *call.continuation.output_token_ids]
-            plan = await self.planner.plan(prompt, avoid, retry=attempt > 0, local=moving)
+            prompt = [*call.prompt_token_ids, *call.continuation.output_token_ids] if moving else call.prompt_token_ids
+            plan = await self.planner.plan(prompt, avoid, retry=attempt > 0, migrated=moving)
         if moving:
             self.metrics.migrations.labels(outcome="resumed" if plan else "no_worker").inc()
         if plan is None:

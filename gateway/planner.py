@@ -68,12 +68,12 @@ class Planner:
         self.routed = routed  # decisions by worker and reason (the routing-decisions metric)
         self.local_prefills, self.local = local_prefills, local  # by reason (metrics.LOCAL_PREFILL_REASONS)
 
-    async def plan(self, prompt: Sequence[int], avoid: set[str], *, retry: bool, local: bool = False) -> Plan | None:
+    async def plan(self, prompt: Sequence[int], avoid: set[str], *, retry: bool, migrated: bool = False) -> Plan | None:
         """A plan among the healthy workers not in avoid (addresses), or None when none can serve.
-        local: one worker runs the whole request (a migrated stream's), never a (prefill, decode) pair."""
+        migrated: a stream moved off a failed worker, which one worker runs whole (never a pair)."""
         healthy = [w for w in self.workers.healthy(self.model_name) if w.address not in avoid]
         route = await self._route_input(prompt, healthy)
-        plan = self._pick(route, healthy, migrated=local)
+        plan = self._pick(route, healthy, migrated)
         if plan is not None:
             for d in plan.decisions:
                 self.routed.labels(worker=d.worker.worker_id, reason=d.reason + ("+retry" if retry else "")).inc()

@@ -189,10 +189,7 @@ class Engine:
                 f"the stream to continue already has {len(output_token_ids)} output tokens, "
                 f"as many as its max_tokens ({max_tokens}); it has nothing left to generate"
             )
-        vocab = self.runner.arch.vocab_size
-        bad = [t for t in output_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"continuation token ids must be in [0, {vocab}); got {bad[:5]}")
+        self._check_vocab(output_token_ids, "continuation token ids")
 
     def _check_schedulable(self, max_num_tokens: int) -> None:
         """Without chunked prefill a request (recomputed after preemption: prompt and output) must fit
@@ -213,10 +210,13 @@ class Engine:
                 f"prompt has {len(token_ids)} tokens but the model context is "
                 f"{self.runtime.max_model_len}; shorten the prompt"
             )
+        self._check_vocab(token_ids, "prompt token ids")
+
+    def _check_vocab(self, token_ids: Sequence[int], what: str) -> None:
         vocab = self.runner.arch.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+            raise ValueError(f"{what} must be in [0, {vocab}); got {bad[:5]}")
 
     def add_request(
         self,

@@ -36,9 +36,9 @@ class _Planner:
         self.avoided: list[set[str]] = []
         self.asked: list[tuple[list[int], bool]] = []  # (prompt, local) of each plan
 
-    async def plan(self, prompt, avoid, *, retry, local=False):
+    async def plan(self, prompt, avoid, *, retry, migrated=False):
         self.avoided.append(set(avoid))
-        self.asked.append((list(prompt), local))
+        self.asked.append((list(prompt), migrated))
         free = [w for w in self.workers if w.address not in avoid]
         return SimpleNamespace(target=SimpleNamespace(worker=free[0]), prefill=None) if free else None
 

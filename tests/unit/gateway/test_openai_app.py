@@ -45,7 +45,7 @@ class Workers:
 
 
 class Planner:
-    async def plan(self, prompt, avoid, *, retry, local=False):
+    async def plan(self, prompt, avoid, *, retry, migrated=False):
         return SimpleNamespace(prefill=None)
 
     def can_serve(self) -> bool:

@@ -20,7 +20,7 @@ BLOCK = 8
 
 
 def _plans(rules: LocalPrefill, asks, *, num_prefill: int = 1, prefill_queue: int = 0):
-    """Each ask (prompt, local, held): held, blocks of the prompt a decode worker is known to hold.
+    """Each ask (prompt, migrated, held): held, blocks of the prompt a decode worker is known to hold.
     Returns each plan's (prefill address or None, target role) and the local prefills by reason."""
     metrics = GatewayMetrics()
 
@@ -35,11 +35,11 @@ def _plans(rules: LocalPrefill, asks, *, num_prefill: int = 1, prefill_queue: in
         prefix = PrefixIndex("m", None, PrefixIndexMetrics(CollectorRegistry()))
         planner = Planner("m", workers, make_router("kv-aware"), prefix, metrics.routed, metrics.local_prefills, rules)
         got = []
-        for prompt, local, held in asks:
+        for prompt, migrated, held in asks:
             if held:
                 hashes = (await planner._route_input(prompt, workers.healthy("m"))).block_hashes
                 prefix.note_routed(hashes[:held], "d0:1")
-            plan = await planner.plan(prompt, set(), retry=False, local=local)
+            plan = await planner.plan(prompt, set(), retry=False, migrated=migrated)
             got.append((plan.prefill.worker.address if plan.prefill else None, plan.target.worker.role_name))
         await workers.close()
         return got
